@@ -1,0 +1,185 @@
+"""Configuration: the model's shape read from config.json, and the engine's arguments.
+
+Pure Python (no torch) so every layer can import it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+    @staticmethod
+    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
+        # transformers 5 writes `rope_parameters` (theta inside); older files write
+        # `rope_theta` plus an optional `rope_scaling` dict.
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = dict(cfg.get("rope_scaling") or {})
+        merged = {**scaling, **params}
+        theta = float(_first(merged, "rope_theta", default=_first(cfg, "rope_theta", default=10000.0)))
+        rope_type = str(_first(merged, "rope_type", "type", default="default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+            )
+        return RopeConfig(
+            theta=theta,
+            rope_type=rope_type,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope: RopeConfig
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str
+
+    @staticmethod
+    def from_pretrained(path: str | os.PathLike[str]) -> ModelConfig:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ValueError(f"model path {str(folder)!r} is not a directory")
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model folder {str(folder)!r} has no config.json")
+        try:
+            cfg = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{config_file} is not valid JSON: {exc}") from exc
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs!r} in {config_file}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            num_heads = int(cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+            sliding = None
+            if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
+                sliding = cfg.get("sliding_window")
+            return ModelConfig(
+                path=str(folder),
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                rope=RopeConfig.from_hf(cfg),
+                sliding_window=int(sliding) if sliding else None,
+                eos_token_ids=_eos_ids(folder, cfg),
+                bos_token_id=cfg.get("bos_token_id"),
+                torch_dtype=str(_first(cfg, "dtype", "torch_dtype", default="float32")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ValueError) and "rope" in str(exc):
+                raise
+            raise ValueError(f"{config_file} is missing or has a bad field: {exc!r}") from exc
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+    value = cfg.get("eos_token_id")
+    gen_file = folder / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            gen = json.loads(gen_file.read_text())
+            value = gen.get("eos_token_id", value)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine arguments, named as vLLM names them."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int = 2 << 30
+    num_kv_blocks: int | None = None
+    attention_backend: str = "torch"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")

@@ -1,0 +1,105 @@
+"""Request state as the scheduler sees it: token counts, blocks, status, timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence being generated.
+
+    The scheduler's whole job is to close the gap between `num_computed_tokens`
+    (KV written and valid) and `num_tokens` (prompt plus sampled tokens).
+    A request with `n > 1` is a leader with `n - 1` pending children: the leader
+    computes the prompt once and the children fork off its blocks when the
+    first tokens are sampled.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    tenant: str | None = None
+    cache_salt: str | None = None
+    # The user's request id and this sample's index in it (n > 1).
+    group_id: str = ""
+    sample_index: int = 0
+    seed: int | None = None
+
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    pending_children: list[Request] = field(default_factory=list)
+
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    # Set on resumption after preemption: the request may not be chosen as a
+    # victim again until it has sampled at least this many output tokens.
+    protected_until_outputs: int = 0
+
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if not self.group_id:
+            self.group_id = self.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_seats(self) -> int:
+        """Running-slots this request takes once admitted (itself plus pending forks)."""
+        return 1 + len(self.pending_children)
+
+    @property
+    def protected(self) -> bool:
+        return self.num_output_tokens < self.protected_until_outputs
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

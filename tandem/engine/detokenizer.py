@@ -1,0 +1,53 @@
+"""Incremental detokenization and stop-string detection for one output sequence."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers.decoders import DecodeStream
+
+from tandem.sampling_params import SamplingParams
+
+# Prompt tokens fed to the stream first, so the first output token decodes in context
+# (leading spaces of metaspace tokenizers, characters split over tokens).
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Appends text as tokens arrive; a character whose bytes span tokens appears once complete."""
+
+    def __init__(self, tokenizer: RustTokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(
+            ids=prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=params.skip_special_tokens
+        )
+        self.stops = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+
+    def update(self, token_id: int, decode: bool = True) -> str | None:
+        """Add one token's text; return the stop string if the text now contains one (text is cut there)."""
+        if not decode:
+            return None
+        chunk = self.stream.step(self.tokenizer, token_id)
+        if not chunk:
+            return None
+        start = max(0, len(self.text) - self.hold)
+        self.text += chunk
+        if not self.stops:
+            return None
+        best = -1
+        hit = None
+        for stop in self.stops:
+            pos = self.text.find(stop, start)
+            if pos != -1 and (best == -1 or pos < best):
+                best, hit = pos, stop
+        if hit is not None:
+            self.text = self.text[: best + len(hit)] if self.include_stop else self.text[:best]
+        return hit
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show: while running, hold back a tail that could still grow into a stop string."""
+        if finished or not self.hold:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.hold)]

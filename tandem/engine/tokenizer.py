@@ -1,0 +1,53 @@
+"""Tokenizer loading (Hugging Face fast tokenizers) and chat templates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Tokenizer:
+    """A thin wrapper over a `transformers` fast tokenizer loaded from a local folder."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # transformers raises many types for a bad folder
+            raise ValueError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+        if not getattr(self.hf, "is_fast", False):
+            raise ValueError(f"the tokenizer in {path!r} is not a fast (tokenizer.json) tokenizer")
+        self.backend = self.hf.backend_tokenizer
+        self.eos_token_id: int | None = self.hf.eos_token_id
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int) -> str:
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        if chat_template is None and not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        try:
+            text = self.hf.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+        except Exception as exc:  # jinja errors, missing keys
+            raise ValueError(f"cannot apply the chat template: {exc}") from exc
+        # The template already holds the special tokens (BOS and role markers).
+        return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,113 @@
+"""The offline batch API: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tandem.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine, PromptType
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+
+def default_model_path() -> str:
+    from tandem.models import default_model_path as find
+
+    return find()
+
+
+class LLM:
+    """Generate completions for a batch of prompts with continuous batching.
+
+    Engine arguments are named as in vLLM: `max_model_len`, `max_num_seqs`,
+    `max_num_batched_tokens`, `block_size`, `dtype`, `seed`, plus
+    `kv_cache_memory` (bytes) or `num_kv_blocks`.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        known = set(EngineConfig.__dataclass_fields__) - {"model"}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        self.engine = LLMEngine(EngineConfig(model=model or default_model_path(), **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer.hf
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.engine.tokenizer
+        prompts = [
+            {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt, chat_template)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, sp)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step(emit_unfinished=False):
+                    results[order[out.request_id]] = out
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]

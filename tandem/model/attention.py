@@ -1,0 +1,139 @@
+"""Attention over a paged KV cache, and the registry of backends.
+
+The `torch` backend works on any device. It writes the step's new K/V into the
+cache through the slot mapping, then gathers each request's context from its
+block table into a padded tensor and runs one `scaled_dot_product_attention`
+per group of requests. Decodes (one query token) and longer chunks are grouped
+apart so a long prefill does not pad every decode to its length. All index and
+mask tensors are built once per step in `prepare` and shared by every layer,
+so the per-layer work has no per-request Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tandem.model.forward_batch import ForwardBatch
+
+
+@dataclass(slots=True)
+class _Group:
+    q_index: torch.Tensor  # [G, Q] flat token index of each padded query slot
+    kv_slots: torch.Tensor  # [G, C] cache slot of each padded key position
+    mask: torch.Tensor | None  # [G, 1, Q, C] True where attention is allowed; None = causal, no context
+    out_index: torch.Tensor  # [V] flat token index of each valid query slot
+    valid: torch.Tensor | None  # [G, Q] which padded query slots are real; None when all are
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        q_lens = batch.query_lens
+        decode = np.flatnonzero(q_lens == 1)
+        longer = np.flatnonzero(q_lens > 1)
+        groups = []
+        for idx in (decode, longer):
+            if idx.size:
+                groups.append(self._group(batch, idx))
+        batch.attn_metadata = groups
+
+    def _group(self, batch: ForwardBatch, idx: np.ndarray) -> _Group:
+        device = batch.input_ids.device
+        q_lens = batch.query_lens[idx]
+        seq_lens = batch.seq_lens[idx]
+        starts = batch.query_start_loc[idx]
+        bs = batch.block_size
+        # One fresh prompt with no cached context: plain causal attention on the new K/V.
+        if idx.size == 1 and q_lens[0] == seq_lens[0] and self.sliding_window is None:
+            q_index = torch.arange(int(starts[0]), int(starts[0] + q_lens[0]), device=device)
+            return _Group(q_index[None], torch.empty(0), None, q_index, None)
+        max_q = int(q_lens.max())
+        max_c = int(seq_lens.max())
+        j = np.arange(max_q)
+        q_valid = j[None, :] < q_lens[:, None]
+        q_index = np.where(q_valid, starts[:, None] + j[None, :], starts[:, None])
+        q_pos = (seq_lens - q_lens)[:, None] + j[None, :]
+        k_pos = np.arange(max_c)
+        k_valid = k_pos[None, :] < seq_lens[:, None]
+        tables = batch.block_tables[idx]
+        slots = tables[:, k_pos // bs] * bs + (k_pos % bs)[None, :]
+        slots = np.where(k_valid, slots, 0)
+        # Padded query slots sit past the sequence end, so they see every real key and never
+        # produce an all-masked row (which would be NaN).
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+        if self.sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        all_valid = bool(q_valid.all())
+        return _Group(
+            q_index=torch.from_numpy(q_index).to(device),
+            kv_slots=torch.from_numpy(slots).to(device),
+            mask=torch.from_numpy(mask[:, None]).to(device),
+            out_index=torch.from_numpy(q_index[q_valid]).to(device),
+            valid=None if all_valid else torch.from_numpy(q_valid).to(device),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D]."""
+        kvh, hd = self.num_kv_heads, self.head_dim
+        k_cache = kv_cache[0].view(-1, kvh, hd)
+        v_cache = kv_cache[1].view(-1, kvh, hd)
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in batch.attn_metadata:
+            if g.mask is None:  # fresh prompt: causal attention over its own K/V
+                rows = g.out_index
+                o = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1),
+                    k[rows].transpose(0, 1),
+                    v[rows].transpose(0, 1),
+                    is_causal=True,
+                    scale=self.scale,
+                    enable_gqa=True,
+                )
+                out[rows] = o.transpose(0, 1)
+                continue
+            qg = q[g.q_index].transpose(1, 2)  # [G, H, Q, D]
+            kg = k_cache[g.kv_slots].transpose(1, 2)  # [G, KVH, C, D]
+            vg = v_cache[g.kv_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
+            ).transpose(1, 2)  # [G, Q, H, D]
+            out[g.out_index] = o.reshape(-1, *o.shape[2:]) if g.valid is None else o[g.valid]
+        return out
+
+
+ATTENTION_BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend}
+
+
+def get_attention_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None
+) -> TorchAttentionBackend:
+    try:
+        cls = ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {', '.join(sorted(ATTENTION_BACKENDS))}"
+        ) from None
+    return cls(num_heads, num_kv_heads, head_dim, sliding_window)

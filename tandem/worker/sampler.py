@@ -1,0 +1,138 @@
+"""Batched sampling over one step's logits rows.
+
+Every transform is a tensor op over all rows at once; the only per-row Python
+is drawing noise from a request's own seeded generator (seeded requests must
+not depend on what else is in the batch). Order: penalties, stop-token masking
+for `min_tokens`, then greedy argmax, or temperature, top-k, top-p, min-p and
+an exponential-race draw (argmax of p / E, E ~ Exp(1), is a sample from p).
+Returned logprobs are those of the raw model distribution, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.outputs import TokenLogprobs
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    temperature: torch.Tensor  # [R] float, 1.0 on greedy rows
+    greedy: torch.Tensor  # [R] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [R] int, vocab size where disabled
+    top_p: torch.Tensor | None  # [R] float
+    min_p: torch.Tensor | None  # [R] float
+    presence: torch.Tensor | None  # [R] float; the three penalties are None together
+    frequency: torch.Tensor | None
+    repetition: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [R, V] occurrences of each token in the output so far
+    prompt_mask: torch.Tensor | None  # [R, V] token occurs in the prompt
+    blocked: torch.Tensor | None  # [R, V] tokens forbidden this step (stop tokens under min_tokens)
+    generators: list[torch.Generator | None]  # per row; None uses the engine's generator
+    num_logprobs: list[int | None]  # per row
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(
+        self, logits: torch.Tensor, sb: SamplingBatch
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        logits = logits.float()
+        want_lp = any(k is not None for k in sb.num_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+
+        if sb.repetition is not None:
+            logits = self._penalize(logits, sb)
+        if sb.blocked is not None:
+            logits = logits.masked_fill(sb.blocked, float("-inf"))
+
+        tokens = logits.argmax(dim=-1)
+        if not sb.all_greedy:
+            rows = torch.nonzero(~sb.greedy).squeeze(1)
+            sampled = self._sample(logits[rows], sb, rows)
+            tokens[rows] = sampled
+        token_list = tokens.tolist()
+        lps: list[TokenLogprobs | None] = [None] * len(token_list)
+        if raw_logprobs is not None:
+            lps = self._logprobs(raw_logprobs, tokens, sb.num_logprobs)
+        return token_list, lps
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        seen = sb.prompt_mask | (sb.output_counts > 0)
+        rep = sb.repetition[:, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+        counts = sb.output_counts.to(logits.dtype)
+        logits = logits - sb.frequency[:, None] * counts
+        return logits - sb.presence[:, None] * (counts > 0).to(logits.dtype)
+
+    def _sample(self, logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+        logits = logits / sb.temperature[rows, None]
+        if sb.top_k is not None or sb.top_p is not None:
+            logits = self._top_k_top_p(
+                logits,
+                None if sb.top_k is None else sb.top_k[rows],
+                None if sb.top_p is None else sb.top_p[rows],
+            )
+        probs = torch.softmax(logits, dim=-1)
+        if sb.min_p is not None:
+            min_p = sb.min_p[rows, None]
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        row_list = rows.tolist()
+        unseeded = [i for i, r in enumerate(row_list) if sb.generators[r] is None]
+        if unseeded:
+            if len(unseeded) == len(row_list):
+                noise.exponential_(generator=self.generator)
+            else:
+                idx = torch.tensor(unseeded)
+                noise[idx] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for i, r in enumerate(row_list):
+            gen = sb.generators[r]
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
+        # A zero draw would turn a zero-probability token into 0/0.
+        return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+    @staticmethod
+    def _top_k_top_p(
+        logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    ) -> torch.Tensor:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if top_k is not None:
+            ranks = torch.arange(vocab, device=logits.device)
+            drop |= ranks[None, :] >= top_k[:, None]
+        if top_p is not None:
+            probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+            # Rows with top_p == 1 keep everything (the cumulative sum may round past 1).
+            drop |= (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+            drop[:, 0] = False  # always keep the most likely token
+        mask = torch.zeros_like(drop).scatter_(1, order, drop)
+        return logits.masked_fill(mask, float("-inf"))
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
+    ) -> list[TokenLogprobs | None]:
+        k_max = max(k for k in num_logprobs if k is not None)
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+        ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
+        top_vals, top_ids = raw.topk(k_max, dim=-1) if k_max > 0 else (raw[:, :0], tokens[:, None][:, :0])
+        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+        vals_l, ids_l = top_vals.tolist(), top_ids.tolist()
+        out: list[TokenLogprobs | None] = []
+        for i, k in enumerate(num_logprobs):
+            if k is None:
+                out.append(None)
+            else:
+                out.append(TokenLogprobs(chosen_l[i], ranks_l[i], ids_l[i][:k], vals_l[i][:k]))
+        return out
