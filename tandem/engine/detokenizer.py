@@ -23,18 +23,29 @@ class IncrementalDetokenizer:
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.skip_special = params.skip_special_tokens
+        # As in vLLM, stop strings count only in text after the first `min_tokens` tokens.
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
         self.text = ""
+        # Tokens the stream has taken but not yet turned into text (an unfinished character).
+        self.pending: list[int] = []
 
     def update(self, token_id: int, decode: bool = True) -> str | None:
         """Add one token's text; return the stop string if the text now contains one (text is cut there)."""
+        self.num_tokens += 1
         if not decode:
             return None
+        self.pending.append(token_id)
         chunk = self.stream.step(self.tokenizer, token_id)
+        if chunk is None:
+            return None
+        self.pending.clear()
         if not chunk:
             return None
         start = max(0, len(self.text) - self.hold)
         self.text += chunk
-        if not self.stops:
+        if not self.stops or self.num_tokens <= self.min_tokens:
             return None
         best = -1
         hit = None
@@ -45,6 +56,12 @@ class IncrementalDetokenizer:
         if hit is not None:
             self.text = self.text[: best + len(hit)] if self.include_stop else self.text[:best]
         return hit
+
+    def flush(self) -> None:
+        """At the end of a sequence, render bytes of an unfinished character as the decoder would (U+FFFD)."""
+        if self.pending:
+            self.text += self.tokenizer.decode(self.pending, skip_special_tokens=self.skip_special)
+            self.pending.clear()
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show: while running, hold back a tail that could still grow into a stop string."""

@@ -238,6 +238,8 @@ class LLMEngine:
             hit = sample.detok.update(token, decode=not stopped_by_token)
             if hit is not None and not req.is_finished:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, hit)
+            elif req.is_finished:
+                sample.detok.flush()
             if sample.logprobs is not None:
                 self._add_logprobs(sample, token, result.logprobs.get(req.request_id))
             touched[group.request_id] = group

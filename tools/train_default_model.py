@@ -1,0 +1,194 @@
+"""Train Tandem's embedded default model and its draft on the Python standard library sources.
+
+Reproducible (seeded) and CPU-only: a byte-level BPE tokenizer, a ~10M-parameter
+Llama-architecture target and a ~1.5M-parameter draft sharing the tokenizer,
+saved as ordinary Hugging Face checkpoint folders (float16 weights).
+
+    python tools/train_default_model.py --out tandem/models
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TARGET = dict(hidden_size=320, intermediate_size=864, num_hidden_layers=8, num_attention_heads=5,
+              num_key_value_heads=1, head_dim=64)
+DRAFT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=64)
+
+
+def stdlib_files() -> tuple[list[Path], list[Path]]:
+    """Split the stdlib's non-test .py files by a hash of their path: ~5% held out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3"}
+    files = sorted(f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts))
+    train, held = [], []
+    for f in files:
+        digest = hashlib.sha256(str(f.relative_to(root)).encode()).digest()[0]
+        (held if digest < 13 else train).append(f)
+    return train, held
+
+
+def read(files: list[Path]) -> list[str]:
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return fast
+
+
+def encode_corpus(tok, texts: list[str]) -> torch.Tensor:
+    eos = tok.eos_token_id
+    ids: list[int] = []
+    for enc in tok(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def make_model(shape: dict, vocab: int, max_len: int, tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        **shape,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def train(model, data: torch.Tensor, steps: int, batch: int, seq: int, lr: float, seed: int, name: str) -> None:
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 20)
+    model.train()
+    start = time.time()
+    for step in range(steps):
+        frac = step / max(1, steps - 1)
+        scale = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * frac))
+        for group in opt.param_groups:
+            group["lr"] = lr * max(scale, 0.05)
+        idx = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
+        x = torch.stack([data[i : i + seq] for i in idx])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            rate = (step + 1) * batch * seq / (time.time() - start)
+            print(f"[{name}] step {step}/{steps} loss {loss.item():.3f} ({rate:.0f} tok/s)", flush=True)
+    model.eval()
+
+
+@torch.no_grad()
+def perplexity(model, data: torch.Tensor, seq: int, max_rows: int = 256) -> float:
+    total, count = 0.0, 0
+    n = min(max_rows, (data.numel() - 1) // seq)
+    for i in range(0, n, 8):
+        rows = [data[j * seq : j * seq + seq] for j in range(i, min(n, i + 8))]
+        x = torch.stack(rows)
+        loss = model(input_ids=x, labels=x).loss
+        total += loss.item() * x.numel()
+        count += x.numel()
+    return math.exp(total / count)
+
+
+def save(model, tok, out: Path, extra: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    cfg = json.loads((out / "config.json").read_text())
+    # Older readers (vLLM, llama.cpp's converter) look for these keys.
+    cfg.setdefault("rope_theta", 10000.0)
+    cfg.setdefault("torch_dtype", "float16")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("tandem/models"))
+    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--target-steps", type=int, default=700)
+    ap.add_argument("--draft-steps", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    train_files, held_files = stdlib_files()
+    train_texts, held_texts = read(train_files), read(held_files)
+    tok_dir = args.out / "_tokenizer"
+    tok = train_tokenizer(train_texts, args.vocab_size, tok_dir)
+    train_ids, held_ids = encode_corpus(tok, train_texts), encode_corpus(tok, held_texts)
+    print(f"train {len(train_files)} files / {train_ids.numel()} tokens; "
+          f"held out {len(held_files)} files / {held_ids.numel()} tokens", flush=True)
+
+    results = {}
+    for name, shape, steps, lr in (
+        ("default", TARGET, args.target_steps, 2e-3),
+        ("default-draft", DRAFT, args.draft_steps, 3e-3),
+    ):
+        torch.manual_seed(args.seed)
+        model = make_model(shape, len(tok), 2048, tok)
+        params = sum(p.numel() for p in model.parameters())
+        t0 = time.time()
+        train(model, train_ids, steps, args.batch, args.seq_len, lr, args.seed, name)
+        ppl = perplexity(model, held_ids, args.seq_len)
+        info = {
+            "parameters": params,
+            "train_steps": steps,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "train_tokens_seen": steps * args.batch * args.seq_len,
+            "train_seconds": round(time.time() - t0, 1),
+            "held_out_perplexity": round(ppl, 3),
+            "held_out_files": [str(f.name) for f in held_files],
+            "seed": args.seed,
+        }
+        print(f"[{name}] {params / 1e6:.2f}M params, held-out perplexity {ppl:.2f}", flush=True)
+        save(model, tok, args.out / name, info)
+        results[name] = info
+    print(json.dumps({k: {kk: v for kk, v in r.items() if kk != "held_out_files"} for k, r in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
