@@ -34,9 +34,18 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        else:
+            raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+            )
         if self.top_k == -1:  # vLLM's older spelling of "disabled"
             self.top_k = 0
         self.validate()
@@ -92,6 +101,9 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be in (0, 100]")
         if self.seed is not None:
             check_int("seed")
+            # torch generators take 64-bit seeds; the engine adds an offset per sample for n > 1.
+            if not -(2**63) <= self.seed < 2**63:
+                raise bad("seed", "must fit in a signed 64-bit integer")
         if self.max_tokens is not None:
             check_int("max_tokens")
             if self.max_tokens < 1:

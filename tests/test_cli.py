@@ -19,8 +19,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_generate_streams_the_offline_result(llama_dir):
     prompt = "def fibonacci(n):"
-    proc = run_cli("generate", "--model", str(llama_dir), "--prompt", prompt, "--max-tokens", "8",
-                   "--ignore-eos")
+    proc = run_cli(
+        "generate", "--model", str(llama_dir), "--prompt", prompt, "--max-tokens", "8", "--ignore-eos"
+    )
     assert proc.returncode == 0, proc.stderr
     expected = LLM(str(llama_dir)).generate(
         prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False

@@ -37,9 +37,8 @@ ENGINES = {
 
 
 def _prompts(tokenizer_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
     from conftest import _corpus
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     ids = tok.encode("\n".join(_corpus()), add_special_tokens=False)
@@ -130,9 +129,13 @@ def test_n_samples_share_prompt_blocks(llama_dir, prompts):
     """n > 1 computes the prompt once; greedy samples are identical to a single greedy run."""
     llm = LLM(str(llama_dir), block_size=4)
     prompt = {"prompt_token_ids": prompts[6]}  # 150 tokens: a partly filled last block (150 % 4 = 2)
-    single = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    single = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     stats_before = llm.engine.stats.num_batched_tokens
-    multi = llm.generate(prompt, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    multi = llm.generate(
+        prompt, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
     computed = llm.engine.stats.num_batched_tokens - stats_before
     assert [o.index for o in multi[0].outputs] == [0, 1, 2]
     for o in multi[0].outputs:

@@ -24,10 +24,22 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-TARGET = dict(hidden_size=320, intermediate_size=864, num_hidden_layers=8, num_attention_heads=5,
-              num_key_value_heads=1, head_dim=64)
-DRAFT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=64)
+TARGET = dict(
+    hidden_size=320,
+    intermediate_size=864,
+    num_hidden_layers=8,
+    num_attention_heads=5,
+    num_key_value_heads=1,
+    head_dim=64,
+)
+DRAFT = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+)
 
 
 def stdlib_files() -> tuple[list[Path], list[Path]]:
@@ -90,7 +102,9 @@ def make_model(shape: dict, vocab: int, max_len: int, tok):
     return LlamaForCausalLM(cfg)
 
 
-def train(model, data: torch.Tensor, steps: int, batch: int, seq: int, lr: float, seed: int, name: str) -> None:
+def train(
+    model, data: torch.Tensor, steps: int, batch: int, seq: int, lr: float, seed: int, name: str
+) -> None:
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 20)
@@ -159,8 +173,11 @@ def main() -> None:
     tok_dir = args.out / "_tokenizer"
     tok = train_tokenizer(train_texts, args.vocab_size, tok_dir)
     train_ids, held_ids = encode_corpus(tok, train_texts), encode_corpus(tok, held_texts)
-    print(f"train {len(train_files)} files / {train_ids.numel()} tokens; "
-          f"held out {len(held_files)} files / {held_ids.numel()} tokens", flush=True)
+    print(
+        f"train {len(train_files)} files / {train_ids.numel()} tokens; "
+        f"held out {len(held_files)} files / {held_ids.numel()} tokens",
+        flush=True,
+    )
 
     results = {}
     for name, shape, steps, lr in (
@@ -187,7 +204,9 @@ def main() -> None:
         print(f"[{name}] {params / 1e6:.2f}M params, held-out perplexity {ppl:.2f}", flush=True)
         save(model, tok, args.out / name, info)
         results[name] = info
-    print(json.dumps({k: {kk: v for kk, v in r.items() if kk != "held_out_files"} for k, r in results.items()}))
+    print(
+        json.dumps({k: {kk: v for kk, v in r.items() if kk != "held_out_files"} for k, r in results.items()})
+    )
 
 
 if __name__ == "__main__":

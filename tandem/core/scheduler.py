@@ -13,9 +13,11 @@ put back at the front of the waiting queue. Victim rule: the latest-admitted
 running request not yet scheduled this step that is not protected; a request
 resumed after preemption is protected until it samples one new token, so it
 cannot be thrown out again before making progress. If every candidate is
-protected, the request asking for blocks gives way itself (unless it is
-protected too, in which case the latest candidate goes). No new request is
-admitted in a step that preempted.
+protected, the request asking for blocks gives way itself; if it is protected
+too, it keeps its blocks and waits for a later step (the requests ahead of it,
+already served this step, give way or finish first). Only when every running
+request is protected and the first one cannot go on does the latest one go.
+No new request is admitted in a step that preempted or left a request waiting.
 """
 
 from __future__ import annotations
@@ -95,12 +97,18 @@ class Scheduler:
         now = time.monotonic()
 
         i = 0
+        stalled = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             scheduled = True
             while not self.kv.allocate_slots(req, n, out.block_copies):
                 victim = self._pick_victim(i)
+                if victim is None:  # protected: it keeps its blocks and waits for a later step
+                    stalled = True
+                    scheduled = False
+                    i += 1
+                    break
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -114,7 +122,7 @@ class Scheduler:
             i += 1
 
         seats = sum(r.num_seats for r in self.running)
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and budget > 0 and not out.preempted and not stalled:
             req = self.waiting[0]
             if seats + req.num_seats > self.max_num_seqs:
                 break
@@ -132,13 +140,18 @@ class Scheduler:
             budget -= n
         return out
 
-    def _pick_victim(self, i: int) -> Request:
+    def _pick_victim(self, i: int) -> Request | None:
+        """The request to preempt so that running[i] gets its blocks; None: running[i] waits instead."""
         req = self.running[i]
         for j in range(len(self.running) - 1, i, -1):
             if not self.running[j].protected:
                 return self.running[j]
-        if not req.protected or len(self.running) == i + 1:
+        if not req.protected:
             return req
+        if i > 0:
+            # running[:i] already ran this step: they sample or give way later, so req need not
+            # lose its progress (preempting it here made resumed requests thrash).
+            return None
         return self.running[-1]
 
     def _preempt(self, req: Request) -> None:

@@ -21,13 +21,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="KV cache size in bytes")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)")
+    g.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)"
+    )
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = ["tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-             "block_size", "kv_cache_memory", "num_kv_blocks", "num_threads"]
+    names = [
+        "tokenizer",
+        "dtype",
+        "seed",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "kv_cache_memory",
+        "num_kv_blocks",
+        "num_threads",
+    ]
     return {n: getattr(args, n) for n in names}
 
 
@@ -50,8 +62,11 @@ def _generate(args: argparse.Namespace) -> int:
     )
     engine = LLMEngine(EngineConfig(model=args.model or default_model_path(), **engine_kwargs(args)))
     if args.chat:
-        prompt: Any = {"prompt_token_ids": engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}])}
+        prompt: Any = {
+            "prompt_token_ids": engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": args.prompt}]
+            )
+        }
     else:
         prompt = args.prompt
         sys.stdout.write(args.prompt)
