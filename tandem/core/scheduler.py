@@ -70,9 +70,11 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.check_fits(req.num_prompt_tokens, req.max_tokens, 1 + len(req.pending_children))
+        seen: set[str] = set()
         for r in (req, *req.pending_children):
-            if r.request_id in self.requests:
+            if r.request_id in self.requests or r.request_id in seen:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
+            seen.add(r.request_id)
         for r in (req, *req.pending_children):
             self.requests[r.request_id] = r
         self.waiting.append(req)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,14 @@ from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from tandem.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def _sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample 0 uses the request's seed; others get distinct streams derived from (seed, index)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(slots=True)
@@ -144,7 +153,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         members = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i * 1_000_003
+            seed = _sample_seed(params.seed, i)
             members.append(
                 Request(
                     request_id=request_id if i == 0 else f"{request_id}#{i}",
@@ -236,8 +245,11 @@ class LLMEngine:
             # A stop token ends the text without being part of it.
             stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
             hit = sample.detok.update(token, decode=not stopped_by_token)
-            if hit is not None and not req.is_finished:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, hit)
+            if hit is not None:
+                if req.is_finished:  # the same token also hit max_tokens: the stop string wins, as in vLLM
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit
+                else:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED, hit)
             elif req.is_finished:
                 sample.detok.flush()
             if sample.logprobs is not None:

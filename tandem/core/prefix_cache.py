@@ -1,0 +1,232 @@
+"""Prefix cache: a radix tree over token ids whose nodes own KV blocks.
+
+Keys are matched in whole blocks, so `block_size=1` gives token-level matching
+(SGLang's default) and larger blocks give vLLM-style block matching, from the
+same code. Each node's key is a run of tokens whose length is a multiple of the
+block size, with one block id per `block_size` tokens; children are keyed by
+their first block's tokens. The tree holds one pool reference on every block it
+owns. Requests using a node's blocks lock the node and its ancestors; unlocked
+leaves are evicted least-recently-used first when the pool needs blocks. Each
+`cache_salt` has its own root, so requests with different salts never share.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from tandem.core.block_pool import BlockPool
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    key: tuple[int, ...]
+    blocks: list[int]
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    lock: int = 0
+    last_access: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+class PrefixCache:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.roots: dict[str | None, Node] = {}
+        self._clock = itertools.count(1)
+        # Blocks owned by the tree in nodes no request has locked.
+        self.num_unlocked_blocks = 0
+        self.num_cached_blocks = 0
+
+    def _root(self, salt: str | None) -> Node:
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = Node((), [], None)
+        return root
+
+    # -- lookup ----------------------------------------------------------
+
+    def match_len(self, tokens: list[int], salt: str | None) -> int:
+        """Length in tokens of the longest cached prefix (whole blocks), without changing the tree."""
+        bs = self.block_size
+        node = self.roots.get(salt)
+        pos = 0
+        while node is not None and pos + bs <= len(tokens):
+            child = node.children.get(tuple(tokens[pos : pos + bs]))
+            if child is None:
+                break
+            m = self._common_blocks(child, tokens, pos)
+            pos += m * bs
+            if m < len(child.blocks):
+                break
+            node = child
+        return pos
+
+    def match(self, tokens: list[int], salt: str | None) -> tuple[list[int], Node]:
+        """Longest cached prefix: its blocks and the node it ends at (split so it ends exactly there)."""
+        bs = self.block_size
+        node = self._root(salt)
+        blocks: list[int] = []
+        pos = 0
+        now = next(self._clock)
+        node.last_access = now
+        while pos + bs <= len(tokens):
+            child = node.children.get(tuple(tokens[pos : pos + bs]))
+            if child is None:
+                break
+            m = self._common_blocks(child, tokens, pos)
+            partial = m < len(child.blocks)
+            if partial:
+                child = self._split(child, m)
+            child.last_access = now
+            blocks.extend(child.blocks)
+            pos += m * bs
+            node = child
+            if partial:
+                break
+        return blocks, node
+
+    def _common_blocks(self, node: Node, tokens: list[int], pos: int) -> int:
+        bs = self.block_size
+        key = node.key
+        m = 1  # the first block matched through the children dict
+        while (
+            m < len(node.blocks)
+            and pos + (m + 1) * bs <= len(tokens)
+            and key[m * bs : (m + 1) * bs] == tuple(tokens[pos + m * bs : pos + (m + 1) * bs])
+        ):
+            m += 1
+        return m
+
+    def _split(self, node: Node, m: int) -> Node:
+        """Cut `node` after its first `m` blocks; return the new upper part (the lower part keeps `node`)."""
+        bs = self.block_size
+        parent = node.parent
+        upper = Node(
+            node.key[: m * bs], node.blocks[:m], parent, lock=node.lock, last_access=node.last_access
+        )
+        parent.children[node.key[:bs]] = upper
+        node.key = node.key[m * bs :]
+        node.blocks = node.blocks[m:]
+        node.parent = upper
+        upper.children[node.key[:bs]] = node
+        return upper
+
+    # -- locking ---------------------------------------------------------
+
+    def lock(self, node: Node) -> None:
+        while node is not None and not node.is_root:
+            if node.lock == 0:
+                self.num_unlocked_blocks -= len(node.blocks)
+            node.lock += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None and not node.is_root:
+            if node.lock <= 0:
+                raise RuntimeError("unlock of an unlocked prefix-cache node")
+            node.lock -= 1
+            if node.lock == 0:
+                self.num_unlocked_blocks += len(node.blocks)
+            node = node.parent
+
+    # -- insertion and eviction -----------------------------------------
+
+    def insert(self, tokens: list[int], blocks: list[int], salt: str | None) -> int:
+        """Cache `blocks` as holding KV of `tokens` (len(tokens) == len(blocks) * block_size).
+
+        Blocks already cached under the same prefix are kept as they are (the
+        caller's duplicates are not adopted). Returns the number of blocks adopted.
+        """
+        bs = self.block_size
+        if len(tokens) != len(blocks) * bs:
+            raise ValueError("insert needs exactly block_size tokens per block")
+        node = self._root(salt)
+        pos = 0
+        now = next(self._clock)
+        while pos < len(tokens):
+            head = tuple(tokens[pos : pos + bs])
+            child = node.children.get(head)
+            if child is None:
+                new = Node(tuple(tokens[pos:]), list(blocks[pos // bs :]), node, last_access=now)
+                node.children[head] = new
+                self.pool.incref(new.blocks)
+                self.num_unlocked_blocks += len(new.blocks)
+                self.num_cached_blocks += len(new.blocks)
+                return len(new.blocks)
+            m = self._common_blocks(child, tokens, pos)
+            if m < len(child.blocks):
+                child = self._split(child, m)
+            child.last_access = now
+            pos += m * bs
+            node = child
+        return 0
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks` blocks from unlocked leaves, least recently used first."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_blocks:
+            _, _, leaf = heapq.heappop(heap)
+            need = num_blocks - freed
+            if len(leaf.blocks) > need:
+                # Evict only the tail of a long leaf.
+                self._split(leaf, len(leaf.blocks) - need)  # `leaf` keeps the tail
+            parent = leaf.parent
+            del parent.children[leaf.key[: self.block_size]]
+            self.pool.free(leaf.blocks)
+            freed += len(leaf.blocks)
+            self.num_unlocked_blocks -= len(leaf.blocks)
+            self.num_cached_blocks -= len(leaf.blocks)
+            if not parent.is_root and not parent.children and parent.lock == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _leaves(self) -> list[Node]:
+        out = []
+        stack = [c for r in self.roots.values() for c in r.children.values()]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            else:
+                out.append(n)
+        return out
+
+    def check_invariants(self) -> None:
+        """Raise if counts, locks or ownership disagree (used by tests)."""
+        unlocked = cached = 0
+        seen: set[int] = set()
+        stack = [(c, r) for r in self.roots.values() for c in r.children.values()]
+        while stack:
+            n, parent = stack.pop()
+            if n.parent is not parent:
+                raise AssertionError("prefix-cache node with a wrong parent link")
+            if len(n.key) != len(n.blocks) * self.block_size or not n.blocks:
+                raise AssertionError("prefix-cache node key and blocks disagree")
+            if n.lock < 0:
+                raise AssertionError("negative prefix-cache lock")
+            child_locks = sum(c.lock for c in n.children.values())
+            if n.lock < child_locks:
+                raise AssertionError("a node is locked less than its children together")
+            for b in n.blocks:
+                if b in seen:
+                    raise AssertionError(f"KV block {b} owned twice by the prefix cache")
+                seen.add(b)
+                if self.pool.refcount(b) < 1:
+                    raise AssertionError(f"prefix cache owns free KV block {b}")
+            cached += len(n.blocks)
+            if n.lock == 0:
+                unlocked += len(n.blocks)
+            stack.extend((c, n) for c in n.children.values())
+        if cached != self.num_cached_blocks or unlocked != self.num_unlocked_blocks:
+            raise AssertionError(
+                f"prefix-cache counters drifted: cached {self.num_cached_blocks} vs {cached}, "
+                f"unlocked {self.num_unlocked_blocks} vs {unlocked}"
+            )
