@@ -171,6 +171,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     attention_backend: str = "torch"
     num_threads: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    # A waiting request older than this outranks all others (the documented starvation bound).
+    starvation_timeout_s: float = 30.0
+    # tenant -> {"weight": float, "max_running": int, "max_blocks": int}
+    tenant_quotas: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -179,6 +185,12 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs', 'priority' or 'lpm', got {self.scheduling_policy!r}"
+            )
+        if not self.starvation_timeout_s > 0:
+            raise ValueError(f"starvation_timeout_s must be positive, got {self.starvation_timeout_s!r}")
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -1,8 +1,9 @@
-"""Maps requests to KV blocks: grows block tables, shares blocks on fork, copies on write."""
+"""Maps requests to KV blocks: grows block tables, reuses cached prefixes, shares on fork, copies on write."""
 
 from __future__ import annotations
 
 from tandem.core.block_pool import BlockPool
+from tandem.core.prefix_cache import Node, PrefixCache
 from tandem.core.request import Request
 
 
@@ -11,11 +12,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    __slots__ = ("block_size", "pool")
+    __slots__ = ("block_size", "cache", "num_hit_tokens", "num_query_tokens", "pool")
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -23,18 +27,31 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        """Fraction of blocks held by requests (cached-but-idle blocks count as free)."""
+        idle = self.cache.num_unlocked_blocks if self.cache else 0
+        return max(0, self.pool.num_used - idle) / self.pool.num_blocks
+
+    @property
+    def num_available(self) -> int:
+        """Blocks obtainable now: free ones plus idle cached ones that eviction would release."""
+        return self.pool.num_free + (self.cache.num_unlocked_blocks if self.cache else 0)
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def _reserve(self, n: int) -> bool:
+        if n > self.pool.num_free and self.cache is not None:
+            self.cache.evict(n - self.pool.num_free)
+        return n <= self.pool.num_free
 
     def allocate_slots(self, req: Request, num_new_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Make room for KV of `num_new_tokens` tokens after `req.num_computed_tokens`.
 
         Blocks about to be written that are shared with another request are
         replaced by private copies first; the (src, dst) pairs are appended to
-        `copies` for the runner to copy before the step runs. Returns False,
-        changing nothing, if the pool cannot supply the blocks.
+        `copies` for the runner to copy before the step runs. Idle cached
+        prefixes are evicted if the pool is short. Returns False, changing no
+        request, if the blocks cannot be had.
         """
         start = req.num_computed_tokens
         end = start + num_new_tokens
@@ -43,7 +60,7 @@ class KVCacheManager:
         first = start // self.block_size
         last = min(len(table), self.blocks_for(end))
         shared = [i for i in range(first, last) if self.pool.refcount(table[i]) > 1]
-        if num_new + len(shared) > self.pool.num_free:
+        if not self._reserve(num_new + len(shared)):
             return False
         for i in shared:
             (dst,) = self.pool.allocate(1)
@@ -54,13 +71,56 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new))
         return True
 
+    # -- prefix cache ----------------------------------------------------
+
+    def match_len(self, req: Request) -> int:
+        """Tokens of `req` a cached prefix would cover (read-only; for ordering the queue)."""
+        if self.cache is None:
+            return 0
+        return self.cache.match_len(req.token_ids[: req.num_tokens - 1], req.cache_salt)
+
+    def match_prefix(self, req: Request) -> int:
+        """Give a request with no blocks its longest cached prefix; returns the tokens covered.
+
+        At least the last token is always left to compute, so its logits exist.
+        """
+        if self.cache is None or req.block_ids:
+            return 0
+        blocks, node = self.cache.match(req.token_ids[: req.num_tokens - 1], req.cache_salt)
+        self.pool.incref(blocks)
+        self.cache.lock(node)
+        req.prefix_node = node
+        req.block_ids = blocks
+        req.num_computed_tokens = len(blocks) * self.block_size
+        return req.num_computed_tokens
+
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share every block of `parent` (copy-on-write happens on the next write)."""
         if child.block_ids:
             raise RuntimeError(f"fork into request {child.request_id} that already holds blocks")
         self.pool.incref(parent.block_ids)
         child.block_ids = list(parent.block_ids)
+        if parent.prefix_node is not None and self.cache is not None:
+            self.cache.lock(parent.prefix_node)  # type: ignore[arg-type]
+            child.prefix_node = parent.prefix_node
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, cache: bool = True) -> None:
+        """Drop a request's blocks; its computed full blocks go to the prefix cache first."""
+        if self.cache is not None:
+            if cache:
+                full = req.num_computed_tokens // self.block_size
+                if full:
+                    self.cache.insert(
+                        req.token_ids[: full * self.block_size], req.block_ids[:full], req.cache_salt
+                    )
+            node = req.prefix_node
+            if isinstance(node, Node):
+                self.cache.unlock(node)
+            req.prefix_node = None
         self.pool.free(req.block_ids)
         req.block_ids = []
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        if self.cache is not None:
+            self.cache.check_invariants()

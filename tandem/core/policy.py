@@ -93,15 +93,13 @@ def order_waiting(
     def key(r: Request) -> tuple:
         starved = now - r.arrival_time >= timeout
         if starved:
-            return (0, r.arrival_time, 0.0, 0, 0)
+            return (0, r.arrival_time, 0.0, ())
         if policy == "priority":
             inner: tuple = (r.priority, r.arrival_time)
         elif policy == "lpm" and prefix_len is not None:
             inner = (-prefix_len.get(r.request_id, 0), r.arrival_time)
         else:
             inner = (0, r.arrival_time)
-        # Preempted requests resume before new ones of their tenant, keeping their place.
-        resumed = 0 if r.num_preemptions else 1
-        return (1, 0.0, ledger.share_key(r.tenant), resumed, inner)
+        return (1, 0.0, ledger.share_key(r.tenant), inner)
 
     return sorted(waiting, key=key)

@@ -63,6 +63,8 @@ class Request:
     # Set on resumption after preemption: the request may not be chosen as a
     # victim again until it has sampled at least this many output tokens.
     protected_until_outputs: int = 0
+    # The prefix-cache node whose path this request has locked (opaque to everything but the cache).
+    prefix_node: object | None = None
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -18,15 +18,25 @@ too, it keeps its blocks and waits for a later step (the requests ahead of it,
 already served this step, give way or finish first). Only when every running
 request is protected and the first one cannot go on does the latest one go.
 No new request is admitted in a step that preempted or left a request waiting.
+Under the `priority` policy, running requests are served (and given up) in
+priority order, and a waiting request may preempt running requests of lower
+priority (larger `priority` value) to get the seats and blocks it needs.
+
+Waiting requests are admitted in the order `core/policy.py` gives (starved
+first, then tenant fair share, then the policy). With prefix caching, an
+admitted request first takes its longest cached prefix and computes only the
+rest; finished and preempted requests leave their computed blocks in the cache.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import defaultdict
+from collections.abc import Callable
 
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import RunnerOutput, SchedulerOutput
+from tandem.core.policy import SchedulingConfig, TenantLedger, order_waiting
 from tandem.core.request import Request, RequestStatus
 
 
@@ -37,12 +47,18 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        config: SchedulingConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.config = config or SchedulingConfig()
+        self.ledger = TenantLedger(self.config)
+        self.clock = clock
+        # Preempted requests go to the front, new ones to the back; `_admission_order` decides.
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
@@ -96,7 +112,14 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
-        now = time.monotonic()
+        now = self.clock()
+        self.ledger.decay()
+        order = self._admission_order(now)
+        if self.config.policy == "priority":
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+            if order:
+                self._preempt_for(order[0], out)
+        num_priority_preempted = len(out.preempted)
 
         i = 0
         stalled = False
@@ -118,29 +141,90 @@ class Scheduler:
                     break
             if not scheduled:
                 continue  # running[i] is now the next request
-            out.requests.append(req)
-            out.num_tokens.append(n)
+            self._schedule(out, req, n)
             budget -= n
             i += 1
 
+        if len(out.preempted) > num_priority_preempted or stalled:
+            return out
+        if num_priority_preempted:
+            order = self._admission_order(now)
         seats = sum(r.num_seats for r in self.running)
-        while self.waiting and budget > 0 and not out.preempted and not stalled:
-            req = self.waiting[0]
-            if seats + req.num_seats > self.max_num_seqs:
+        quotas = bool(self.config.tenants) or self.config.default_quota.max_running is not None or (
+            self.config.default_quota.max_blocks is not None
+        )
+        tenant_seats: dict[str | None, int] = defaultdict(int)
+        tenant_blocks: dict[str | None, int] = defaultdict(int)
+        if quotas:
+            for r in self.running:
+                tenant_seats[r.tenant] += r.num_seats
+                tenant_blocks[r.tenant] += self._max_blocks(r)
+        for req in order:
+            if budget <= 0 or seats + req.num_seats > self.max_num_seqs:
                 break
+            if quotas:
+                quota = self.config.quota(req.tenant)
+                if quota.max_running is not None and tenant_seats[req.tenant] + req.num_seats > quota.max_running:
+                    continue
+                if quota.max_blocks is not None and tenant_blocks[req.tenant] + self._max_blocks(req) > (
+                    quota.max_blocks
+                ):
+                    continue
+            first_time = req.first_scheduled_time is None
+            matched = self.kv.match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, n, out.block_copies):
+                self.kv.free(req, cache=False)
+                req.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
+            if first_time:
                 req.first_scheduled_time = now
+                req.num_cached_tokens = matched
+                self.kv.num_query_tokens += req.num_prompt_tokens
+                self.kv.num_hit_tokens += matched
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
             seats += req.num_seats
-            out.requests.append(req)
-            out.num_tokens.append(n)
+            tenant_seats[req.tenant] += req.num_seats
+            tenant_blocks[req.tenant] += self._max_blocks(req)
+            self._schedule(out, req, n)
             budget -= n
         return out
+
+    def _schedule(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        out.requests.append(req)
+        out.num_tokens.append(n)
+        self.ledger.charge(req.tenant, n)
+
+    def _max_blocks(self, req: Request) -> int:
+        """Blocks the request (with its pending forks) holds at its longest: what a tenant quota counts."""
+        return self.kv.blocks_for(req.num_prompt_tokens + req.max_tokens) * req.num_seats
+
+    def _admission_order(self, now: float) -> list[Request]:
+        cfg = self.config
+        if cfg.policy == "fcfs" and len({r.tenant for r in self.waiting}) <= 1:
+            # Plain FCFS admits strictly in order, so the queue (resumed requests in front, then
+            # arrivals) is already oldest first: nothing can starve.
+            return list(self.waiting)
+        prefix_len = None
+        if cfg.policy == "lpm" and len(self.waiting) <= cfg.lpm_max_queue:
+            prefix_len = {r.request_id: self.kv.match_len(r) for r in self.waiting}
+        return order_waiting(self.waiting, cfg, self.ledger, now, prefix_len)
+
+    def _preempt_for(self, cand: Request, out: SchedulerOutput) -> None:
+        """Priority policy: preempt lower-priority running requests until `cand` could be admitted."""
+        need_blocks = self.kv.blocks_for(cand.num_tokens) - self.kv.match_len(cand) // self.kv.block_size
+        while True:
+            seats = sum(r.num_seats for r in self.running)
+            if seats + cand.num_seats <= self.max_num_seqs and need_blocks <= self.kv.num_available:
+                return
+            victims = [r for r in self.running if r.priority > cand.priority and not r.protected]
+            if not victims:
+                return
+            victim = max(victims, key=lambda r: (r.priority, r.arrival_time))
+            self._preempt(victim)
+            out.preempted.append(victim)
 
     def _pick_victim(self, i: int) -> Request | None:
         """The request to preempt so that running[i] gets its blocks; None: running[i] waits instead."""
@@ -164,7 +248,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.protected_until_outputs = req.num_output_tokens + 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.insert(0, req)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, fork, stop. Returns requests with new tokens."""
@@ -232,7 +316,7 @@ class Scheduler:
             elif req in self.waiting:
                 self.waiting.remove(req)
             else:  # a pending child of a leader that has not forked yet
-                for leader in self.running + list(self.waiting):
+                for leader in self.running + self.waiting:
                     if req in leader.pending_children:
                         leader.pending_children.remove(req)
             self._finish(req, status, reason, already_removed=True)

@@ -10,6 +10,7 @@ from typing import Any
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.outputs import TokenLogprobs
+from tandem.core.policy import SchedulingConfig, TenantQuota
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.engine.detokenizer import IncrementalDetokenizer
@@ -18,6 +19,22 @@ from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from tandem.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def scheduling_config(config: EngineConfig) -> SchedulingConfig:
+    tenants = {}
+    for name, quota in (config.tenant_quotas or {}).items():
+        if not isinstance(quota, dict):
+            raise ValueError(f"tenant_quotas[{name!r}] must be a dict of weight/max_running/max_blocks")
+        unknown = set(quota) - {"weight", "max_running", "max_blocks"}
+        if unknown:
+            raise ValueError(f"tenant_quotas[{name!r}] has unknown keys {sorted(unknown)}")
+        tenants[name] = TenantQuota(**quota)
+    return SchedulingConfig(
+        policy=config.scheduling_policy,
+        starvation_timeout_s=config.starvation_timeout_s,
+        tenants=tenants,
+    )
 
 
 def _sample_seed(seed: int | None, index: int) -> int | None:
@@ -82,9 +99,13 @@ class LLMEngine:
             )
         self.num_blocks = self._num_blocks(config, mc)
         self.runner = ModelRunner(mc, config, self.num_blocks, self.max_model_len)
-        self.kv = KVCacheManager(self.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            scheduling_config(config),
         )
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -132,6 +153,14 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt", cache_salt)
+            tenant = prompt.get("tenant", tenant)
+        for name, value in (("cache_salt", cache_salt), ("tenant", tenant)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

@@ -44,7 +44,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or a dict with `prompt` or
+        `prompt_token_ids` and optionally `cache_salt` and `tenant`. `priority`
+        (one int per prompt, lower runs first) matters under the `priority`
+        scheduling policy.
+        """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -60,7 +68,10 @@ class LLM:
                 raise ValueError(
                     f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt"
                 )
-        return self._run(prompts, params, use_tqdm)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, params, priorities, use_tqdm)
 
     def chat(
         self,
@@ -79,14 +90,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int], use_tqdm: bool
     ) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, prio in zip(prompts, params, priorities):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, sp)
+                engine.add_request(rid, prompt, sp, priority=prio)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)
