@@ -55,8 +55,8 @@ def test_insert_keeps_existing_blocks_and_adopts_only_new():
     pool, cache = cache_with(32, 2)
     put(pool, cache, [1, 2, 3, 4])
     fresh = pool.allocate(3)
-    adopted = cache.insert([1, 2, 3, 4, 5, 6], fresh, None)
-    assert adopted == 1  # only the block for [5, 6]
+    node = cache.insert([1, 2, 3, 4, 5, 6], fresh, None)
+    assert node.end == 6 and node.blocks == [fresh[2]]  # only the block for [5, 6] is adopted
     pool.free(fresh)
     # The duplicate blocks went back to the pool; the tree still owns 3 blocks.
     assert cache.num_cached_blocks == 3

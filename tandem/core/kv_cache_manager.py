@@ -104,15 +104,33 @@ class KVCacheManager:
             self.cache.lock(parent.prefix_node)  # type: ignore[arg-type]
             child.prefix_node = parent.prefix_node
 
+    def cache_computed(self, req: Request) -> None:
+        """Put the request's newly computed full blocks in the prefix cache and move its lock down.
+
+        Done every step, not only at the end, so requests running at the same
+        time share a prefix as soon as one of them has computed it.
+        """
+        if self.cache is None:
+            return
+        node = req.prefix_node
+        if not isinstance(node, Node):
+            node = self.cache.root(req.cache_salt)
+        bs = self.block_size
+        full = req.num_computed_tokens // bs
+        start = node.end // bs
+        if full <= start:
+            return
+        new = self.cache.extend(node, req.token_ids[start * bs : full * bs], req.block_ids[start:full])
+        self.cache.lock(new)
+        if req.prefix_node is not None:
+            self.cache.unlock(node)
+        req.prefix_node = new
+
     def free(self, req: Request, cache: bool = True) -> None:
         """Drop a request's blocks; its computed full blocks go to the prefix cache first."""
         if self.cache is not None:
             if cache:
-                full = req.num_computed_tokens // self.block_size
-                if full:
-                    self.cache.insert(
-                        req.token_ids[: full * self.block_size], req.block_ids[:full], req.cache_salt
-                    )
+                self.cache_computed(req)
             node = req.prefix_node
             if isinstance(node, Node):
                 self.cache.unlock(node)

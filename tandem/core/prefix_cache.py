@@ -27,6 +27,7 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)
     lock: int = 0
     last_access: int = 0
+    end: int = 0  # tokens from the root to the end of this node's key
 
     @property
     def is_root(self) -> bool:
@@ -43,7 +44,7 @@ class PrefixCache:
         self.num_unlocked_blocks = 0
         self.num_cached_blocks = 0
 
-    def _root(self, salt: str | None) -> Node:
+    def root(self, salt: str | None) -> Node:
         root = self.roots.get(salt)
         if root is None:
             root = self.roots[salt] = Node((), [], None)
@@ -70,7 +71,7 @@ class PrefixCache:
     def match(self, tokens: list[int], salt: str | None) -> tuple[list[int], Node]:
         """Longest cached prefix: its blocks and the node it ends at (split so it ends exactly there)."""
         bs = self.block_size
-        node = self._root(salt)
+        node = self.root(salt)
         blocks: list[int] = []
         pos = 0
         now = next(self._clock)
@@ -108,7 +109,12 @@ class PrefixCache:
         bs = self.block_size
         parent = node.parent
         upper = Node(
-            node.key[: m * bs], node.blocks[:m], parent, lock=node.lock, last_access=node.last_access
+            node.key[: m * bs],
+            node.blocks[:m],
+            parent,
+            lock=node.lock,
+            last_access=node.last_access,
+            end=node.end - len(node.key) + m * bs,
         )
         parent.children[node.key[:bs]] = upper
         node.key = node.key[m * bs :]
@@ -137,35 +143,47 @@ class PrefixCache:
 
     # -- insertion and eviction -----------------------------------------
 
-    def insert(self, tokens: list[int], blocks: list[int], salt: str | None) -> int:
-        """Cache `blocks` as holding KV of `tokens` (len(tokens) == len(blocks) * block_size).
+    def insert(self, tokens: list[int], blocks: list[int], salt: str | None) -> Node:
+        """Cache `blocks` as holding KV of `tokens` from the root of `salt`'s tree; see `extend`."""
+        return self.extend(self.root(salt), tokens, blocks)
 
-        Blocks already cached under the same prefix are kept as they are (the
-        caller's duplicates are not adopted). Returns the number of blocks adopted.
+    def extend(self, node: Node, tokens: list[int], blocks: list[int]) -> Node:
+        """Cache `blocks` as the KV of `tokens` following the prefix that ends at `node`.
+
+        `len(tokens) == len(blocks) * block_size`. Where the tree already holds
+        these tokens it keeps its own blocks (the caller's duplicates are not
+        adopted); the rest is added as a new leaf. Returns the node at which
+        `tokens` end (split if that falls inside a node).
         """
         bs = self.block_size
         if len(tokens) != len(blocks) * bs:
-            raise ValueError("insert needs exactly block_size tokens per block")
-        node = self._root(salt)
+            raise ValueError("the prefix cache needs exactly block_size tokens per block")
         pos = 0
         now = next(self._clock)
+        node.last_access = now
         while pos < len(tokens):
             head = tuple(tokens[pos : pos + bs])
             child = node.children.get(head)
             if child is None:
-                new = Node(tuple(tokens[pos:]), list(blocks[pos // bs :]), node, last_access=now)
+                new = Node(
+                    tuple(tokens[pos:]),
+                    list(blocks[pos // bs :]),
+                    node,
+                    last_access=now,
+                    end=node.end + len(tokens) - pos,
+                )
                 node.children[head] = new
                 self.pool.incref(new.blocks)
                 self.num_unlocked_blocks += len(new.blocks)
                 self.num_cached_blocks += len(new.blocks)
-                return len(new.blocks)
+                return new
             m = self._common_blocks(child, tokens, pos)
             if m < len(child.blocks):
                 child = self._split(child, m)
             child.last_access = now
             pos += m * bs
             node = child
-        return 0
+        return node
 
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` blocks from unlocked leaves, least recently used first."""
@@ -210,6 +228,8 @@ class PrefixCache:
                 raise AssertionError("prefix-cache node with a wrong parent link")
             if len(n.key) != len(n.blocks) * self.block_size or not n.blocks:
                 raise AssertionError("prefix-cache node key and blocks disagree")
+            if n.end != parent.end + len(n.key):
+                raise AssertionError("prefix-cache node end offset is wrong")
             if n.lock < 0:
                 raise AssertionError("negative prefix-cache lock")
             child_locks = sum(c.lock for c in n.children.values())

@@ -150,8 +150,10 @@ class Scheduler:
         if num_priority_preempted:
             order = self._admission_order(now)
         seats = sum(r.num_seats for r in self.running)
-        quotas = bool(self.config.tenants) or self.config.default_quota.max_running is not None or (
-            self.config.default_quota.max_blocks is not None
+        quotas = (
+            bool(self.config.tenants)
+            or self.config.default_quota.max_running is not None
+            or (self.config.default_quota.max_blocks is not None)
         )
         tenant_seats: dict[str | None, int] = defaultdict(int)
         tenant_blocks: dict[str | None, int] = defaultdict(int)
@@ -164,7 +166,10 @@ class Scheduler:
                 break
             if quotas:
                 quota = self.config.quota(req.tenant)
-                if quota.max_running is not None and tenant_seats[req.tenant] + req.num_seats > quota.max_running:
+                if (
+                    quota.max_running is not None
+                    and tenant_seats[req.tenant] + req.num_seats > quota.max_running
+                ):
                     continue
                 if quota.max_blocks is not None and tenant_blocks[req.tenant] + self._max_blocks(req) > (
                     quota.max_blocks
@@ -255,6 +260,7 @@ class Scheduler:
         now = time.monotonic()
         for req, n in zip(sched.requests, sched.num_tokens):
             req.num_computed_tokens += n
+            self.kv.cache_computed(req)
         changed: list[Request] = []
         for req in sched.requests:
             token = result.sampled.get(req.request_id)
