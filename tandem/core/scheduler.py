@@ -35,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.limits import check_fits
 from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.policy import SchedulingConfig, TenantLedger, order_waiting
 from tandem.core.request import Request, RequestStatus
@@ -68,21 +69,15 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
         """Raise ValueError for a request that could never run, before it is queued."""
-        total = num_prompt_tokens + max_tokens
-        if num_prompt_tokens < 1:
-            raise ValueError("the prompt must contain at least one token")
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
-                f"beyond max_model_len ({self.max_model_len})"
-            )
-        if self.kv.blocks_for(total) > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens ({total} tokens) needs {self.kv.blocks_for(total)} KV blocks, "
-                f"more than the whole KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size})"
-            )
-        if n > self.max_num_seqs:
-            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.max_num_seqs})")
+        check_fits(
+            num_prompt_tokens,
+            max_tokens,
+            n,
+            max_model_len=self.max_model_len,
+            block_size=self.kv.block_size,
+            num_blocks=self.kv.num_blocks,
+            max_num_seqs=self.max_num_seqs,
+        )
 
     def add_request(self, req: Request) -> None:
         self.check_fits(req.num_prompt_tokens, req.max_tokens, 1 + len(req.pending_children))

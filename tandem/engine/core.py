@@ -1,0 +1,235 @@
+"""The engine core: scheduler, KV cache and model runner behind a token-ids-in, token-ids-out interface.
+
+No tokenizer lives here: text goes in and out in the front end (`processor.py`),
+so the core can run in its own process and never stall on HTTP, tokenization
+or detokenization. Messages in and out are plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.limits import EngineLimits
+from tandem.core.outputs import TokenLogprobs
+from tandem.core.policy import SchedulingConfig, TenantQuota
+from tandem.core.request import Request, RequestStatus
+from tandem.core.scheduler import Scheduler
+from tandem.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """A tokenized, validated request (one user request; the core fans out its `n` samples)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    priority: int = 0
+    tenant: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """What one sample of one request gained in a step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Filled when the sample finishes.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_batched_tokens: int = 0
+    # Tokens per step, appended each step, drained by whoever reports metrics.
+    iteration_tokens: list[int] = field(default_factory=list)
+
+
+def scheduling_config(config: EngineConfig) -> SchedulingConfig:
+    tenants = {}
+    for name, quota in (config.tenant_quotas or {}).items():
+        if not isinstance(quota, dict):
+            raise ValueError(f"tenant_quotas[{name!r}] must be a dict of weight/max_running/max_blocks")
+        unknown = set(quota) - {"weight", "max_running", "max_blocks"}
+        if unknown:
+            raise ValueError(f"tenant_quotas[{name!r}] has unknown keys {sorted(unknown)}")
+        tenants[name] = TenantQuota(**quota)
+    return SchedulingConfig(
+        policy=config.scheduling_policy,
+        starvation_timeout_s=config.starvation_timeout_s,
+        tenants=tenants,
+    )
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample 0 uses the request's seed; others get distinct streams derived from (seed, index)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings and mc.rope.rope_type == "default":
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+            f"({mc.max_position_embeddings})"
+        )
+    return max_model_len
+
+
+def num_kv_blocks(config: EngineConfig, mc: ModelConfig, max_model_len: int) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    import torch
+
+    from tandem.model.loader import resolve_dtype
+    from tandem.worker.model_runner import ModelRunner
+
+    dtype = resolve_dtype(config.dtype, torch.device("cpu"))
+    per_block = ModelRunner.kv_bytes_per_block(mc, config.block_size, dtype)
+    by_memory = config.kv_cache_memory // per_block
+    if by_memory < 1:
+        raise ValueError(
+            f"kv_cache_memory ({config.kv_cache_memory} bytes) is smaller than one KV block ({per_block} bytes)"
+        )
+    # Without prefix caching, more blocks than every sequence slot at full length cannot be used.
+    if not config.enable_prefix_caching:
+        by_memory = min(by_memory, config.max_num_seqs * -(-max_model_len // config.block_size))
+    return by_memory
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, extra_eos_token_ids: tuple[int, ...] = ()) -> None:
+        import torch
+
+        from tandem.worker.model_runner import ModelRunner
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_config = mc = ModelConfig.from_pretrained(config.model)
+        self.max_model_len = resolve_max_model_len(config, mc)
+        self.num_blocks = num_kv_blocks(config, mc, self.max_model_len)
+        # The checkpoint's EOS ids plus the tokenizer's, which the front end passes in.
+        self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(extra_eos_token_ids)))
+        self.runner = ModelRunner(mc, config, self.num_blocks, self.max_model_len)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            scheduling_config(config),
+        )
+        self.limits = EngineLimits(
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            num_blocks=self.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+        )
+        self.stats = EngineStats()
+        # user request id -> ids of its samples' Requests
+        self._groups: dict[str, list[str]] = {}
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self._groups:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        params = req.params
+        self.limits.check(req.prompt_token_ids, req.max_tokens, params.n, params.stop_token_ids)
+        members = [
+            Request(
+                request_id=req.request_id if i == 0 else f"{req.request_id}#{i}",
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=params,
+                max_tokens=req.max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=req.arrival_time,
+                priority=req.priority,
+                tenant=req.tenant,
+                cache_salt=req.cache_salt,
+                group_id=req.request_id,
+                sample_index=i,
+                seed=sample_seed(params.seed, i),
+            )
+            for i in range(params.n)
+        ]
+        members[0].pending_children = members[1:]
+        self.scheduler.add_request(members[0])
+        self._groups[req.request_id] = [m.request_id for m in members]
+        self.stats.num_prompt_tokens += len(req.prompt_token_ids)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            ids = self._groups.pop(rid, None)
+            if ids is not None:
+                self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_sample(self, request_id: str, index: int, reason: str) -> None:
+        """End one sample because the front end found a stop string in its text."""
+        ids = self._groups.get(request_id)
+        if ids is not None:
+            self.scheduler.finish_requests([ids[index]], RequestStatus.FINISHED_STOPPED, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[SampleOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        if sched.is_empty:
+            return []
+        changed = self.scheduler.update(sched, result)
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_batched_tokens += sched.total_tokens
+        stats.num_generation_tokens += len(changed)
+        stats.iteration_tokens.append(sched.total_tokens)
+        out = []
+        for req in changed:
+            lp = result.logprobs.get(req.request_id)
+            so = SampleOutput(
+                request_id=req.group_id,
+                index=req.sample_index,
+                new_token_ids=[req.token_ids[-1]],
+                new_logprobs=None if lp is None else [lp],
+            )
+            if req.is_finished:
+                so.finish_reason = req.status.finish_reason
+                so.stop_reason = req.stop_reason
+                so.num_cached_tokens = req.num_cached_tokens
+                so.num_preemptions = req.num_preemptions
+                so.first_scheduled_time = req.first_scheduled_time
+                so.first_token_time = req.first_token_time
+                so.finished_time = req.finished_time
+                self._forget(req)
+            elif len(req.token_ids) == req.num_prompt_tokens + 1:
+                so.num_cached_tokens = req.num_cached_tokens
+                so.first_scheduled_time = req.first_scheduled_time
+                so.first_token_time = req.first_token_time
+            out.append(so)
+        return out
+
+    def _forget(self, req: Request) -> None:
+        ids = self._groups.get(req.group_id)
+        if ids is not None and all(self.scheduler.requests.get(i) is None for i in ids):
+            del self._groups[req.group_id]

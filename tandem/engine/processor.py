@@ -1,0 +1,239 @@
+"""The front end's halves of a request: text in (tokenize, validate) and text out (detokenize, stop, logprobs)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.core.limits import EngineLimits
+from tandem.core.outputs import TokenLogprobs
+from tandem.engine.core import EngineCoreRequest, SampleOutput
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.tokenizer import Tokenizer
+from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, limits: EngineLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Tokenize and validate; raise ValueError naming the problem. Returns the request and prompt text."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt", cache_salt)
+            tenant = prompt.get("tenant", tenant)
+        for name, value in (("cache_salt", cache_salt), ("tenant", tenant)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        max_tokens = self.limits.max_tokens_for(len(ids), params.max_tokens)
+        self.limits.check(ids, max_tokens, params.n, params.stop_token_ids)
+        req = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            tenant=tenant,
+            cache_salt=cache_salt,
+        )
+        return req, text
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, list):
+            ids, text = prompt, None
+        else:
+            raise ValueError(
+                f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            )
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return text, list(ids)
+
+
+@dataclass(slots=True)
+class _Sample:
+    """Front-end state of one output sequence."""
+
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    samples: list[_Sample]
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    """Turns the core's token deltas into `RequestOutput`s; finds stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, _Group] = {}
+
+    def add(self, req: EngineCoreRequest, prompt_text: str | None) -> None:
+        params = req.params
+        backend = self.tokenizer.backend
+        samples = [
+            _Sample(
+                index=i,
+                detok=IncrementalDetokenizer(backend, req.prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            for i in range(params.n)
+        ]
+        self.groups[req.request_id] = _Group(
+            req.request_id, prompt_text, req.prompt_token_ids, params, req.arrival_time, samples
+        )
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.groups.pop(rid, None)
+
+    def process(
+        self, updates: list[SampleOutput], emit_unfinished: bool = True
+    ) -> tuple[list[RequestOutput], list[tuple[str, int, str]]]:
+        """Apply a step's deltas. Returns the outputs to emit and the samples to stop (id, index, stop string)."""
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        stops: list[tuple[str, int, str]] = []
+        for up in updates:
+            group = self.groups.get(up.request_id)
+            if group is None:
+                continue
+            sample = group.samples[up.index]
+            if sample.finish_reason is not None:
+                continue  # the front end already ended it (stop string); the core may lag a step
+            touched[group.request_id] = group
+            if up.first_scheduled_time is not None and group.first_scheduled_time is None:
+                group.first_scheduled_time = up.first_scheduled_time
+                group.num_cached_tokens = up.num_cached_tokens
+            for k, token in enumerate(up.new_token_ids):
+                last = k == len(up.new_token_ids) - 1
+                finishing = last and up.finish_reason is not None
+                sample.token_ids.append(token)
+                sample.token_times.append(now)
+                if sample.first_token_time is None:
+                    sample.first_token_time = up.first_token_time or now
+                if sample.logprobs is not None and up.new_logprobs:
+                    self._add_logprobs(sample, token, up.new_logprobs[k])
+                # A stop token (EOS or one of stop_token_ids) ends the text without being part of it.
+                by_stop_token = (
+                    finishing and up.finish_reason == "stop" and not isinstance(up.stop_reason, str)
+                )
+                hit = sample.detok.update(token, decode=not by_stop_token)
+                if hit is not None:
+                    sample.finish_reason, sample.stop_reason = "stop", hit
+                    if not finishing:
+                        stops.append((group.request_id, up.index, hit))
+                    break
+                if finishing:
+                    sample.detok.flush()
+                    sample.finish_reason, sample.stop_reason = up.finish_reason, up.stop_reason
+            if sample.finish_reason is not None:
+                sample.num_preemptions = up.num_preemptions
+                group.finished_time = up.finished_time or now
+        outputs = []
+        for g in touched.values():
+            finished = g.finished
+            if finished or emit_unfinished:
+                outputs.append(self._output(g, finished))
+            if finished:
+                del self.groups[g.request_id]
+        return outputs, stops
+
+    def _add_logprobs(self, sample: _Sample, token: int, lp: TokenLogprobs) -> None:
+        decode = self.tokenizer.decode_token
+        entry = {
+            tid: Logprob(val, rank + 1, decode(tid))
+            for rank, (tid, val) in enumerate(zip(lp.top_ids, lp.top_logprobs))
+        }
+        if token not in entry:
+            entry = {token: Logprob(lp.logprob, lp.rank, decode(token)), **entry}
+        sample.logprobs.append(entry)
+        sample.cumulative_logprob += lp.logprob
+
+    def _output(self, group: _Group, finished: bool) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detok.visible_text(s.finish_reason is not None),
+                token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in group.samples
+        ]
+        lead = group.samples[0]
+        metrics = RequestMetrics(
+            arrival_time=group.arrival_time,
+            first_scheduled_time=group.first_scheduled_time,
+            first_token_time=lead.first_token_time,
+            last_token_time=lead.token_times[-1] if lead.token_times else None,
+            finished_time=group.finished_time if finished else None,
+            num_preemptions=sum(s.num_preemptions for s in group.samples),
+            num_cached_tokens=group.num_cached_tokens,
+            token_times=list(lead.token_times) if finished else [],
+        )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+        )
