@@ -177,6 +177,9 @@ class EngineConfig:
     starvation_timeout_s: float = 30.0
     # tenant -> {"weight": float, "max_running": int, "max_blocks": int}
     tenant_quotas: dict[str, dict[str, Any]] | None = None
+    # As vLLM: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    # "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}.
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

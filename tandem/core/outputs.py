@@ -18,6 +18,10 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Requests that ended since the previous step; the runner drops their state.
     finished_ids: list[str] = field(default_factory=list)
+    # Speculation: draft tokens per request, included in `num_tokens` (1 + k for a decoding request).
+    num_draft: dict[str, int] = field(default_factory=dict)
+    # Draft tokens already proposed by the scheduler (n-gram); a draft model proposes in the runner.
+    draft_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -40,7 +44,14 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """Tokens sampled this step, keyed by request id (forked children included)."""
+    """Tokens sampled this step, keyed by request id (forked children included).
+
+    A speculating request emits its accepted draft tokens, then `sampled` (the
+    target's bonus or recovered token). `logprobs` has one entry per emitted token.
+    """
 
     sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    # (requests in the pass, seconds) for each draft-model proposal pass, for the cost model.
+    draft_pass_times: list[tuple[int, float]] = field(default_factory=list)

@@ -22,8 +22,8 @@ Under the `priority` policy, running requests are served (and given up) in
 priority order, and a waiting request may preempt running requests of lower
 priority (larger `priority` value) to get the seats and blocks it needs.
 
-Waiting requests are admitted in the order `core/policy.py` gives (starved
-first, then tenant fair share, then the policy). With prefix caching, an
+Waiting requests are admitted in the order `core/policy.py` gives (tenant
+fair share, then starved requests, then the policy). With prefix caching, an
 admitted request first takes its longest cached prefix and computes only the
 rest; finished and preempted requests leave their computed blocks in the cache.
 """
@@ -33,12 +33,23 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Protocol
 
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import check_fits
 from tandem.core.outputs import RunnerOutput, SchedulerOutput
-from tandem.core.policy import SchedulingConfig, TenantLedger, order_waiting
+from tandem.core.policy import SchedulingConfig, TenantLedger, admission_key, order_waiting
 from tandem.core.request import Request, RequestStatus
+
+
+class SpecHook(Protocol):
+    """What the scheduler needs from speculative decoding (tandem.spec.planner.SpecPlanner)."""
+
+    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> dict[str, int]: ...
+
+    def propose(self, req: Request, k: int) -> list[int] | None: ...
+
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None: ...
 
 
 class Scheduler:
@@ -50,6 +61,7 @@ class Scheduler:
         max_model_len: int,
         config: SchedulingConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        spec: SpecHook | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -58,6 +70,7 @@ class Scheduler:
         self.config = config or SchedulingConfig()
         self.ledger = TenantLedger(self.config)
         self.clock = clock
+        self.spec = spec
         # Preempted requests go to the front, new ones to the back; `_admission_order` decides.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -113,14 +126,17 @@ class Scheduler:
         if self.config.policy == "priority":
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
             if order:
-                self._preempt_for(order[0], out)
+                self._preempt_for(order[0], out, now)
         num_priority_preempted = len(out.preempted)
 
+        drafts = self._plan_drafts(out, budget) if self.spec is not None else {}
         i = 0
         stalled = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            owed = req.num_tokens - req.num_computed_tokens
+            k = min(drafts.get(req.request_id, 0), budget - owed) if owed < budget else 0
+            n = min(owed, budget) + k
             scheduled = True
             while not self.kv.allocate_slots(req, n, out.block_copies):
                 victim = self._pick_victim(i)
@@ -136,9 +152,17 @@ class Scheduler:
                     break
             if not scheduled:
                 continue  # running[i] is now the next request
+            if k > 0:
+                out.num_draft[req.request_id] = k
+                if req.request_id in out.draft_tokens:
+                    out.draft_tokens[req.request_id] = out.draft_tokens[req.request_id][:k]
+            else:
+                out.draft_tokens.pop(req.request_id, None)
             self._schedule(out, req, n)
             budget -= n
             i += 1
+        for rid in [rid for rid in out.draft_tokens if rid not in out.num_draft]:
+            del out.draft_tokens[rid]
 
         if len(out.preempted) > num_priority_preempted or stalled:
             return out
@@ -192,6 +216,24 @@ class Scheduler:
             budget -= n
         return out
 
+    def _plan_drafts(self, out: SchedulerOutput, budget: int) -> dict[str, int]:
+        """Speculation: draft length per decoding running request; n-gram proposals go into `out`."""
+        decoding = [
+            r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.pending_children
+        ]
+        other = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - len(decoding)
+        ks = self.spec.plan(decoding, min(other, budget), self.max_model_len)
+        for r in decoding:
+            k = ks.get(r.request_id, 0)
+            if not k:
+                continue
+            proposal = self.spec.propose(r, k)
+            if proposal is not None:  # n-gram: may find fewer tokens than asked
+                ks[r.request_id] = len(proposal)
+                if proposal:
+                    out.draft_tokens[r.request_id] = proposal
+        return ks
+
     def _schedule(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.requests.append(req)
         out.num_tokens.append(n)
@@ -212,14 +254,23 @@ class Scheduler:
             prefix_len = {r.request_id: self.kv.match_len(r) for r in self.waiting}
         return order_waiting(self.waiting, cfg, self.ledger, now, prefix_len)
 
-    def _preempt_for(self, cand: Request, out: SchedulerOutput) -> None:
-        """Priority policy: preempt lower-priority running requests until `cand` could be admitted."""
+    def _preempt_for(self, cand: Request, out: SchedulerOutput, now: float) -> None:
+        """Priority policy: preempt lower-priority running requests until `cand` could be admitted.
+
+        Only requests the admission order puts after `cand` are victims: a starved one (or one of a
+        tenant owed service) would be readmitted at once, ahead of `cand`, its work lost for nothing.
+        """
         need_blocks = self.kv.blocks_for(cand.num_tokens) - self.kv.match_len(cand) // self.kv.block_size
+        key = admission_key(self.config, self.ledger, now, None)
         while True:
             seats = sum(r.num_seats for r in self.running)
             if seats + cand.num_seats <= self.max_num_seqs and need_blocks <= self.kv.num_available:
                 return
-            victims = [r for r in self.running if r.priority > cand.priority and not r.protected]
+            victims = [
+                r
+                for r in self.running
+                if r.priority > cand.priority and not r.protected and key(r) > key(cand)
+            ]
             if not victims:
                 return
             victim = max(victims, key=lambda r: (r.priority, r.arrival_time))
@@ -254,8 +305,14 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, fork, stop. Returns requests with new tokens."""
         now = time.monotonic()
         for req, n in zip(sched.requests, sched.num_tokens):
+            k = sched.num_draft.get(req.request_id, 0)
+            if k:
+                # Rewind over rejected drafts: their KV slots stay allocated and are overwritten later.
+                accepted = len(result.accepted.get(req.request_id, ()))
+                n -= k - accepted
+                if self.spec is not None:
+                    self.spec.observe(req.request_id, k, accepted)
             req.num_computed_tokens += n
-            self.kv.cache_computed(req)
         changed: list[Request] = []
         for req in sched.requests:
             token = result.sampled.get(req.request_id)
@@ -265,9 +322,15 @@ class Scheduler:
             if req.pending_children:
                 family += self._fork(req, result)
             for r in family:
-                tok = result.sampled[r.request_id]
-                self._append(r, tok, now)
+                for tok in (*result.accepted.get(r.request_id, ()), result.sampled[r.request_id]):
+                    self._append(r, tok, now)
+                    if r.is_finished:
+                        break
                 changed.append(r)
+        # After the appends: with accepted drafts, computed KV runs past the tokens known before.
+        for req in sched.requests:
+            if not req.is_finished:
+                self.kv.cache_computed(req)
         return changed
 
     def _fork(self, leader: Request, result: RunnerOutput) -> list[Request]:
@@ -330,6 +393,8 @@ class Scheduler:
         req.status = status
         req.stop_reason = reason
         req.finished_time = time.monotonic()
+        # Tokens after an early stop inside accepted drafts were computed but are not kept.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         self.kv.free(req)
         for child in req.pending_children:
             child.status = status

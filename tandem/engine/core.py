@@ -8,6 +8,7 @@ or detokenization. Messages in and out are plain dataclasses.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 from tandem.config import EngineConfig, ModelConfig
@@ -18,6 +19,8 @@ from tandem.core.policy import SchedulingConfig, TenantQuota
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.sampling_params import SamplingParams
+from tandem.spec.config import SpeculativeConfig
+from tandem.spec.planner import SpecPlanner
 
 
 @dataclass(slots=True)
@@ -117,6 +120,25 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, max_model_len: int) -> 
     return by_memory
 
 
+def load_draft_config(path: str | None, config: EngineConfig) -> ModelConfig:
+    """The draft checkpoint's config; its tokenizer must be the target's."""
+    import json
+    from pathlib import Path
+
+    draft = ModelConfig.from_pretrained(path or "")
+    target_tok = Path(config.tokenizer or config.model) / "tokenizer.json"
+    draft_tok = Path(draft.path) / "tokenizer.json"
+    if target_tok.is_file() and draft_tok.is_file():
+        vocab_t = json.loads(target_tok.read_text()).get("model", {}).get("vocab")
+        vocab_d = json.loads(draft_tok.read_text()).get("model", {}).get("vocab")
+        if vocab_t != vocab_d:
+            raise ValueError(
+                f"the draft model {draft.path!r} does not share the target's tokenizer "
+                "(tokenizer.json vocabularies differ)"
+            )
+    return draft
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, extra_eos_token_ids: tuple[int, ...] = ()) -> None:
         import torch
@@ -131,14 +153,22 @@ class EngineCore:
         self.num_blocks = num_kv_blocks(config, mc, self.max_model_len)
         # The checkpoint's EOS ids plus the tokenizer's, which the front end passes in.
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(extra_eos_token_ids)))
-        self.runner = ModelRunner(mc, config, self.num_blocks, self.max_model_len)
+        self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
+        draft_mc = None
+        if self.spec_config is not None and self.spec_config.method == "draft_model":
+            draft_mc = load_draft_config(self.spec_config.model, config)
+        self.runner = ModelRunner(
+            mc, config, self.num_blocks, self.max_model_len, draft_model_config=draft_mc
+        )
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.spec = SpecPlanner(self.spec_config) if self.spec_config is not None else None
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
             scheduling_config(config),
+            spec=self.spec,
         )
         self.limits = EngineLimits(
             vocab_size=mc.vocab_size,
@@ -183,6 +213,9 @@ class EngineCore:
             ids = self._groups.pop(rid, None)
             if ids is not None:
                 self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+                if self.spec is not None:
+                    for i in ids:
+                        self.spec.forget(i)
 
     def stop_sample(self, request_id: str, index: int, reason: str) -> None:
         """End one sample because the front end found a stop string in its text."""
@@ -194,7 +227,9 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[SampleOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
+        before = {r.request_id: r.num_tokens for r in sched.requests}
         result = self.runner.execute(sched)
         if sched.is_empty:
             return []
@@ -202,16 +237,22 @@ class EngineCore:
         stats = self.stats
         stats.num_steps += 1
         stats.num_batched_tokens += sched.total_tokens
-        stats.num_generation_tokens += len(changed)
         stats.iteration_tokens.append(sched.total_tokens)
+        if self.spec is not None:
+            draft_time = sum(t for _, t in result.draft_pass_times)
+            self.spec.controller.observe_step(sched.total_tokens, time.perf_counter() - start - draft_time)
+            for n, t in result.draft_pass_times:
+                self.spec.controller.observe_draft_pass(n, t)
         out = []
         for req in changed:
-            lp = result.logprobs.get(req.request_id)
+            new = req.token_ids[before.get(req.request_id, req.num_prompt_tokens) :]
+            stats.num_generation_tokens += len(new)
+            lps = result.logprobs.get(req.request_id)
             so = SampleOutput(
                 request_id=req.group_id,
                 index=req.sample_index,
-                new_token_ids=[req.token_ids[-1]],
-                new_logprobs=None if lp is None else [lp],
+                new_token_ids=new,
+                new_logprobs=None if lps is None else lps[: len(new)],
             )
             if req.is_finished:
                 so.finish_reason = req.status.finish_reason
@@ -222,7 +263,9 @@ class EngineCore:
                 so.first_token_time = req.first_token_time
                 so.finished_time = req.finished_time
                 self._forget(req)
-            elif len(req.token_ids) == req.num_prompt_tokens + 1:
+                if self.spec is not None:
+                    self.spec.forget(req.request_id)
+            elif req.num_output_tokens == len(new):
                 so.num_cached_tokens = req.num_cached_tokens
                 so.first_scheduled_time = req.first_scheduled_time
                 so.first_token_time = req.first_token_time

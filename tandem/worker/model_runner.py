@@ -1,6 +1,8 @@
-"""Turns a SchedulerOutput into one flat forward pass and sampled tokens."""
+"""Turns a SchedulerOutput into one flat forward pass and sampled (or verified) tokens."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,6 +15,60 @@ from tandem.model.loader import load_model, resolve_dtype
 from tandem.worker.sampler import Sampler, SamplingBatch
 
 
+@dataclass(slots=True)
+class SampleRow:
+    """One logits row to sample or verify at: its request and the draft tokens before it."""
+
+    request: Request
+    history: list[int]  # draft tokens preceding this position (count as output for penalties)
+
+
+def build_batch(
+    reqs: list[Request],
+    q_lens_l: list[int],
+    block_size: int,
+    device: torch.device,
+    extra_tokens: dict[str, list[int]] | None = None,
+) -> tuple[ForwardBatch, np.ndarray]:
+    """The flat batch for `reqs` computing `q_lens_l` tokens each from `num_computed_tokens` on.
+
+    `extra_tokens` are appended after a request's known tokens (draft tokens being verified).
+    Returns the batch and each request's end offset in it.
+    """
+    num_reqs = len(reqs)
+    q_lens = np.asarray(q_lens_l, dtype=np.int64)
+    starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=num_reqs)
+    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    input_ids: list[int] = []
+    max_blocks = max(len(r.block_ids) for r in reqs)
+    tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+    for i, req in enumerate(reqs):
+        s, n = int(starts[i]), q_lens_l[i]
+        extra = extra_tokens.get(req.request_id) if extra_tokens else None
+        if extra:
+            input_ids.extend(req.token_ids[s : s + n - len(extra)])
+            input_ids.extend(extra)
+        else:
+            input_ids.extend(req.token_ids[s : s + n])
+        tables[i, : len(req.block_ids)] = req.block_ids
+    req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+    positions = np.arange(int(qsl[-1])) - qsl[:-1][req_of_token] + starts[req_of_token]
+    slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
+    batch = ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        logits_indices=torch.empty(0, dtype=torch.long, device=device),
+        query_start_loc=qsl,
+        query_lens=q_lens,
+        seq_lens=starts + q_lens,
+        block_tables=tables,
+        block_size=block_size,
+    )
+    return batch, qsl[1:]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -21,6 +77,7 @@ class ModelRunner:
         num_blocks: int,
         max_model_len: int,
         device: str | torch.device = "cpu",
+        draft_model_config: ModelConfig | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.model_config = model_config
@@ -30,13 +87,19 @@ class ModelRunner:
             model_config, self.dtype, self.device, engine_config.attention_backend, max_model_len
         )
         self.backend = self.model.layers[0].self_attn.backend
-        shape = (2, num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_layers)
-        ]
+        self.kv_caches = self.allocate_kv(model_config, num_blocks)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(engine_config.seed))
         self.generators: dict[str, torch.Generator] = {}
         self.vocab_size = model_config.vocab_size
+        self.drafter = None
+        if draft_model_config is not None:
+            from tandem.worker.drafter import Drafter
+
+            self.drafter = Drafter(self, draft_model_config, engine_config, num_blocks, max_model_len)
+
+    def allocate_kv(self, mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]:
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
 
     @staticmethod
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -49,70 +112,113 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.finished_ids:
             self.generators.pop(rid, None)
+            if self.drafter is not None:
+                self.drafter.generators.pop(rid, None)
         if sched.block_copies:
             src = torch.tensor([s for s, _ in sched.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in sched.block_copies], device=self.device)
-            for cache in self.kv_caches:
+            caches = self.kv_caches + (self.drafter.kv_caches if self.drafter else [])
+            for cache in caches:
                 cache[:, dst] = cache[:, src]
         if sched.is_empty:
             return RunnerOutput()
-        batch, samplers = self._prepare(sched)
+        out = RunnerOutput()
+        drafts = dict(sched.draft_tokens)
+        draft_probs: dict[str, torch.Tensor] = {}
+        if self.drafter is not None and sched.num_draft:
+            todo = [
+                (r, sched.num_draft[r.request_id])
+                for r in sched.requests
+                if sched.num_draft.get(r.request_id)
+            ]
+            proposed, draft_probs, out.draft_pass_times = self.drafter.propose(todo)
+            drafts.update(proposed)
+
+        batch, ends = build_batch(sched.requests, sched.num_tokens, self.block_size, self.device, drafts)
+        rows: list[SampleRow] = []
+        logits_rows: list[int] = []
+        spans: list[tuple[Request, int, int]] = []  # (member, first row, number of drafts)
+        for i, req in enumerate(sched.requests):
+            end = int(ends[i])
+            if req.num_computed_tokens + sched.num_tokens[i] < req.num_tokens:
+                continue  # a prompt chunk that does not reach the end: nothing to sample
+            d = drafts.get(req.request_id, [])
+            for member in (req, *req.pending_children):
+                spans.append((member, len(rows), len(d)))
+                for j in range(len(d) + 1):
+                    rows.append(SampleRow(member, d[:j]))
+                    logits_rows.append(end - 1 - len(d) + j)
+        batch.logits_indices = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         self.backend.prepare(batch)
         hidden = self.model(batch, self.kv_caches)
+        if self.drafter is not None:
+            self.drafter.catch_up(batch)
+        if not rows:
+            return out
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        tokens, logprobs = self.sampler(logits, self._sampling_batch(samplers))
-        out = RunnerOutput()
-        for req, tok, lp in zip(samplers, tokens, logprobs):
-            out.sampled[req.request_id] = tok
-            if lp is not None:
-                out.logprobs[req.request_id] = lp
+        sb = self.sampling_batch(rows)
+        if not drafts:
+            tokens, logprobs = self.sampler(logits, sb)
+            for (member, _, _), tok, lp in zip(spans, tokens, logprobs):
+                out.sampled[member.request_id] = tok
+                if lp is not None:
+                    out.logprobs[member.request_id] = [lp]
+            return out
+        self._verify(logits, sb, spans, drafts, draft_probs, out)
         return out
 
-    def _prepare(self, sched: SchedulerOutput) -> tuple[ForwardBatch, list[Request]]:
-        reqs, q_lens_l = sched.requests, sched.num_tokens
-        num_reqs = len(reqs)
-        q_lens = np.asarray(q_lens_l, dtype=np.int64)
-        starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=num_reqs)
-        seq_lens = starts + q_lens
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        total = int(qsl[-1])
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        sb: SamplingBatch,
+        spans: list[tuple[Request, int, int]],
+        drafts: dict[str, list[int]],
+        draft_probs: dict[str, torch.Tensor],
+        out: RunnerOutput,
+    ) -> None:
+        from tandem.spec.rejection import rejection_sample
 
-        input_ids: list[int] = []
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-        logits_rows: list[int] = []
-        samplers: list[Request] = []
-        for i, req in enumerate(reqs):
-            s, n = int(starts[i]), q_lens_l[i]
-            input_ids.extend(req.token_ids[s : s + n])
-            tables[i, : len(req.block_ids)] = req.block_ids
-            if s + n == req.num_tokens:  # caught up: the last position's logits give the next token
-                for member in (req, *req.pending_children):
-                    logits_rows.append(int(qsl[i + 1]) - 1)
-                    samplers.append(member)
-
-        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-        positions = np.arange(total) - qsl[:-1][req_of_token] + starts[req_of_token]
-        bs = self.block_size
-        slots = tables[req_of_token, positions // bs] * bs + positions % bs
-        dev = self.device
-        batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            query_start_loc=qsl,
-            query_lens=q_lens,
-            seq_lens=seq_lens,
-            block_tables=tables,
-            block_size=bs,
+        logits = logits.float()
+        probs = self.sampler.distribution(logits, sb)
+        vocab = probs.shape[1]
+        num = len(spans)
+        k_max = max(k for _, _, k in spans)
+        target = torch.zeros(num, k_max + 1, vocab)
+        draft_tok = torch.zeros(num, max(k_max, 1), dtype=torch.long)
+        num_draft = torch.tensor([k for _, _, k in spans], dtype=torch.long)
+        q = torch.zeros(num, max(k_max, 1), vocab) if draft_probs else None
+        for b, (member, first, k) in enumerate(spans):
+            target[b, : k + 1] = probs[first : first + k + 1]
+            if k:
+                draft_tok[b, :k] = torch.tensor(drafts[member.request_id])
+                if q is not None:
+                    q[b, :k] = draft_probs[member.request_id][:k]
+        greedy = torch.tensor([m.sampling.greedy for m, _, _ in spans])
+        gens = [sb.generators[first] for _, first, _ in spans]
+        tokens, accepted = rejection_sample(
+            target, draft_tok, num_draft, q, greedy, gens, self.sampler.generator
         )
-        return batch, samplers
+        tokens_l, accepted_l = tokens.tolist(), accepted.tolist()
+        raw = None
+        if any(k is not None for k in sb.num_logprobs):
+            raw = torch.log_softmax(logits, dim=-1)
+        for b, (member, first, _) in enumerate(spans):
+            a = accepted_l[b]
+            emitted = tokens_l[b][: a + 1]
+            rid = member.request_id
+            if a:
+                out.accepted[rid] = emitted[:a]
+            out.sampled[rid] = emitted[a]
+            if raw is not None and member.sampling.logprobs is not None:
+                idx = torch.arange(first, first + a + 1)
+                lps = self.sampler.logprobs(
+                    raw[idx], torch.tensor(emitted), [member.sampling.logprobs] * (a + 1)
+                )
+                out.logprobs[rid] = [lp for lp in lps if lp is not None]
 
-    def _sampling_batch(self, rows: list[Request]) -> SamplingBatch:
+    def sampling_batch(self, rows: list[SampleRow]) -> SamplingBatch:
         dev = self.device
-        params = [r.sampling for r in rows]
+        params = [r.request.sampling for r in rows]
         greedy_l = [p.greedy for p in params]
         temperature = torch.tensor(
             [1.0 if g else p.temperature for p, g in zip(params, greedy_l)], device=dev
@@ -133,17 +239,18 @@ class ModelRunner:
             repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
             counts = torch.zeros(len(rows), vocab, dtype=torch.int32, device=dev)
             prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
-            for i, r in enumerate(rows):
-                out_ids = r.output_token_ids
+            for i, row in enumerate(rows):
+                r = row.request
+                out_ids = r.output_token_ids + row.history
                 if out_ids:
                     ids = torch.tensor(out_ids, device=dev)
                     counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
                 prompt_mask[i, torch.tensor(r.prompt_token_ids, device=dev)] = True
 
         blocked = None
-        for i, r in enumerate(rows):
-            sp = r.sampling
-            if r.num_output_tokens < sp.min_tokens:
+        for i, row in enumerate(rows):
+            r, sp = row.request, row.request.sampling
+            if r.num_output_tokens + len(row.history) < sp.min_tokens:
                 stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
                 if stops:
                     if blocked is None:
@@ -151,7 +258,8 @@ class ModelRunner:
                     blocked[i, torch.tensor(stops, device=dev)] = True
 
         generators: list[torch.Generator | None] = []
-        for r in rows:
+        for row in rows:
+            r = row.request
             gen = None
             if r.seed is not None and not r.sampling.greedy:
                 gen = self.generators.get(r.request_id)

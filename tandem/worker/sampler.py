@@ -45,22 +45,39 @@ class Sampler:
         logits = logits.float()
         want_lp = any(k is not None for k in sb.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+        logits = self._process(logits, sb)
+        tokens = logits.argmax(dim=-1)
+        if not sb.all_greedy:
+            rows = torch.nonzero(~sb.greedy).squeeze(1)
+            probs = self._probs(logits[rows], sb, rows)
+            tokens[rows] = self._draw(probs, sb, rows)
+        token_list = tokens.tolist()
+        lps: list[TokenLogprobs | None] = [None] * len(token_list)
+        if raw_logprobs is not None:
+            lps = self.logprobs(raw_logprobs, tokens, sb.num_logprobs)
+        return token_list, lps
 
+    def distribution(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """The distribution each row samples from, [R, V]: one-hot at the argmax on greedy rows."""
+        logits = self._process(logits.float(), sb)
+        probs = torch.zeros_like(logits)
+        probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if not sb.all_greedy:
+            rows = torch.nonzero(~sb.greedy).squeeze(1)
+            p = self._probs(logits[rows], sb, rows)
+            probs[rows] = p / p.sum(dim=-1, keepdim=True)
+        return probs
+
+    def draw(self, probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """One token per row from (possibly unnormalized) `probs`, with each row's generator."""
+        return self._draw(probs, sb, torch.arange(probs.shape[0]))
+
+    def _process(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         if sb.repetition is not None:
             logits = self._penalize(logits, sb)
         if sb.blocked is not None:
             logits = logits.masked_fill(sb.blocked, float("-inf"))
-
-        tokens = logits.argmax(dim=-1)
-        if not sb.all_greedy:
-            rows = torch.nonzero(~sb.greedy).squeeze(1)
-            sampled = self._sample(logits[rows], sb, rows)
-            tokens[rows] = sampled
-        token_list = tokens.tolist()
-        lps: list[TokenLogprobs | None] = [None] * len(token_list)
-        if raw_logprobs is not None:
-            lps = self._logprobs(raw_logprobs, tokens, sb.num_logprobs)
-        return token_list, lps
+        return logits
 
     @staticmethod
     def _penalize(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -72,7 +89,8 @@ class Sampler:
         logits = logits - sb.frequency[:, None] * counts
         return logits - sb.presence[:, None] * (counts > 0).to(logits.dtype)
 
-    def _sample(self, logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    def _probs(self, logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p: unnormalized probabilities of the given rows."""
         logits = logits / sb.temperature[rows, None]
         if sb.top_k is not None or sb.top_p is not None:
             logits = self._top_k_top_p(
@@ -84,6 +102,9 @@ class Sampler:
         if sb.min_p is not None:
             min_p = sb.min_p[rows, None]
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    def _draw(self, probs: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
         noise = torch.empty_like(probs)
         row_list = rows.tolist()
         unseeded = [i for i, r in enumerate(row_list) if sb.generators[r] is None]
@@ -120,7 +141,7 @@ class Sampler:
         return logits.masked_fill(mask, float("-inf"))
 
     @staticmethod
-    def _logprobs(
+    def logprobs(
         raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
     ) -> list[TokenLogprobs | None]:
         k_max = max(k for k in num_logprobs if k is not None)

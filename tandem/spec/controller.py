@@ -1,0 +1,144 @@
+"""Adaptive speculation: how many draft tokens each request gets this step (0 included).
+
+The model. A step that computes `t` tokens takes `T(t) = a + b*t` seconds
+(fitted online by exponentially weighted least squares over measured steps).
+A draft model adds `k_max` sequential proposal passes, each `c + d*n` seconds
+for `n` requests (fitted the same way; zero for n-gram lookup). Request `r`
+accepts each draft token with probability `alpha_r` (estimated from its own
+history: accepted / (accepted + rejections), with a prior); with `k` drafts it
+expects `1 + alpha + ... + alpha^k` tokens. Starting from `k = 0` everywhere,
+the controller repeatedly gives one more draft token to the request whose next
+token is most likely accepted (`alpha_r^(k_r+1)`) as long as that raises the
+step's expected tokens per second, `sum_r E_r / (T(t) + draft time)`.
+
+At low load the fixed cost `a` dominates, so extra tokens are nearly free and
+requests get up to `num_speculative_tokens`; as the batch grows, `b*t`
+dominates and a draft token is worth its cost only if it is very likely
+accepted, so speculation turns itself down, to zero where it does not pay.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+
+class LinearCost:
+    """`y = a + b*x`, fitted by exponentially weighted least squares."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.count = 0
+
+    def observe(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n = d * self.n + 1.0
+        self.sx = d * self.sx + x
+        self.sy = d * self.sy + y
+        self.sxx = d * self.sxx + x * x
+        self.sxy = d * self.sxy + x * y
+        self.count += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        if self.n == 0:
+            return 0.0, 0.0
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var <= 1e-9 * max(1.0, mx * mx):
+            # No spread in x yet: attribute everything to the fixed cost (optimistic for speculation).
+            return my, 0.0
+        b = max(0.0, (self.sxy / self.n - mx * my) / var)
+        a = max(0.0, my - b * mx)
+        return a, b
+
+    def predict(self, x: float) -> float:
+        a, b = self.coefficients()
+        return a + b * x
+
+
+class AdaptiveSpeculation:
+    def __init__(
+        self,
+        max_k: int,
+        adaptive: bool = True,
+        prior_accepted: float = 1.0,
+        prior_rejected: float = 1.0,
+        history_decay: float = 0.9,
+        warmup_steps: int = 8,
+    ) -> None:
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.step_cost = LinearCost()
+        self.draft_cost = LinearCost()
+        self.prior = (prior_accepted, prior_rejected)
+        self.history_decay = history_decay
+        self.warmup_steps = warmup_steps
+        self._acc: dict[str, tuple[float, float]] = {}
+
+    # -- estimates -------------------------------------------------------
+
+    def alpha(self, request_id: str) -> float:
+        a, r = self._acc.get(request_id, (0.0, 0.0))
+        pa, pr = self.prior
+        return (a + pa) / (a + r + pa + pr)
+
+    def observe_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        a, r = self._acc.get(request_id, (0.0, 0.0))
+        d = self.history_decay
+        self._acc[request_id] = (d * a + num_accepted, d * r + (1.0 if num_accepted < num_draft else 0.0))
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.step_cost.observe(num_tokens, seconds)
+
+    def observe_draft_pass(self, num_requests: int, seconds: float) -> None:
+        self.draft_cost.observe(num_requests, seconds)
+
+    def forget(self, request_id: str) -> None:
+        self._acc.pop(request_id, None)
+
+    # -- the plan --------------------------------------------------------
+
+    def plan(self, request_ids: list[str], other_tokens: int, draft_passes_cost: bool) -> dict[str, int]:
+        """Draft length per decoding request; `other_tokens` are the step's non-speculative tokens."""
+        if not request_ids:
+            return {}
+        if not self.adaptive or self.step_cost.count < self.warmup_steps:
+            return dict.fromkeys(request_ids, self.max_k)
+        alphas = {rid: self.alpha(rid) for rid in request_ids}
+        k = dict.fromkeys(request_ids, 0)
+        expected = float(len(request_ids))
+        tokens = other_tokens + len(request_ids)
+        k_max = 0
+        num_spec = 0
+
+        def step_time(tokens: int, k_max: int, num_spec: int) -> float:
+            t = self.step_cost.predict(tokens)
+            if draft_passes_cost and k_max:
+                t += k_max * self.draft_cost.predict(num_spec)
+            return max(t, 1e-9)
+
+        rate = expected / step_time(tokens, k_max, num_spec)
+        heap = [(-alphas[rid], rid) for rid in request_ids]
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, rid = heapq.heappop(heap)
+            new_k = k[rid] + 1
+            new_kmax = max(k_max, new_k)
+            new_spec = num_spec + (1 if k[rid] == 0 else 0)
+            new_expected = expected - neg_gain
+            new_rate = new_expected / step_time(tokens + 1, new_kmax, new_spec)
+            if new_rate <= rate:
+                continue  # this request's next draft token does not pay; others' might
+            k[rid], k_max, num_spec, expected, tokens, rate = (
+                new_k,
+                new_kmax,
+                new_spec,
+                new_expected,
+                tokens + 1,
+                new_rate,
+            )
+            if new_k < self.max_k:
+                heapq.heappush(heap, (-(alphas[rid] ** (new_k + 1)), rid))
+        return k

@@ -1,0 +1,98 @@
+"""Draft-model proposals for speculative decoding.
+
+The draft keeps its own paged KV cache, indexed by the same block tables as
+the target's (same block ids, its own tensors), so preemption, prefix caching
+and rewinds need nothing extra: the draft runs over every batch the target
+runs (`catch_up`), and a rejected token's slot is simply overwritten later.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.core.request import Request
+from tandem.model.forward_batch import ForwardBatch
+from tandem.model.loader import load_model
+
+
+class Drafter:
+    def __init__(
+        self, runner, mc: ModelConfig, engine_config: EngineConfig, num_blocks: int, max_model_len: int
+    ) -> None:
+        if mc.vocab_size != runner.model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({mc.vocab_size}) differs from the target's "
+                f"({runner.model_config.vocab_size})"
+            )
+        self.runner = runner
+        self.model = load_model(
+            mc, runner.dtype, runner.device, engine_config.attention_backend, max_model_len
+        )
+        self.backend = self.model.layers[0].self_attn.backend
+        self.kv_caches = runner.allocate_kv(mc, num_blocks)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def catch_up(self, batch: ForwardBatch) -> None:
+        """Write the draft's KV for every token the target just computed."""
+        if self.backend.sliding_window != self.runner.backend.sliding_window:
+            self.backend.prepare(batch)
+        self.model(batch, self.kv_caches)
+
+    def propose(
+        self, todo: list[tuple[Request, int]]
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[tuple[int, float]]]:
+        """Propose `k` tokens for each decoding request: k batched single-token draft passes."""
+        from tandem.worker.model_runner import SampleRow
+
+        runner = self.runner
+        bs = runner.block_size
+        tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in todo}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in todo}
+        times: list[tuple[int, float]] = []
+        for j in range(max(k for _, k in todo)):
+            start = time.perf_counter()
+            active = [r for r, k in todo if k > j]
+            n = len(active)
+            ids = [r.token_ids[-1] if j == 0 else tokens[r.request_id][-1] for r in active]
+            positions = np.array([r.num_tokens - 1 + j for r in active], dtype=np.int64)
+            max_blocks = max(len(r.block_ids) for r in active)
+            tables = np.zeros((n, max_blocks), dtype=np.int64)
+            for i, r in enumerate(active):
+                tables[i, : len(r.block_ids)] = r.block_ids
+            slots = tables[np.arange(n), positions // bs] * bs + positions % bs
+            dev = runner.device
+            batch = ForwardBatch(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+                positions=torch.from_numpy(positions).to(dev),
+                slot_mapping=torch.from_numpy(slots).to(dev),
+                logits_indices=torch.arange(n, device=dev),
+                query_start_loc=np.arange(n + 1, dtype=np.int64),
+                query_lens=np.ones(n, dtype=np.int64),
+                seq_lens=positions + 1,
+                block_tables=tables,
+                block_size=bs,
+            )
+            self.backend.prepare(batch)
+            logits = self.model.compute_logits(self.model(batch, self.kv_caches)).float()
+            sb = runner.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
+            sb.generators = [self._generator(r) for r in active]
+            dist = runner.sampler.distribution(logits, sb)
+            picked = dist.argmax(dim=-1) if sb.all_greedy else runner.sampler.draw(dist, sb)
+            for i, (r, t) in enumerate(zip(active, picked.tolist())):
+                tokens[r.request_id].append(t)
+                probs[r.request_id].append(dist[i])
+            times.append((n, time.perf_counter() - start))
+        return tokens, {rid: torch.stack(p) for rid, p in probs.items()}, times
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        """Draft draws use their own stream, so a seeded request's target stream is not disturbed."""
+        if req.seed is None or req.sampling.greedy:
+            return None
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = self.generators[req.request_id] = torch.Generator().manual_seed(req.seed ^ 0x5DEECE66D)
+        return gen
