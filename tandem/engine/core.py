@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.kv_cache_manager import KVCacheManager
@@ -270,6 +271,32 @@ class EngineCore:
                 so.first_scheduled_time = req.first_scheduled_time
                 so.first_token_time = req.first_token_time
             out.append(so)
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and gauges for metrics and offline reports."""
+        sched, kv, stats = self.scheduler, self.kv, self.stats
+        out: dict[str, Any] = {
+            "num_requests_running": sched.num_running,
+            "num_requests_waiting": sched.num_waiting,
+            "kv_cache_usage_perc": kv.usage,
+            "prefix_cache_queries": kv.num_query_tokens,
+            "prefix_cache_hits": kv.num_hit_tokens,
+            "num_preemptions": sched.num_preemptions,
+            "prompt_tokens": stats.num_prompt_tokens,
+            "generation_tokens": stats.num_generation_tokens,
+            "num_steps": stats.num_steps,
+        }
+        if self.spec is not None:
+            s = self.spec
+            out["spec_decode"] = {
+                "num_drafts": s.num_drafts,
+                "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(s.accepted_per_pos),
+                "mean_acceptance_length": 1 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else 1.0,
+                "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
+            }
         return out
 
     def _forget(self, req: Request) -> None:

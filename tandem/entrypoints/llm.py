@@ -36,6 +36,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model or default_model_path(), **engine_args))
         self._ids = itertools.count()
 
+    def get_stats(self) -> dict[str, Any]:
+        """Engine counters: tokens, preemptions, prefix-cache queries/hits, speculation acceptance."""
+        return self.engine.core.snapshot()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer.hf
 

@@ -1,0 +1,176 @@
+"""Speculative decoding: output tokens/s with and without speculation, same run, several concurrencies.
+
+Workloads: `code` (prefixes of held-out Python stdlib files, where drafts are
+often right) and `random` (random token prompts, where they rarely are). For
+each concurrency c, `--requests-per-level` requests run through one `generate`
+call with `max_num_seqs=c`, greedy, a fixed number of output tokens each
+(`ignore_eos`). Methods: no speculation, n-gram lookup and the draft model,
+with the adaptive controller (the default) and, for reference, a fixed `k`.
+Model: the embedded default model and its draft unless `--model/--draft`.
+
+    python benchmarks/spec_decode.py --result-json benchmarks/results/spec_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def code_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
+    sys.path.insert(0, str(REPO / "tools"))
+    from train_default_model import read, stdlib_files
+
+    _, held = stdlib_files()
+    rng = random.Random(seed)
+    texts = read(held)
+    out: list[list[int]] = []
+    while len(out) < n:
+        ids = tokenizer.encode(rng.choice(texts), add_special_tokens=False)
+        if len(ids) > length + 8:
+            start = rng.randrange(0, len(ids) - length)
+            out.append(ids[start : start + length])
+    return out
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run(
+    model: str, prompts: list[list[int]], out_len: int, conc: int, spec: dict | None, threads: int | None
+) -> dict[str, Any]:
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(
+        model, max_num_seqs=conc, speculative_config=spec, num_threads=threads, enable_prefix_caching=False
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    result: dict[str, Any] = {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / wall,
+        "token_ids": [o.outputs[0].token_ids for o in outs],
+    }
+    snap = llm.get_stats().get("spec_decode")
+    if snap:
+        result["spec"] = snap
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument(
+        "--requests-per-level",
+        type=int,
+        nargs="+",
+        default=None,
+        help="requests per concurrency level (default: max(4, 2*c))",
+    )
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--workloads", nargs="+", default=["code", "random"])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--result-json", type=Path, default=REPO / "benchmarks" / "results" / "spec_decode.json")
+    args = ap.parse_args()
+
+    from tandem.models import DEFAULT_MODEL_DIR, default_model_path
+
+    model = args.model or default_model_path()
+    draft = args.draft or str(DEFAULT_MODEL_DIR.parent / "default-draft")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    methods: dict[str, dict | None] = {
+        "off": None,
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        },
+        "draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k},
+        "draft-fixed-k": {
+            "method": "draft_model",
+            "model": draft,
+            "num_speculative_tokens": args.k,
+            "adaptive": False,
+        },
+    }
+    results: list[dict[str, Any]] = []
+    print(f"{'workload':<8} {'conc':>4} {'method':<14} {'tok/s':>8} {'vs off':>7} {'accept':>7} {'same':>5}")
+    for wl in args.workloads:
+        for li, conc in enumerate(args.concurrency):
+            n = args.requests_per_level[li] if args.requests_per_level else max(4, 2 * conc)
+            if wl == "code":
+                prompts = code_prompts(tok, n, args.prompt_len, args.seed)
+            else:
+                prompts = random_prompts(len(tok), n, args.prompt_len, args.seed)
+            base = None
+            for name, spec in methods.items():
+                r = run(model, prompts, args.output_len, conc, spec, args.threads)
+                if base is None:
+                    base = r
+                ratio = r["output_tok_s"] / base["output_tok_s"]
+                same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"])) / len(prompts)
+                acc = r.get("spec", {}).get("acceptance_rate", float("nan"))
+                print(
+                    f"{wl:<8} {conc:>4} {name:<14} {r['output_tok_s']:>8.1f} {ratio:>6.2f}x {acc:>7.2f} {same:>5.2f}",
+                    flush=True,
+                )
+                results.append(
+                    {
+                        "workload": wl,
+                        "concurrency": conc,
+                        "method": name,
+                        "num_requests": n,
+                        "output_tok_s": r["output_tok_s"],
+                        "wall_s": r["wall_s"],
+                        "ratio_vs_off": ratio,
+                        "greedy_identical_fraction": same,
+                        "spec": r.get("spec"),
+                    }
+                )
+    args.result_json.parent.mkdir(parents=True, exist_ok=True)
+    args.result_json.write_text(
+        json.dumps(
+            {
+                "command": shlex.join(sys.argv),
+                "model": model,
+                "draft": draft,
+                "k": args.k,
+                "prompt_len": args.prompt_len,
+                "output_len": args.output_len,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"wrote {args.result_json}")
+
+
+if __name__ == "__main__":
+    main()
