@@ -1,4 +1,4 @@
-"""Scheduler tests with a fake model runner (no torch, no model).
+"""Scheduler tests with a fake model runner (no torch, no model); see tests/fake_runner.py.
 
 The fake runner keeps a simulated paged KV cache: each slot holds the (position, token) that was
 written there. It performs the step's copy-on-write copies, writes every scheduled token through the
@@ -10,397 +10,28 @@ runner assertion or as tokens that differ from a reference computed without any 
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-
 import pytest
+from fake_runner import (
+    VOCAB,
+    GroupSpec,
+    Harness,
+    Workload,
+    expected_outputs,
+    make_group,
+    next_token,
+    outputs,
+    reference_output,
+    run_workload,
+)
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.sampling_params import SamplingParams
 
-VOCAB = 29
-
-
-def next_token(history: list[int], sample_index: int) -> int:
-    """A deterministic 'model': the next token depends only on the history (and which sample it is)."""
-    h = 0x9E3779B1 * (sample_index + 1) + len(history)
-    for t in history:
-        h = (h * 1_000_003 + t + 1) & 0xFFFFFFFFFFFF
-    return (h >> 7) % VOCAB
-
-
-def reference_output(
-    prompt: list[int],
-    sp: SamplingParams,
-    max_tokens: int,
-    eos: tuple[int, ...],
-    index: int,
-    max_model_len: int,
-) -> tuple[list[int], RequestStatus]:
-    """What one sample must produce, computed without a scheduler or KV cache."""
-    toks = list(prompt)
-    out: list[int] = []
-    while True:
-        t = next_token(toks, index)
-        toks.append(t)
-        out.append(t)
-        if len(out) > sp.min_tokens:
-            if not sp.ignore_eos and t in eos:
-                return out, RequestStatus.FINISHED_STOPPED
-            if t in sp.stop_token_ids:
-                return out, RequestStatus.FINISHED_STOPPED
-        if len(out) >= max_tokens or len(toks) >= max_model_len:
-            return out, RequestStatus.FINISHED_LENGTH
-
-
-def make_group(
-    rid: str,
-    prompt: list[int],
-    max_tokens: int,
-    n: int = 1,
-    *,
-    ignore_eos: bool = True,
-    eos: tuple[int, ...] = (),
-    stop_token_ids: list[int] | None = None,
-    min_tokens: int = 0,
-) -> tuple[Request, list[Request]]:
-    """A leader with n - 1 pending children, as the engine builds them."""
-    sp = SamplingParams(
-        n=n,
-        max_tokens=max_tokens,
-        ignore_eos=ignore_eos,
-        stop_token_ids=stop_token_ids,
-        min_tokens=min_tokens,
-    )
-    members = [
-        Request(
-            rid if i == 0 else f"{rid}#{i}",
-            list(prompt),
-            sp,
-            max_tokens,
-            eos_token_ids=eos,
-            group_id=rid,
-            sample_index=i,
-        )
-        for i in range(n)
-    ]
-    members[0].pending_children = members[1:]
-    return members[0], members
-
-
-class FakeRunner:
-    def __init__(self, kv: KVCacheManager) -> None:
-        self.kv = kv
-        bs = kv.block_size
-        self.store: list[list[tuple[int, int] | None]] = [[None] * bs for _ in range(kv.num_blocks)]
-        self.active: dict[str, Request] = {}  # per-request state a real runner would keep
-        self.num_copies = 0
-
-    def read(self, req: Request, upto: int) -> list[int]:
-        bs = self.kv.block_size
-        out = []
-        for pos in range(upto):
-            slot = self.store[req.block_ids[pos // bs]][pos % bs]
-            assert slot is not None and slot[0] == pos, (
-                f"{req.request_id}: KV slot for position {pos} is {slot}"
-            )
-            out.append(slot[1])
-        return out
-
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        pool = self.kv.pool
-        bs = self.kv.block_size
-        for rid in sched.finished_ids:
-            self.active.pop(rid, None)
-        for src, dst in sched.block_copies:
-            assert pool.refcount(dst) == 1, "copy into a block that is free or shared"
-            self.store[dst] = list(self.store[src])
-            self.num_copies += 1
-        sampled: dict[str, int] = {}
-        for req, n in zip(sched.requests, sched.num_tokens):
-            assert not req.is_finished, f"finished request {req.request_id} scheduled"
-            prev = self.active.setdefault(req.request_id, req)
-            assert prev is req, f"{req.request_id} reused before the runner was told the old one finished"
-            start = req.num_computed_tokens
-            assert len(req.block_ids) * bs >= start + n
-            for pos in range(start, start + n):
-                block = req.block_ids[pos // bs]
-                assert pool.refcount(block) == 1, f"{req.request_id} writes into shared block {block}"
-                self.store[block][pos % bs] = (pos, req.token_ids[pos])
-            if start + n == req.num_tokens:
-                history = self.read(req, req.num_tokens)
-                assert history == req.token_ids, f"{req.request_id} would attend to the wrong KV"
-                sampled[req.request_id] = next_token(history, req.sample_index)
-                for child in req.pending_children:
-                    assert child.token_ids == req.token_ids
-                    sampled[child.request_id] = next_token(history, child.sample_index)
-        return RunnerOutput(sampled=sampled)
-
-
-class CheckedScheduler(Scheduler):
-    """Checks every victim choice against the documented victim rule and counts the outcomes."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.protected_victims = 0
-        self.stalls = 0
-
-    def _pick_victim(self, i: int) -> Request | None:
-        victim = super()._pick_victim(i)
-        req = self.running[i]
-        # running[:i] were scheduled this step already: they are never victims.
-        assert victim is None or any(victim is r for r in self.running[i:])
-        unprotected = [r for r in self.running[i + 1 :] if not r.protected]
-        if unprotected:
-            assert victim is unprotected[-1], "the victim must be the latest unprotected request"
-        elif not req.protected:
-            assert victim is req, "with every later request protected, the asking request gives way"
-        elif i > 0:
-            assert victim is None, "a protected request must wait rather than be preempted"
-            self.stalls += 1
-        else:
-            assert victim is self.running[-1]
-        if victim is not None and victim.protected:
-            # Unavoidable only when every running request is protected and the first cannot go on.
-            assert all(r.protected for r in self.running)
-            self.protected_victims += 1
-        return victim
-
-
-@dataclass
-class Harness:
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int = 64
-    kv: KVCacheManager = field(init=False)
-    sched: CheckedScheduler = field(init=False)
-    runner: FakeRunner = field(init=False)
-    members: dict[str, Request] = field(default_factory=dict)
-    finished_reported: Counter = field(default_factory=Counter)
-    id_uses: Counter = field(default_factory=Counter)
-    resumed_unsampled: set[str] = field(default_factory=set)
-    num_steps: int = 0
-    num_thrash: int = 0
-    num_chunked: int = 0
-    num_mixed: int = 0
-    outputs: list[SchedulerOutput] = field(default_factory=list)
-    keep_outputs: bool = False
-
-    def __post_init__(self) -> None:
-        self.kv = KVCacheManager(self.num_blocks, self.block_size)
-        self.sched = CheckedScheduler(
-            self.kv, self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len
-        )
-        self.runner = FakeRunner(self.kv)
-
-    def add(self, leader: Request, members: list[Request]) -> None:
-        self.sched.add_request(leader)
-        for m in members:
-            self.members[m.request_id] = m
-            self.id_uses[m.request_id] += 1
-        self.check_state()
-
-    def check_state(self) -> None:
-        sched, kv, pool = self.sched, self.kv, self.kv.pool
-        pool.check_invariants()
-        running = sched.running
-        waiting = list(sched.waiting)
-        pending = [c for r in running + waiting for c in r.pending_children]
-        where = [id(r) for r in running + waiting + pending]
-        assert len(where) == len(set(where)), "a request is in two places at once"
-        assert set(where) == {id(r) for r in sched.requests.values()}, "live requests and queues disagree"
-        for rid, r in sched.requests.items():
-            assert r.request_id == rid and not r.is_finished
-            assert self.members.get(rid) is r
-        # Every reference to a block is held by exactly one live request's block table.
-        holders = Counter(b for r in running for b in r.block_ids)
-        for b in range(pool.num_blocks):
-            assert pool.refcount(b) == holders[b], (
-                f"block {b}: refcount {pool.refcount(b)}, {holders[b]} holders"
-            )
-        assert pool.num_free + len(holders) == pool.num_blocks
-        assert sum(r.num_seats for r in running) <= sched.max_num_seqs
-        # A step admits only after serving every running request in full (each then samples), and
-        # only the last request it admits can be left partly computed: so at most one running request
-        # is ever protected, and a protected request never has to preempt another protected one.
-        assert sum(r.protected for r in running) <= 1
-        for r in running:
-            assert r.status == RequestStatus.RUNNING
-            assert len(set(r.block_ids)) == len(r.block_ids)
-            assert 0 < r.num_computed_tokens < r.num_tokens, "a running request with nothing to do"
-            assert len(r.block_ids) == kv.blocks_for(r.num_computed_tokens)
-        for r in waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.block_ids == [] and r.num_computed_tokens == 0
-            assert (r.status == RequestStatus.PREEMPTED) == (r.num_preemptions > 0)
-        for c in pending:
-            assert c.status == RequestStatus.WAITING
-            assert c.block_ids == [] and c.num_computed_tokens == 0 and c.num_output_tokens == 0
-        for r in self.members.values():
-            if r.is_finished:
-                assert r.block_ids == [] and r.pending_children == []
-                assert r.request_id not in sched.requests
-
-    def step(self) -> SchedulerOutput:
-        sched = self.sched
-        before_running = [id(r) for r in sched.running]
-        stalls_before = sched.stalls
-        unprotected_before = [r for r in sched.running if not r.protected]
-        had_work = sched.has_unfinished()
-        out = sched.schedule()
-        self.num_steps += 1
-        if self.keep_outputs:
-            self.outputs.append(out)
-        # -- the step's plan
-        assert len(out.requests) == len(out.num_tokens)
-        assert len({id(r) for r in out.requests}) == len(out.requests), "a request scheduled twice"
-        assert all(n >= 1 for n in out.num_tokens)
-        assert out.total_tokens <= sched.max_num_batched_tokens
-        if had_work:
-            assert not out.is_empty, "requests are pending but the step does nothing"
-        assert sum(r.num_seats for r in sched.running) <= sched.max_num_seqs
-        for r, n in zip(out.requests, out.num_tokens):
-            assert any(r is x for x in sched.running)
-            assert r.status == RequestStatus.RUNNING
-            assert r.num_computed_tokens + n <= r.num_tokens
-            assert len(r.block_ids) * self.kv.block_size >= r.num_computed_tokens + n
-            assert len(r.block_ids) == self.kv.blocks_for(r.num_computed_tokens + n)
-        scheduled_ids = {id(r) for r in out.requests}
-        preempted_ids = {id(r) for r in out.preempted}
-        left_waiting = [r for r in sched.running if id(r) not in scheduled_ids]
-        if out.total_tokens < sched.max_num_batched_tokens:
-            # Not for lack of budget: such a request waits for blocks, which only a protected one may do.
-            assert all(r.protected for r in left_waiting), "an unprotected request was skipped"
-        if out.preempted or sched.stalls > stalls_before:
-            # Blocks are short: new requests would only take them from those already running.
-            assert all(id(r) in before_running for r in out.requests), (
-                "admitted a request while short of blocks"
-            )
-        if any(v.request_id in self.resumed_unsampled for v in out.preempted):
-            # A resumed request lost its progress again: only when no unprotected request could give way.
-            assert all(id(r) in preempted_ids for r in unprotected_before)
-        for v in out.preempted:
-            assert v.status == RequestStatus.PREEMPTED and v.block_ids == [] and v.num_computed_tokens == 0
-            assert any(v is w for w in sched.waiting)
-            assert v.protected
-            if v.request_id in self.resumed_unsampled:
-                self.num_thrash += 1
-            self.resumed_unsampled.add(v.request_id)
-        for rid in out.finished_ids:
-            self.finished_reported[rid] += 1
-        is_prefill = [
-            r.num_computed_tokens + n < r.num_prompt_tokens for r, n in zip(out.requests, out.num_tokens)
-        ]
-        is_decode = [r.num_computed_tokens >= r.num_prompt_tokens for r in out.requests]
-        if any(is_prefill):
-            self.num_chunked += 1
-            if any(is_decode):
-                self.num_mixed += 1
-        # -- the model
-        result = self.runner.execute(out)
-        if not out.is_empty:
-            changed = sched.update(out, result)
-            assert len({id(r) for r in changed}) == len(changed)
-            for r in changed:
-                self.resumed_unsampled.discard(r.request_id)
-                assert r.num_output_tokens >= 1
-        self.check_state()
-        return out
-
-    def finish(self, rids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        self.sched.finish_requests(rids, status)
-        self.check_state()
-
-    def drain(self, max_steps: int) -> None:
-        while self.sched.has_unfinished():
-            assert self.num_steps < max_steps, "no progress: the scheduler is livelocked"
-            self.step()
-        self.check_end()
-
-    def check_end(self) -> None:
-        out = self.sched.schedule()  # hands out the last finished ids
-        assert out.is_empty and not out.preempted and not out.block_copies
-        for rid in out.finished_ids:
-            self.finished_reported[rid] += 1
-        self.runner.execute(out)
-        assert not self.sched.has_unfinished()
-        assert self.sched.requests == {}
-        assert self.kv.pool.num_free == self.kv.num_blocks, "KV blocks leaked"
-        self.kv.pool.check_invariants()
-        for rid, r in self.members.items():
-            assert r.is_finished, f"{rid} never finished"
-            assert r.block_ids == []
-            n = self.finished_reported[rid]
-            assert n == self.id_uses[rid], f"{rid} reported finished {n} times"
-        assert set(self.finished_reported) == set(self.members)
-        assert self.num_thrash == self.sched.protected_victims
-
-
 # -- random workloads ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    rid: str
-    prompt: tuple[int, ...]
-    max_tokens: int
-    n: int
-    mode: str  # "ignore_eos", "eos" or "stop_token"
-    stop: int
-    min_tokens: int
-    arrival: int
-
-    def build(self) -> tuple[Request, list[Request]]:
-        return make_group(
-            self.rid,
-            list(self.prompt),
-            self.max_tokens,
-            self.n,
-            ignore_eos=self.mode != "eos",
-            eos=(self.stop,),
-            stop_token_ids=[self.stop] if self.mode == "stop_token" else None,
-            min_tokens=self.min_tokens,
-        )
-
-    def member_ids(self) -> list[str]:
-        return [self.rid] + [f"{self.rid}#{i}" for i in range(1, self.n)]
-
-
-@dataclass(frozen=True)
-class Workload:
-    block_size: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    groups: tuple[GroupSpec, ...]
-    extra_blocks: int
-    aborts: tuple[tuple[int, int], ...]  # (step, index into all member ids)
-    max_model_len: int = 64
-
-    def blocks_needed(self, g: GroupSpec) -> int:
-        return -(-(len(g.prompt) + g.max_tokens) // self.block_size)
-
-    @property
-    def tight_blocks(self) -> int:
-        """The fewest blocks check_fits accepts for every request: preemption is likely."""
-        return max(self.blocks_needed(g) for g in self.groups) + self.extra_blocks
-
-    @property
-    def ample_blocks(self) -> int:
-        """Enough blocks for every sample of every request at full length at once: no preemption."""
-        return sum(g.n * self.blocks_needed(g) for g in self.groups)
-
-    def all_ids(self) -> list[str]:
-        return [rid for g in self.groups for rid in g.member_ids()]
-
-    def work(self) -> int:
-        return sum(g.n * (len(g.prompt) + g.max_tokens) for g in self.groups)
 
 
 @st.composite
@@ -431,29 +62,6 @@ def workloads(draw) -> Workload:
         extra_blocks=draw(st.integers(0, 4)),
         aborts=tuple(draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 100)), max_size=3))),
     )
-
-
-def run_workload(w: Workload, num_blocks: int, aborts: tuple[tuple[int, int], ...]) -> Harness:
-    h = Harness(num_blocks, w.block_size, w.max_num_seqs, w.max_num_batched_tokens, w.max_model_len)
-    ids = w.all_ids()
-    last_arrival = max(g.arrival for g in w.groups)
-    # Generous: every token could be recomputed after a preemption, one token per step.
-    max_steps = 50 + last_arrival + 4 * w.work() * (1 + max(g.max_tokens for g in w.groups))
-    step = 0
-    while True:
-        for g in w.groups:
-            if g.arrival == step:
-                h.add(*g.build())
-        if step > last_arrival and not h.sched.has_unfinished():
-            break
-        assert step < max_steps, "no progress: the scheduler is livelocked"
-        h.step()
-        for at, k in aborts:
-            if at == step:
-                h.finish([ids[k % len(ids)]])  # may be unknown (not yet arrived) or finished: ignored
-        step += 1
-    h.check_end()
-    return h
 
 
 @settings(max_examples=100, deadline=None)
@@ -501,19 +109,6 @@ def test_random_workloads(w: Workload) -> None:
 
 
 # -- targeted scenarios ----------------------------------------------------
-
-
-def outputs(h: Harness) -> dict[str, list[int]]:
-    return {rid: r.output_token_ids for rid, r in h.members.items()}
-
-
-def expected_outputs(h: Harness) -> dict[str, list[int]]:
-    return {
-        rid: reference_output(
-            r.prompt_token_ids, r.sampling, r.max_tokens, r.eos_token_ids, r.sample_index, h.max_model_len
-        )[0]
-        for rid, r in h.members.items()
-    }
 
 
 def test_preemption_recomputes_to_the_same_tokens() -> None:

@@ -79,6 +79,15 @@ class KVCacheManager:
             return 0
         return self.cache.match_len(req.token_ids[: req.num_tokens - 1], req.cache_salt)
 
+    def blocks_to_admit(self, req: Request) -> int:
+        """Blocks that admitting `req` (with no blocks) and computing its tokens takes out of
+        `num_available`: those beyond its cached prefix, plus the prefix blocks idle now (matching
+        locks them, so they stop counting as available)."""
+        if self.cache is None:
+            return self.blocks_for(req.num_tokens)
+        matched, idle = self.cache.match_stats(req.token_ids[: req.num_tokens - 1], req.cache_salt)
+        return self.blocks_for(req.num_tokens) - matched // self.block_size + idle
+
     def match_prefix(self, req: Request) -> int:
         """Give a request with no blocks its longest cached prefix; returns the tokens covered.
 
@@ -98,6 +107,9 @@ class KVCacheManager:
         """Let `child` share every block of `parent` (copy-on-write happens on the next write)."""
         if child.block_ids:
             raise RuntimeError(f"fork into request {child.request_id} that already holds blocks")
+        # Cache the parent's computed blocks first, so the child locks the node covering every cached
+        # block it shares (else those blocks could count as idle in the cache while the child holds them).
+        self.cache_computed(parent)
         self.pool.incref(parent.block_ids)
         child.block_ids = list(parent.block_ids)
         if parent.prefix_node is not None and self.cache is not None:
@@ -121,6 +133,19 @@ class KVCacheManager:
         if full <= start:
             return
         new = self.cache.extend(node, req.token_ids[start * bs : full * bs], req.block_ids[start:full])
+        # Where the tree already held these tokens (another request computed them first) it kept its
+        # own blocks: switch to those and drop the duplicates, or the request would hold its copy and
+        # lock the cached one too, two blocks for one, and could then not fit a cache it fits alone.
+        cached: list[int] = []
+        n = new
+        while n is not node:
+            cached[:0] = n.blocks
+            n = n.parent
+        for i, b in enumerate(cached, start):
+            if req.block_ids[i] != b:
+                self.pool.incref([b])
+                self.pool.free([req.block_ids[i]])
+                req.block_ids[i] = b
         self.cache.lock(new)
         if req.prefix_node is not None:
             self.cache.unlock(node)

@@ -1,15 +1,18 @@
 """Which waiting request goes next: scheduling policies, anti-starvation and tenant fair share.
 
 Order of admission, from the top:
-1. Starved requests first. A request that has waited `starvation_timeout_s`
-   seconds outranks every request that has not, whatever the policy; starved
-   requests go oldest first. New arrivals cannot overtake a starved request, so
-   every request is admitted within `starvation_timeout_s` plus the time the
-   engine takes to admit the starved requests that arrived before it: a hard,
-   documented bound on queueing under any stream of favoured traffic.
-2. Tenant fair share. Among tenants with waiting requests, the one with the
+1. Tenant fair share. Among tenants with waiting requests, the one with the
    least weighted service (decayed count of tokens computed for it, divided by
-   its weight) goes first, so a tenant's flood cannot take the engine.
+   its weight) goes first, so a tenant's flood cannot take the engine, not even
+   once its backlog has waited past the starvation timeout.
+2. Starved requests first, within a tenant. A request that has waited
+   `starvation_timeout_s` seconds outranks every request of its tenant that has
+   not, whatever the policy; starved requests go oldest first. New arrivals
+   cannot overtake a starved request, so every request is admitted within
+   `starvation_timeout_s` plus the time the engine takes to admit the starved
+   requests of its tenant that arrived before it (its tenant getting its fair
+   share meanwhile): a hard, documented bound on queueing under any stream of
+   favoured traffic.
 3. The policy, within a tenant: `fcfs` (arrival order), `priority` (lower
    `priority` value first, then arrival) or `lpm` (longest cached prefix
    first, then arrival; falls back to fcfs beyond `lpm_max_queue` waiting
@@ -18,6 +21,7 @@ Order of admission, from the top:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.core.request import Request
@@ -79,6 +83,28 @@ class TenantLedger:
         return self.service.get(tenant, 0.0) / self.config.quota(tenant).weight
 
 
+def admission_key(
+    config: SchedulingConfig, ledger: TenantLedger, now: float, prefix_len: dict[str, int] | None
+) -> Callable[[Request], tuple]:
+    """Sort key of the admission order (see the module docstring): smaller goes first."""
+    policy = config.policy
+    timeout = config.starvation_timeout_s
+
+    def key(r: Request) -> tuple:
+        share = ledger.share_key(r.tenant)
+        if now - r.arrival_time >= timeout:  # starved
+            return (share, 0, (r.arrival_time,))
+        if policy == "priority":
+            inner: tuple = (r.priority, r.arrival_time)
+        elif policy == "lpm" and prefix_len is not None:
+            inner = (-prefix_len.get(r.request_id, 0), r.arrival_time)
+        else:
+            inner = (0, r.arrival_time)
+        return (share, 1, inner)
+
+    return key
+
+
 def order_waiting(
     waiting: list[Request],
     config: SchedulingConfig,
@@ -87,19 +113,4 @@ def order_waiting(
     prefix_len: dict[str, int] | None,
 ) -> list[Request]:
     """Waiting requests in admission order (see the module docstring)."""
-    policy = config.policy
-    timeout = config.starvation_timeout_s
-
-    def key(r: Request) -> tuple:
-        starved = now - r.arrival_time >= timeout
-        if starved:
-            return (0, r.arrival_time, 0.0, ())
-        if policy == "priority":
-            inner: tuple = (r.priority, r.arrival_time)
-        elif policy == "lpm" and prefix_len is not None:
-            inner = (-prefix_len.get(r.request_id, 0), r.arrival_time)
-        else:
-            inner = (0, r.arrival_time)
-        return (1, 0.0, ledger.share_key(r.tenant), inner)
-
-    return sorted(waiting, key=key)
+    return sorted(waiting, key=admission_key(config, ledger, now, prefix_len))

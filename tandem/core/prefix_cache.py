@@ -54,19 +54,25 @@ class PrefixCache:
 
     def match_len(self, tokens: list[int], salt: str | None) -> int:
         """Length in tokens of the longest cached prefix (whole blocks), without changing the tree."""
+        return self.match_stats(tokens, salt)[0]
+
+    def match_stats(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
+        """`match_len`, and how many of the matched blocks are idle (unlocked) now, read-only."""
         bs = self.block_size
         node = self.roots.get(salt)
-        pos = 0
+        pos = idle = 0
         while node is not None and pos + bs <= len(tokens):
             child = node.children.get(tuple(tokens[pos : pos + bs]))
             if child is None:
                 break
             m = self._common_blocks(child, tokens, pos)
             pos += m * bs
+            if child.lock == 0:
+                idle += m
             if m < len(child.blocks):
                 break
             node = child
-        return pos
+        return pos, idle
 
     def match(self, tokens: list[int], salt: str | None) -> tuple[list[int], Node]:
         """Longest cached prefix: its blocks and the node it ends at (split so it ends exactly there)."""

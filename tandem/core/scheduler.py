@@ -20,7 +20,8 @@ request is protected and the first one cannot go on does the latest one go.
 No new request is admitted in a step that preempted or left a request waiting.
 Under the `priority` policy, running requests are served (and given up) in
 priority order, and a waiting request may preempt running requests of lower
-priority (larger `priority` value) to get the seats and blocks it needs.
+priority (larger `priority` value) to get the seats and blocks it needs (only
+requests the admission order puts after it, and only when that can make room).
 
 Waiting requests are admitted in the order `core/policy.py` gives (tenant
 fair share, then starved requests, then the policy). With prefix caching, an
@@ -94,6 +95,17 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.check_fits(req.num_prompt_tokens, req.max_tokens, 1 + len(req.pending_children))
+        quota = self.config.quota(req.tenant)
+        if quota.max_running is not None and req.num_seats > quota.max_running:
+            raise ValueError(
+                f"n ({req.num_seats}) exceeds the quota of tenant {req.tenant!r} "
+                f"({quota.max_running} running sequences)"
+            )
+        if quota.max_blocks is not None and self._max_blocks(req) > quota.max_blocks:
+            raise ValueError(
+                f"the request may hold {self._max_blocks(req)} KV blocks, beyond the quota of tenant "
+                f"{req.tenant!r} ({quota.max_blocks} blocks)"
+            )
         seen: set[str] = set()
         for r in (req, *req.pending_children):
             if r.request_id in self.requests or r.request_id in seen:
@@ -128,6 +140,10 @@ class Scheduler:
             if order:
                 self._preempt_for(order[0], out, now)
         num_priority_preempted = len(out.preempted)
+        if num_priority_preempted:
+            # Victims rejoin the queue, after the request they made room for: order them now, with the
+            # service counts `_preempt_for` compared (the running requests are charged below).
+            order = self._admission_order(now)
 
         drafts = self._plan_drafts(out, budget) if self.spec is not None else {}
         i = 0
@@ -139,6 +155,9 @@ class Scheduler:
             n = min(owed, budget) + k
             scheduled = True
             while not self.kv.allocate_slots(req, n, out.block_copies):
+                if k > 0:  # drafts are optional: drop them rather than wait or preempt for their blocks
+                    n, k = n - k, 0
+                    continue
                 victim = self._pick_victim(i)
                 if victim is None:  # protected: it keeps its blocks and waits for a later step
                     stalled = True
@@ -166,8 +185,6 @@ class Scheduler:
 
         if len(out.preempted) > num_priority_preempted or stalled:
             return out
-        if num_priority_preempted:
-            order = self._admission_order(now)
         seats = sum(r.num_seats for r in self.running)
         quotas = (
             bool(self.config.tenants)
@@ -259,21 +276,36 @@ class Scheduler:
 
         Only requests the admission order puts after `cand` are victims: a starved one (or one of a
         tenant owed service) would be readmitted at once, ahead of `cand`, its work lost for nothing.
+        Nobody is preempted unless giving up every victim could make room, nor for a request its
+        tenant's quota holds back (admission would skip it).
         """
-        need_blocks = self.kv.blocks_for(cand.num_tokens) - self.kv.match_len(cand) // self.kv.block_size
+        quota = self.config.quota(cand.tenant)
+        mine = [r for r in self.running if r.tenant == cand.tenant]
+        if (
+            quota.max_running is not None
+            and sum(r.num_seats for r in mine) + cand.num_seats > quota.max_running
+        ) or (
+            quota.max_blocks is not None
+            and sum(self._max_blocks(r) for r in mine) + self._max_blocks(cand) > quota.max_blocks
+        ):
+            return
+        need_blocks = self.kv.blocks_to_admit(cand)
         key = admission_key(self.config, self.ledger, now, None)
-        while True:
-            seats = sum(r.num_seats for r in self.running)
-            if seats + cand.num_seats <= self.max_num_seqs and need_blocks <= self.kv.num_available:
-                return
-            victims = [
-                r
-                for r in self.running
-                if r.priority > cand.priority and not r.protected and key(r) > key(cand)
-            ]
-            if not victims:
-                return
-            victim = max(victims, key=lambda r: (r.priority, r.arrival_time))
+        victims = [
+            r for r in self.running if r.priority > cand.priority and not r.protected and key(r) > key(cand)
+        ]
+        victims.sort(key=lambda r: (r.priority, r.arrival_time))
+
+        def fits(freed_seats: int, freed_blocks: int) -> bool:
+            seats = sum(r.num_seats for r in self.running) - freed_seats
+            return seats + cand.num_seats <= self.max_num_seqs and need_blocks <= (
+                self.kv.num_available + freed_blocks
+            )
+
+        if not fits(sum(r.num_seats for r in victims), sum(len(r.block_ids) for r in victims)):
+            return
+        while victims and not fits(0, 0):
+            victim = victims.pop()
             self._preempt(victim)
             out.preempted.append(victim)
 
