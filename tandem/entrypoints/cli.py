@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)"
     )
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "lpm"])
+    g.add_argument(
+        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=True
+    )
+    g.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, ...}',
+    )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -39,6 +60,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory",
         "num_kv_blocks",
         "num_threads",
+        "scheduling_policy",
+        "enable_prefix_caching",
+        "speculative_config",
     ]
     return {n: getattr(args, n) for n in names}
 
@@ -82,6 +106,53 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tandem.config import EngineConfig, ModelConfig
+    from tandem.entrypoints.llm import default_model_path
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model or default_model_path()
+    config = EngineConfig(model=model, **engine_kwargs(args))
+    # A bad checkpoint folder or speculative config fails here, before any process starts.
+    ModelConfig.from_pretrained(model)
+    from tandem.spec.config import SpeculativeConfig
+
+    SpeculativeConfig.from_dict(config.speculative_config)
+    from tandem.entrypoints.openai.api_server import run_server
+
+    return run_server(args, config)
+
+
+def add_serve_parser(sub: Any) -> None:
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="checkpoint folder")
+    add_engine_args(srv)
+    g = srv.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=512,
+        help="accepted requests not yet producing output, beyond which new ones get 503",
+    )
+    g.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY)")
+    g.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="JSON: key -> {tenant, priority, max_concurrent, tokens_per_minute}",
+    )
+    g.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests"
+    )
+    g.add_argument(
+        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    srv.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=_generate)
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,167 @@
+"""The engine-core process: an EngineCore driven by messages from the API process.
+
+The loop never waits on the API process: it drains what has arrived without blocking, runs a
+step while there is work, and only when idle blocks on its input socket (with a timeout, so it
+also notices a dead parent). Outputs go out unbounded (no high-water mark), so a slow reader
+cannot stall the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+from tandem.config import EngineConfig
+from tandem.engine import messages as m
+
+logger = logging.getLogger("tandem.engine")
+
+IDLE_POLL_MS = 200
+STATS_INTERVAL_S = 0.2
+
+
+def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    # Ctrl-C reaches the whole process group: the API process decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(message)s")
+    import zmq
+
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.RCVHWM, 0)
+    inp.connect(in_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(out_addr)
+    enc = m.encoder()
+    code = 0
+    try:
+        proc = EngineCoreProc(config, inp, out, parent_pid)
+        proc.run()
+    except Exception as exc:  # report, then die: the API process fails in-flight requests
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        out.send(enc.encode(m.Failed(f"{type(exc).__name__}: {exc}")))
+        code = 1
+    finally:
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+    sys.exit(code)
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, inp, out, parent_pid: int) -> None:
+        import zmq
+
+        self.inp, self.out = inp, out
+        self.parent_pid = parent_pid
+        self.enc = m.encoder()
+        self.dec = m.engine_decoder()
+        self.poller = zmq.Poller()
+        self.poller.register(inp, zmq.POLLIN)
+        self.stopping = False
+        self.dirty = True
+        self.last_stats = 0.0
+        self._send(m.Hello(os.getpid()))
+        # Import torch and the model code while the API process loads the tokenizer (whose EOS id
+        # the core needs, so the core itself is built once Init arrives).
+        import tandem.worker.model_runner  # noqa: F401
+
+        init = None
+        while init is None:
+            msg = self._recv(IDLE_POLL_MS)
+            if isinstance(msg, m.Init):
+                init = msg
+            elif isinstance(msg, m.Shutdown) or not self._parent_alive():
+                raise SystemExit(0)
+        from tandem.engine.core import EngineCore
+
+        self.core = EngineCore(config, tuple(init.extra_eos_token_ids))
+        self._send(m.Ready(os.getpid(), self.core.limits))
+        logger.info("engine core ready: %d KV blocks of %d tokens", self.core.num_blocks, config.block_size)
+
+    def _send(self, msg: object) -> None:
+        self.out.send(self.enc.encode(msg), copy=False)
+
+    def _recv(self, timeout_ms: int) -> object | None:
+        if not self.poller.poll(timeout_ms):
+            return None
+        return self.dec.decode(self.inp.recv(copy=False).buffer)
+
+    def _parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    def run(self) -> None:
+        core = self.core
+        steps = 0
+        while not self.stopping:
+            busy = core.has_unfinished_requests()
+            self._drain(0 if busy else IDLE_POLL_MS)
+            if self.stopping:
+                break
+            if core.has_unfinished_requests():
+                outputs = core.step()
+                steps += 1
+                self.dirty = True
+                finished = any(o.finish_reason is not None for o in outputs)
+                now = time.monotonic()
+                stats = self._stats() if finished or now - self.last_stats >= STATS_INTERVAL_S else None
+                if outputs or stats is not None:
+                    self._send(m.Outputs(outputs, stats))
+                if steps % 256 == 0 and not self._parent_alive():
+                    break
+            else:
+                if self.dirty:
+                    self._send(m.Outputs([], self._stats()))
+                if not self._parent_alive():
+                    break
+
+    def _drain(self, timeout_ms: int) -> None:
+        msg = self._recv(timeout_ms)
+        while msg is not None:
+            self._handle(msg)
+            msg = self._recv(0)
+
+    def _handle(self, msg: object) -> None:
+        core = self.core
+        self.dirty = True
+        if isinstance(msg, m.Add):
+            try:
+                core.add_request(msg.request)
+            except ValueError as exc:
+                self._send(m.Rejected(msg.request.request_id, str(exc)))
+        elif isinstance(msg, m.Abort):
+            core.abort_requests(msg.request_ids)
+        elif isinstance(msg, m.StopSample):
+            core.stop_sample(msg.request_id, msg.index, msg.reason)
+        elif isinstance(msg, m.Shutdown):
+            self.stopping = True
+
+    def _stats(self) -> m.Stats:
+        core = self.core
+        self.dirty = False
+        self.last_stats = time.monotonic()
+        iteration_tokens = core.stats.iteration_tokens
+        core.stats.iteration_tokens = []
+        snap = core.snapshot()
+        spec = snap.get("spec_decode")
+        return m.Stats(
+            num_running=snap["num_requests_running"],
+            num_waiting=snap["num_requests_waiting"],
+            kv_usage=snap["kv_cache_usage_perc"],
+            num_preemptions=snap["num_preemptions"],
+            prefix_query_tokens=snap["prefix_cache_queries"],
+            prefix_hit_tokens=snap["prefix_cache_hits"],
+            prompt_tokens=snap["prompt_tokens"],
+            generation_tokens=snap["generation_tokens"],
+            iteration_tokens=iteration_tokens,
+            spec_num_drafts=spec["num_drafts"] if spec else 0,
+            spec_num_draft_tokens=spec["num_draft_tokens"] if spec else 0,
+            spec_num_accepted_tokens=spec["num_accepted_tokens"] if spec else 0,
+        )

@@ -1,0 +1,102 @@
+"""What crosses the process boundary between the API process and the engine-core process.
+
+Every message is a msgspec struct, encoded as MessagePack and sent over a ZeroMQ PUSH/PULL pair.
+The payload types (`EngineCoreRequest`, `SampleOutput`, `EngineLimits`) are the core's own dataclasses.
+
+API -> engine: Init (once), Add, Abort, StopSample, Shutdown.
+Engine -> API: Hello (once, process up), Ready (once, core built), Outputs (a step's deltas plus,
+periodically, Stats), Rejected (an Add the core refused), Failed (fatal error, then the process exits).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tandem.core.limits import EngineLimits
+from tandem.engine.core import EngineCoreRequest, SampleOutput
+
+# -- API process -> engine ---------------------------------------------------
+
+
+class Init(msgspec.Struct, tag="init"):
+    extra_eos_token_ids: list[int]
+
+
+class Add(msgspec.Struct, tag="add"):
+    request: EngineCoreRequest
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class StopSample(msgspec.Struct, tag="stop"):
+    request_id: str
+    index: int
+    reason: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+# -- engine -> API process ---------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    pid: int
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    pid: int
+    limits: EngineLimits
+
+
+class Stats(msgspec.Struct):
+    """A snapshot of the core; counters are cumulative since start, `iteration_tokens` since the last one."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    generation_tokens: int
+    iteration_tokens: list[int]
+    # Speculative decoding (zero without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    outputs: list[SampleOutput]
+    stats: Stats | None = None
+
+
+class Rejected(msgspec.Struct, tag="rejected"):
+    request_id: str
+    message: str
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    message: str
+
+
+ToEngine = Init | Add | Abort | StopSample | Shutdown
+FromEngine = Hello | Ready | Outputs | Rejected | Failed
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def engine_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the engine receives."""
+    return msgspec.msgpack.Decoder(ToEngine)
+
+
+def client_decoder() -> msgspec.msgpack.Decoder:
+    """Decodes what the API process receives."""
+    return msgspec.msgpack.Decoder(FromEngine)

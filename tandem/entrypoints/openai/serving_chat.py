@@ -1,0 +1,195 @@
+"""POST /v1/chat/completions (the prompt comes from the tokenizer's chat template)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tandem.entrypoints.openai.errors import OpenAIError, bad_request
+from tandem.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from tandem.entrypoints.openai.serving import (
+    ClientDisconnected,
+    EngineCall,
+    ServerState,
+    error_for,
+    prepare,
+    sampled_and_top,
+    sampling_params,
+    token_text,
+)
+from tandem.entrypoints.openai.sse import SSEResponse
+from tandem.entrypoints.openai.tenants import Tenant
+from tandem.outputs import CompletionOutput
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: content flattened to a string."""
+    out = []
+    for msg in messages:
+        d = msg.model_dump(exclude_none=True)
+        content = msg.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        d["content"] = content or ""
+        out.append(d)
+    return out
+
+
+def chat_prompt_ids(
+    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
+) -> list[int]:
+    try:
+        return state.engine.tokenizer.apply_chat_template(conversation(messages), add_generation_prompt)
+    except ValueError as exc:
+        raise bad_request(exc, "messages") from exc
+
+
+def _logprobs(c: CompletionOutput, start: int, end: int, k: int, decode: Any) -> ChatLogprobs:
+    content = []
+    for pos in range(start, min(end, len(c.logprobs or ()))):
+        token = c.token_ids[pos]
+        sampled, ranked = sampled_and_top(c.logprobs[pos], token)
+        text = token_text(sampled, decode(token))
+        top = [
+            TopLogprob(token=(s := token_text(p, decode(t))), logprob=p.logprob, bytes=list(s.encode()))
+            for t, p in ranked[:k]
+        ]
+        content.append(
+            TokenLogprob(token=text, logprob=sampled.logprob, bytes=list(text.encode()), top_logprobs=top)
+        )
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(
+    state: ServerState, body: ChatCompletionRequest, tenant: Tenant | None, disconnected: Any
+) -> Any:
+    state.check_model(body.model)
+    if body.tools:
+        raise bad_request("tools are not supported", "tools")
+    if body.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice is not supported", "tool_choice")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens, logprobs)
+    ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    request_id = random_id("chatcmpl")
+    prepared = prepare(state, request_id, [{"prompt_token_ids": ids}], params, body, tenant)
+    decode = state.engine.tokenizer.decode_token
+    call = EngineCall(state, tenant, prepared)
+    call.start()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        gen = _stream(state, call, request_id, params.n, logprobs, include_usage, decode)
+        return SSEResponse(gen, call.close)
+    try:
+        async for _ in call.updates(disconnected):
+            pass
+    except ClientDisconnected:
+        return None
+    except (RuntimeError, ValueError) as exc:
+        raise error_for(exc) from exc
+    finally:
+        call.close()
+    out = call.last[0]
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ChatResponseMessage(content=c.text),
+            logprobs=_logprobs(c, 0, len(c.token_ids), logprobs, decode) if body.logprobs else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in out.outputs
+    ]
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    usage = UsageInfo(
+        prompt_tokens=len(ids), completion_tokens=completion_tokens, total_tokens=len(ids) + completion_tokens
+    )
+    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
+
+
+async def _stream(
+    state: ServerState,
+    call: EngineCall,
+    request_id: str,
+    n: int,
+    logprobs: int | None,
+    include_usage: bool,
+    decode: Any,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    sent_text = [0] * n
+    sent_tokens = [0] * n
+    finished = [False] * n
+    completion_tokens = 0
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        c = ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=[choice])
+        return f"data: {c.model_dump_json()}\n\n"
+
+    try:
+        for k in range(n):
+            yield chunk(ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content="")))
+        async for batch in call.updates():
+            for _, out in batch:
+                for c in out.outputs:
+                    k = c.index
+                    if finished[k]:
+                        continue
+                    delta = c.text[sent_text[k] :]
+                    lp = None
+                    if logprobs is not None and len(c.token_ids) > sent_tokens[k]:
+                        lp = _logprobs(c, sent_tokens[k], len(c.token_ids), logprobs, decode)
+                    done = c.finish_reason is not None
+                    if delta or lp is not None or done:
+                        yield chunk(
+                            ChatStreamChoice(
+                                index=k,
+                                delta=DeltaMessage(content=delta),
+                                logprobs=lp,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                            )
+                        )
+                    sent_text[k] = max(sent_text[k], len(c.text))
+                    sent_tokens[k] = len(c.token_ids)
+                    if done:
+                        finished[k] = True
+                        completion_tokens += len(c.token_ids)
+        if include_usage:
+            prompt_tokens = call.num_prompt_tokens
+            usage = UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            )
+            c = ChatCompletionChunk(
+                id=request_id, created=created, model=state.model_name, choices=[], usage=usage
+            )
+            yield f"data: {c.model_dump_json()}\n\n"
+    except (RuntimeError, ValueError) as exc:
+        yield error_for(exc).sse()
+    except OpenAIError as exc:
+        yield exc.sse()
+    finally:
+        call.close()
+    yield "data: [DONE]\n\n"
