@@ -26,7 +26,7 @@ class RequestStatus(enum.IntEnum):
         return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity equality: the scheduler removes requests from lists
 class Request:
     """One sequence being generated.
 

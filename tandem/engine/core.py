@@ -223,6 +223,8 @@ class EngineCore:
         ids = self._groups.get(request_id)
         if ids is not None:
             self.scheduler.finish_requests([ids[index]], RequestStatus.FINISHED_STOPPED, reason)
+            if self.spec is not None:
+                self.spec.forget(ids[index])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

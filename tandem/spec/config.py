@@ -43,11 +43,19 @@ class SpeculativeConfig:
             method = "draft_model"
         if method == "draft":
             method = "draft_model"
+        # As vLLM: a bound given alone (None counts as not given) also sets the other one.
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo, hi = 1, 4
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
         cfg = SpeculativeConfig(
             method=str(method),
             num_speculative_tokens=spec.get("num_speculative_tokens", 0),
-            prompt_lookup_min=spec.get("prompt_lookup_min", 1),
-            prompt_lookup_max=spec.get("prompt_lookup_max", 4),
+            prompt_lookup_min=lo,
+            prompt_lookup_max=hi,
             model=spec.get("model"),
             adaptive=spec.get("adaptive", True),
         )
