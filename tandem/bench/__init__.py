@@ -1,0 +1,1 @@
+"""`tandem bench`: serving (online, any OpenAI-compatible endpoint) and offline throughput benchmarks."""
