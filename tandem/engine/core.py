@@ -247,8 +247,10 @@ class EngineCore:
             for n, t in result.draft_pass_times:
                 self.spec.controller.observe_draft_pass(n, t)
         out = []
+        generated = 0
         for req in changed:
             new = req.token_ids[before.get(req.request_id, req.num_prompt_tokens) :]
+            generated += len(new)
             stats.num_generation_tokens += len(new)
             lps = result.logprobs.get(req.request_id)
             so = SampleOutput(
@@ -273,6 +275,8 @@ class EngineCore:
                 so.first_scheduled_time = req.first_scheduled_time
                 so.first_token_time = req.first_token_time
             out.append(so)
+        if self.spec is not None:
+            self.spec.controller.observe_outcome(generated, time.perf_counter() - start)
         return out
 
     def snapshot(self) -> dict[str, Any]:

@@ -15,6 +15,14 @@ At low load the fixed cost `a` dominates, so extra tokens are nearly free and
 requests get up to `num_speculative_tokens`; as the batch grows, `b*t`
 dominates and a draft token is worth its cost only if it is very likely
 accepted, so speculation turns itself down, to zero where it does not pay.
+
+The model cannot see everything verification costs (draft passes, the extra
+sampling rows, Python work per request), so a measured gate sits on top:
+for each batch-size bucket (decoding requests, powers of two) it keeps the
+measured output tokens per second of pure-decode steps with speculation on
+and off (exponentially weighted), runs the better mode, and spends one step in
+`explore_every` on the other so both estimates stay current. Speculation is
+therefore on only where it has been measured to pay.
 """
 
 from __future__ import annotations
@@ -56,6 +64,45 @@ class LinearCost:
         return a + b * x
 
 
+class SpecGate:
+    """Per batch-size bucket: measured tokens/s with speculation on vs off; run the better one."""
+
+    def __init__(self, explore_every: int = 16, decay: float = 0.8, min_samples: int = 3) -> None:
+        self.explore_every = explore_every
+        self.decay = decay
+        self.min_samples = min_samples
+        # bucket -> {mode: [weighted tokens, weighted seconds, samples]}
+        self._stats: dict[int, dict[bool, list[float]]] = {}
+        self._steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(num_decoding: int) -> int:
+        return max(1, num_decoding).bit_length()
+
+    def rate(self, bucket: int, on: bool) -> float | None:
+        st = self._stats.get(bucket, {}).get(on)
+        if st is None or st[2] < self.min_samples or st[1] <= 0:
+            return None
+        return st[0] / st[1]
+
+    def choose(self, num_decoding: int) -> bool:
+        b = self.bucket(num_decoding)
+        step = self._steps[b] = self._steps.get(b, 0) + 1
+        on_rate, off_rate = self.rate(b, True), self.rate(b, False)
+        if on_rate is None:
+            return True
+        if off_rate is None:
+            return False
+        best = on_rate >= off_rate
+        return (not best) if step % self.explore_every == 0 else best
+
+    def observe(self, num_decoding: int, on: bool, tokens: int, seconds: float) -> None:
+        st = self._stats.setdefault(self.bucket(num_decoding), {}).setdefault(on, [0.0, 0.0, 0])
+        st[0] = self.decay * st[0] + tokens
+        st[1] = self.decay * st[1] + seconds
+        st[2] += 1
+
+
 class AdaptiveSpeculation:
     def __init__(
         self,
@@ -74,6 +121,9 @@ class AdaptiveSpeculation:
         self.history_decay = history_decay
         self.warmup_steps = warmup_steps
         self._acc: dict[str, tuple[float, float]] = {}
+        self.gate = SpecGate()
+        # The last pure-decode step's (decoding requests, speculation on), for `observe_outcome`.
+        self.pending: tuple[int, bool] | None = None
 
     # -- estimates -------------------------------------------------------
 
@@ -98,13 +148,28 @@ class AdaptiveSpeculation:
     def forget(self, request_id: str) -> None:
         self._acc.pop(request_id, None)
 
+    def observe_outcome(self, tokens: int, seconds: float) -> None:
+        """Output tokens and wall time of the step just planned (used when it was a pure-decode step)."""
+        if self.pending is not None:
+            n, on = self.pending
+            self.gate.observe(n, on, tokens, seconds)
+            self.pending = None
+
     # -- the plan --------------------------------------------------------
 
     def plan(self, request_ids: list[str], other_tokens: int, draft_passes_cost: bool) -> dict[str, int]:
         """Draft length per decoding request; `other_tokens` are the step's non-speculative tokens."""
+        self.pending = None
         if not request_ids:
             return {}
-        if not self.adaptive or self.step_cost.count < self.warmup_steps:
+        if not self.adaptive:
+            return dict.fromkeys(request_ids, self.max_k)
+        if other_tokens == 0:  # a pure-decode step: its output rate is comparable across modes
+            on = self.gate.choose(len(request_ids))
+            self.pending = (len(request_ids), on)
+            if not on:
+                return {}
+        if self.step_cost.count < self.warmup_steps:
             return dict.fromkeys(request_ids, self.max_k)
         alphas = {rid: self.alpha(rid) for rid in request_ids}
         k = dict.fromkeys(request_ids, 0)

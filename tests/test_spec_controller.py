@@ -1,0 +1,55 @@
+"""The adaptive speculation controller: cost model, per-request draft lengths, and the measured gate."""
+
+from __future__ import annotations
+
+from tandem.spec.controller import AdaptiveSpeculation, LinearCost, SpecGate
+
+
+def test_linear_cost_recovers_a_line():
+    c = LinearCost(decay=1.0)
+    for t in range(1, 50):
+        c.observe(t, 0.01 + 0.002 * t)
+    a, b = c.coefficients()
+    assert abs(a - 0.01) < 1e-9 and abs(b - 0.002) < 1e-9
+
+
+def test_plan_speculates_when_fixed_cost_dominates_and_not_when_tokens_cost():
+    ctl = AdaptiveSpeculation(max_k=4, warmup_steps=0)
+    ids = [f"r{i}" for i in range(64)]
+    for rid in ids:
+        ctl.observe_acceptance(rid, 4, 2)  # alpha about 0.5
+    for t in (64, 128, 256):
+        ctl.observe_step(t, 0.020 + 0.00001 * t)  # fixed cost dominates
+    ks = ctl.plan(ids[:1], other_tokens=5, draft_passes_cost=False)
+    assert ks["r0"] == 4
+    heavy = AdaptiveSpeculation(max_k=4, warmup_steps=0)
+    for t in (64, 128, 256):
+        heavy.observe_step(t, 0.001 + 0.001 * t)  # every token costs as much as the fixed part
+    ks = heavy.plan(ids, other_tokens=5, draft_passes_cost=False)
+    assert sum(ks.values()) == 0
+
+
+def test_gate_runs_the_measured_better_mode_and_explores():
+    gate = SpecGate(explore_every=10, min_samples=2)
+    assert gate.choose(64) is True  # no data on "on" yet: try it
+    for _ in range(3):
+        gate.observe(64, True, 64, 0.2)  # 320 tok/s with speculation
+    assert gate.choose(64) is False  # no data on "off" yet: try it
+    for _ in range(3):
+        gate.observe(64, False, 64, 0.1)  # 640 tok/s without
+    choices = [gate.choose(64) for _ in range(40)]
+    assert choices.count(False) >= 35 and choices.count(True) >= 3  # mostly off, still exploring
+    # Another batch size is its own bucket.
+    assert gate.choose(1) is True
+
+
+def test_plan_returns_nothing_when_the_gate_is_off():
+    ctl = AdaptiveSpeculation(max_k=4, warmup_steps=0)
+    for _ in range(3):
+        ctl.plan(["a", "b"], other_tokens=0, draft_passes_cost=False)
+        ctl.observe_outcome(2, 1.0)  # speculation on: 2 tok/s
+    for _ in range(3):
+        got = ctl.plan(["a", "b"], other_tokens=0, draft_passes_cost=False)
+        ctl.observe_outcome(2, 0.1)
+    got = [ctl.plan(["a", "b"], other_tokens=0, draft_passes_cost=False) for _ in range(5)]
+    assert {} in got
