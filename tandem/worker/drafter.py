@@ -3,7 +3,14 @@
 The draft keeps its own paged KV cache, indexed by the same block tables as
 the target's (same block ids, its own tensors), so preemption, prefix caching
 and rewinds need nothing extra: the draft runs over every batch the target
-runs (`catch_up`), and a rejected token's slot is simply overwritten later.
+runs while anyone speculates (`catch_up`), and a rejected token's slot is
+simply overwritten later. In steps where nobody speculates (the adaptive gate
+has turned speculation off) the draft does no work at all; the positions it
+skipped are remembered per request (`stale`) and computed in one batched pass
+(`fill_holes`) before that request next gets drafts. Draft KV only affects how
+good the proposals are, never what is emitted (verification is lossless), so
+a prefix-cache hit whose draft KV was never written costs acceptance, not
+correctness.
 """
 
 from __future__ import annotations
@@ -35,11 +42,34 @@ class Drafter:
         self.backend = self.model.layers[0].self_attn.backend
         self.kv_caches = runner.allocate_kv(mc, num_blocks)
         self.generators: dict[str, torch.Generator] = {}
+        # request id -> first position whose draft KV was skipped
+        self.stale: dict[str, int] = {}
 
     def catch_up(self, batch: ForwardBatch) -> None:
         """Write the draft's KV for every token the target just computed."""
         if self.backend.sliding_window != self.runner.backend.sliding_window:
             self.backend.prepare(batch)
+        self.model(batch, self.kv_caches)
+
+    def mark_stale(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            start = r.num_computed_tokens
+            if self.stale.get(r.request_id, start + 1) > start:
+                self.stale[r.request_id] = start
+
+    def fill_holes(self, reqs: list[Request]) -> None:
+        """Compute the draft KV a request's skipped steps left out, up to (not incl.) its last token."""
+        from tandem.worker.model_runner import build_batch
+
+        todo = [r for r in reqs if self.stale.get(r.request_id, r.num_tokens) < r.num_tokens - 1]
+        starts = [self.stale[r.request_id] for r in todo]
+        for r in reqs:
+            self.stale.pop(r.request_id, None)
+        if not todo:
+            return
+        q_lens = [r.num_tokens - 1 - s for r, s in zip(todo, starts)]
+        batch, _ = build_batch(todo, q_lens, self.runner.block_size, self.runner.device, starts_l=starts)
+        self.backend.prepare(batch)
         self.model(batch, self.kv_caches)
 
     def propose(

@@ -29,15 +29,19 @@ def build_batch(
     block_size: int,
     device: torch.device,
     extra_tokens: dict[str, list[int]] | None = None,
+    starts_l: list[int] | None = None,
 ) -> tuple[ForwardBatch, np.ndarray]:
     """The flat batch for `reqs` computing `q_lens_l` tokens each from `num_computed_tokens` on.
 
-    `extra_tokens` are appended after a request's known tokens (draft tokens being verified).
-    Returns the batch and each request's end offset in it.
+    `extra_tokens` are appended after a request's known tokens (draft tokens being verified);
+    `starts_l` overrides where each request starts. Returns the batch and each request's end
+    offset in it.
     """
     num_reqs = len(reqs)
     q_lens = np.asarray(q_lens_l, dtype=np.int64)
-    starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=num_reqs)
+    if starts_l is None:
+        starts_l = [r.num_computed_tokens for r in reqs]
+    starts = np.asarray(starts_l, dtype=np.int64)
     qsl = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(q_lens, out=qsl[1:])
     input_ids: list[int] = []
@@ -114,6 +118,7 @@ class ModelRunner:
             self.generators.pop(rid, None)
             if self.drafter is not None:
                 self.drafter.generators.pop(rid, None)
+                self.drafter.stale.pop(rid, None)
         if sched.block_copies:
             src = torch.tensor([s for s, _ in sched.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in sched.block_copies], device=self.device)
@@ -131,6 +136,7 @@ class ModelRunner:
                 for r in sched.requests
                 if sched.num_draft.get(r.request_id)
             ]
+            self.drafter.fill_holes([r for r, _ in todo])
             proposed, draft_probs, out.draft_pass_times = self.drafter.propose(todo)
             drafts.update(proposed)
 
@@ -152,7 +158,10 @@ class ModelRunner:
         self.backend.prepare(batch)
         hidden = self.model(batch, self.kv_caches)
         if self.drafter is not None:
-            self.drafter.catch_up(batch)
+            if sched.num_draft:
+                self.drafter.catch_up(batch)
+            else:  # nobody speculates this step: skip the draft's work, remember the holes
+                self.drafter.mark_stale(sched.requests)
         if not rows:
             return out
         logits = self.model.compute_logits(hidden[batch.logits_indices])
