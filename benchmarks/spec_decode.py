@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--workloads", nargs="+", default=["code", "random"])
+    ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft", "draft-fixed-k"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result-json", type=Path, default=REPO / "benchmarks" / "results" / "spec_decode.json")
@@ -119,6 +120,7 @@ def main() -> None:
             "adaptive": False,
         },
     }
+    methods = {name: spec for name, spec in methods.items() if name in args.methods}
     results: list[dict[str, Any]] = []
     print(f"{'workload':<8} {'conc':>4} {'method':<14} {'tok/s':>8} {'vs off':>7} {'accept':>7} {'same':>5}")
     for wl in args.workloads:
