@@ -112,7 +112,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
-    model = args.model_tag or args.model or default_model_path()
+    model = args.model_tag or args.model
+    if model is None:
+        model = default_model_path()
+        # The embedded model is served under a short name rather than its install path.
+        args.served_model_name = args.served_model_name or "tandem-default"
     config = EngineConfig(model=model, **engine_kwargs(args))
     # A bad checkpoint folder or speculative config fails here, before any process starts.
     ModelConfig.from_pretrained(model)
