@@ -206,4 +206,11 @@ class AdaptiveSpeculation:
             )
             if new_k < self.max_k:
                 heapq.heappush(heap, (-(alphas[rid] ** (new_k + 1)), rid))
+        # A request given no drafts produces no new acceptance evidence; let its history fade
+        # toward the prior so one bad stretch does not shut it out for good.
+        d = self.history_decay
+        for rid, kr in k.items():
+            if kr == 0 and rid in self._acc:
+                a, r = self._acc[rid]
+                self._acc[rid] = (a * d, r * d)
         return k
