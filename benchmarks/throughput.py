@@ -142,22 +142,9 @@ def stdlib_texts(max_bytes: int) -> list[str]:
 
 def build_tokenizer(out: Path, vocab_size: int, texts: list[str]) -> int:
     """Train a byte-level BPE tokenizer on `texts`, save it to `out`, return its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tandem.bench.corpus import train_bpe_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(str(out))
-    return tok.get_vocab_size()
+    return len(train_bpe_tokenizer(texts, vocab_size, out, SPECIAL_TOKENS))
 
 
 def build_checkpoint(out: Path, shape: ModelShape, corpus_bytes: int, seed: int) -> None:

@@ -59,23 +59,9 @@ def read(files: list[Path]) -> list[str]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tandem.bench.corpus import train_bpe_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(out))
-    return fast
+    return train_bpe_tokenizer(texts, vocab_size, out, SPECIALS, CHAT_TEMPLATE)
 
 
 def encode_corpus(tok, texts: list[str]) -> torch.Tensor:
