@@ -200,17 +200,8 @@ class Scheduler:
         for req in order:
             if budget <= 0 or seats + req.num_seats > self.max_num_seqs:
                 break
-            if quotas:
-                quota = self.config.quota(req.tenant)
-                if (
-                    quota.max_running is not None
-                    and tenant_seats[req.tenant] + req.num_seats > quota.max_running
-                ):
-                    continue
-                if quota.max_blocks is not None and tenant_blocks[req.tenant] + self._max_blocks(req) > (
-                    quota.max_blocks
-                ):
-                    continue
+            if quotas and self._over_quota(req, tenant_seats[req.tenant], tenant_blocks[req.tenant]):
+                continue
             first_time = req.first_scheduled_time is None
             matched = self.kv.match_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -256,6 +247,13 @@ class Scheduler:
         out.num_tokens.append(n)
         self.ledger.charge(req.tenant, n)
 
+    def _over_quota(self, req: Request, held_seats: int, held_blocks: int) -> bool:
+        """Would admitting `req` take its tenant, already at (held_seats, held_blocks), past its quota?"""
+        quota = self.config.quota(req.tenant)
+        return (quota.max_running is not None and held_seats + req.num_seats > quota.max_running) or (
+            quota.max_blocks is not None and held_blocks + self._max_blocks(req) > quota.max_blocks
+        )
+
     def _max_blocks(self, req: Request) -> int:
         """Blocks the request (with its pending forks) holds at its longest: what a tenant quota counts."""
         return self.kv.blocks_for(req.num_prompt_tokens + req.max_tokens) * req.num_seats
@@ -279,15 +277,8 @@ class Scheduler:
         Nobody is preempted unless giving up every victim could make room, nor for a request its
         tenant's quota holds back (admission would skip it).
         """
-        quota = self.config.quota(cand.tenant)
         mine = [r for r in self.running if r.tenant == cand.tenant]
-        if (
-            quota.max_running is not None
-            and sum(r.num_seats for r in mine) + cand.num_seats > quota.max_running
-        ) or (
-            quota.max_blocks is not None
-            and sum(self._max_blocks(r) for r in mine) + self._max_blocks(cand) > quota.max_blocks
-        ):
+        if self._over_quota(cand, sum(r.num_seats for r in mine), sum(self._max_blocks(r) for r in mine)):
             return
         need_blocks = self.kv.blocks_to_admit(cand)
         key = admission_key(self.config, self.ledger, now, None)

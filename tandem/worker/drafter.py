@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
@@ -76,7 +75,7 @@ class Drafter:
         self, todo: list[tuple[Request, int]]
     ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[tuple[int, float]]]:
         """Propose `k` tokens for each decoding request: k batched single-token draft passes."""
-        from tandem.worker.model_runner import SampleRow
+        from tandem.worker.model_runner import SampleRow, build_batch
 
         runner = self.runner
         bs = runner.block_size
@@ -87,25 +86,10 @@ class Drafter:
             start = time.perf_counter()
             active = [r for r, k in todo if k > j]
             n = len(active)
-            ids = [r.token_ids[-1] if j == 0 else tokens[r.request_id][-1] for r in active]
-            positions = np.array([r.num_tokens - 1 + j for r in active], dtype=np.int64)
-            max_blocks = max(len(r.block_ids) for r in active)
-            tables = np.zeros((n, max_blocks), dtype=np.int64)
-            for i, r in enumerate(active):
-                tables[i, : len(r.block_ids)] = r.block_ids
-            slots = tables[np.arange(n), positions // bs] * bs + positions % bs
-            dev = runner.device
-            batch = ForwardBatch(
-                input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-                positions=torch.from_numpy(positions).to(dev),
-                slot_mapping=torch.from_numpy(slots).to(dev),
-                logits_indices=torch.arange(n, device=dev),
-                query_start_loc=np.arange(n + 1, dtype=np.int64),
-                query_lens=np.ones(n, dtype=np.int64),
-                seq_lens=positions + 1,
-                block_tables=tables,
-                block_size=bs,
-            )
+            # Pass 0 feeds each request's last known token; later passes feed the previous proposal.
+            extra = {r.request_id: tokens[r.request_id][-1:] for r in active} if j else None
+            starts = [r.num_tokens - 1 + j for r in active]
+            batch, _ = build_batch(active, [1] * n, bs, runner.device, extra, starts_l=starts)
             self.backend.prepare(batch)
             logits = self.model.compute_logits(self.model(batch, self.kv_caches)).float()
             sb = runner.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
