@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_METHODS = ("int8",)
 
 
 def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -170,6 +171,8 @@ class EngineConfig:
     kv_cache_memory: int = 2 << 30
     num_kv_blocks: int | None = None
     attention_backend: str = "torch"
+    # Quantization of the linear layers: None or "int8" (see tandem/model/quant.py).
+    quantization: str | None = None
     num_threads: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
@@ -184,6 +187,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

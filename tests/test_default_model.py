@@ -84,3 +84,17 @@ def test_draft_accepts_on_code(llm):
     stats = sp_llm.get_stats()["spec_decode"]
     assert stats["num_draft_tokens"] > 0
     assert stats["acceptance_rate"] > 0.2
+
+
+def test_step_time_breakdown(llm):
+    """The stats split step time into the model forward and the engine's own overhead."""
+    before = llm.get_stats()
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    after = llm.get_stats()
+    steps = after["num_steps"] - before["num_steps"]
+    step_time = after["step_time_s"] - before["step_time_s"]
+    forward = after["forward_time_s"] - before["forward_time_s"]
+    assert steps >= 8
+    assert 0 < forward < step_time
+    assert after["draft_time_s"] == 0.0
+    assert 0.0 < after["engine_overhead_fraction"] < 1.0

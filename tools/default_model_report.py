@@ -57,6 +57,54 @@ def greedy(model, prefix: list[int], n: int) -> list[int]:
     return out[0, len(prefix) :].tolist()
 
 
+@torch.no_grad()
+def tandem_perplexity(
+    path: Path, dtype: str, quantization: str | None, ids: torch.Tensor, seq: int = 256, max_rows: int = 256
+) -> float:
+    """Held-out perplexity through Tandem's own model code, with its dtype and weight format."""
+    import numpy as np
+
+    from tandem.config import ModelConfig
+    from tandem.model.forward_batch import ForwardBatch
+    from tandem.model.loader import load_model, resolve_dtype
+
+    cfg = ModelConfig.from_pretrained(path)
+    dt = resolve_dtype(dtype, torch.device("cpu"))
+    model = load_model(cfg, dt, torch.device("cpu"), "torch", seq, quantization)
+    backend = model.layers[0].self_attn.backend
+    total, count = 0.0, 0
+    n = min(max_rows, (ids.numel() - 1) // seq)
+    for i in range(0, n, 8):
+        rows = list(range(i, min(n, i + 8)))
+        x = torch.cat([ids[j * seq : j * seq + seq] for j in rows])
+        b = len(rows)
+        # One block of `seq` slots per sequence: each is a fresh prompt of exactly one block.
+        caches = [torch.zeros(2, b, seq, cfg.num_kv_heads, cfg.head_dim, dtype=dt) for _ in model.layers]
+        batch = ForwardBatch(
+            input_ids=x,
+            positions=torch.arange(seq).repeat(b),
+            slot_mapping=torch.arange(b * seq),
+            logits_indices=torch.arange(b * seq),
+            query_start_loc=np.arange(b + 1) * seq,
+            query_lens=np.full(b, seq),
+            seq_lens=np.full(b, seq),
+            block_tables=np.arange(b)[:, None],
+            block_size=seq,
+        )
+        backend.prepare(batch)
+        logits = model.compute_logits(model(batch, caches)).float().view(b, seq, -1)
+        labels = x.view(b, seq)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+        )
+        total += loss.item() * b * (seq - 1)
+        count += b * (seq - 1)
+    return math.exp(total / count)
+
+
+WEIGHT_FORMATS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("bfloat16", "int8")]
+
+
 def acceptance(target, draft, prefixes: list[list[int]], k: int, length: int) -> dict[str, float]:
     proposed = accepted = steps = 0
     for prefix in prefixes:
@@ -80,9 +128,87 @@ def acceptance(target, draft, prefixes: list[list[int]], k: int, length: int) ->
     }
 
 
+def shape_line(path: Path) -> str:
+    cfg = json.loads((path / "config.json").read_text())
+    return (
+        f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+        f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV head, "
+        f"intermediate {cfg['intermediate_size']}"
+    )
+
+
+def markdown(report: dict) -> str:
+    """docs/default_model.md: what the model is, how well it does, samples, how to reproduce."""
+    info = {
+        name: json.loads((d / "training.json").read_text())
+        for name, d in (("t", DEFAULT_MODEL_DIR), ("d", DRAFT_DIR))
+    }
+    t, d = info["t"], info["d"]
+    acc = report["draft_acceptance"]
+    fmt = report["tandem_target_perplexity"]
+
+    def training(i: dict) -> str:
+        mixed = ", bf16 autocast" if i.get("bf16_autocast") else ""
+        return (
+            f"{i['train_steps']} steps x {i['batch']} x {i['seq_len']} tokens = "
+            f"{i['train_tokens_seen'] / 1e6:.2f}M tokens, {i['train_seconds'] / 60:.0f} min{mixed}"
+        )
+
+    lines = [
+        "# The embedded default model",
+        "",
+        "`tandem/models/default/` (target) and `tandem/models/default-draft/` (draft) are Llama-architecture",
+        "checkpoints trained on this machine from the Python standard library sources (PSF license) by",
+        "`tools/train_default_model.py` (seeded; CPU only; byte-level BPE tokenizer with a 4096-token",
+        "vocabulary shared by both; files split by a hash of their path, about 6% held out). Weights are",
+        "stored as float16 and loaded as float32 on CPU.",
+        "",
+        "| | target | draft |",
+        "|---|---|---|",
+        f"| parameters | {t['parameters'] / 1e6:.2f}M ({shape_line(DEFAULT_MODEL_DIR)}) | "
+        f"{d['parameters'] / 1e6:.2f}M ({shape_line(DRAFT_DIR)}) |",
+        f"| training | {training(t)} | {training(d)} |",
+        f"| held-out perplexity ({report['held_out_tokens_scored']} tokens) | "
+        f"{report['target_perplexity']:.2f} | {report['draft_perplexity']:.2f} |",
+        "",
+        "Draft acceptance against the target, greedy, k = "
+        f"{acc['k']}, on held-out code prefixes (`tools/default_model_report.py`): acceptance rate "
+        f"{acc['acceptance_rate']:.3f} ({acc['accepted']} of {acc['proposed']} proposed tokens), "
+        f"mean acceptance length {acc['mean_acceptance_length']:.2f}"
+        + (" (the aim is 0.5)." if acc["acceptance_rate"] < 0.5 else "."),
+        "",
+        "Held-out perplexity of the target through Tandem's own model code, per weight format (the",
+        "accuracy cost of `dtype` and `quantization`):",
+        "",
+        "| weight format | perplexity | change |",
+        "|---|---|---|",
+    ]
+    base = fmt["float32"]
+    for name, ppl in fmt.items():
+        lines.append(f"| {name} | {ppl:.4f} | {100 * (ppl / base - 1):+.3f}% |")
+    lines += [
+        "",
+        "What it is good for: code-completion demos, and speculative-decoding and quantization",
+        "experiments with a real (if small) model whose outputs are not noise. What it is not: a useful",
+        "assistant, or a model that knows anything but the shape of Python code.",
+        "",
+        "## Sample greedy completions of held-out prefixes (target, 48 tokens)",
+    ]
+    for s in report["samples"]:
+        lines += ["", "```python", s["prefix"] + s["completion"], "```"]
+    lines += [
+        "",
+        "Reproduce: `python tools/train_default_model.py --out tandem/models` (training) and",
+        "`python tools/default_model_report.py --json docs/default_model.json --markdown "
+        "docs/default_model.md` (this report).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None, help="write docs/default_model.md")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--num-prefixes", type=int, default=12)
     ap.add_argument("--length", type=int, default=64)
@@ -102,13 +228,20 @@ def main() -> None:
         "target_perplexity": perplexity(target, ids_t),
         "draft_perplexity": perplexity(draft, ids_t),
     }
+    # The same held-out text through Tandem, per weight format (quantization's accuracy cost).
+    report["tandem_target_perplexity"] = {
+        f"{dtype}{'+' + q if q else ''}": tandem_perplexity(DEFAULT_MODEL_DIR, dtype, q, ids_t)
+        for dtype, q in WEIGHT_FORMATS
+    }
     # Code prefixes: the first lines of held-out files' function definitions.
     prefixes, samples = [], []
     for t in texts:
         for start in [i for i in range(len(t)) if t.startswith("\ndef ", i)][:2]:
             end = t.find("\n", start + 1)
             body_end = t.find("\n", end + 1)
-            snippet = t[start + 1 : body_end + 1]
+            # End at the end of a line, not after its newline: BPE merges a newline with the next
+            # line's indentation, so a prompt ending in a bare newline is an unnatural split.
+            snippet = t[start + 1 : body_end]
             prefixes.append(tok.encode(snippet, add_special_tokens=False))
             if len(samples) < 4:
                 cont = greedy(target, prefixes[-1], 48)
@@ -120,6 +253,8 @@ def main() -> None:
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown(report))
 
 
 if __name__ == "__main__":

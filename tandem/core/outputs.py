@@ -55,3 +55,5 @@ class RunnerOutput:
     accepted: dict[str, list[int]] = field(default_factory=dict)
     # (requests in the pass, seconds) for each draft-model proposal pass, for the cost model.
     draft_pass_times: list[tuple[int, float]] = field(default_factory=list)
+    # Seconds in the target model itself (layers and logits), to tell engine overhead from compute.
+    forward_time: float = 0.0

@@ -64,6 +64,16 @@ class EngineStats:
     num_batched_tokens: int = 0
     # Tokens per step, appended each step, drained by whoever reports metrics.
     iteration_tokens: list[int] = field(default_factory=list)
+    # Wall time of steps, split into the target model's forward, draft-model passes and the rest
+    # (scheduling, input building, sampling, bookkeeping: the engine's overhead).
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    draft_time_s: float = 0.0
+
+    @property
+    def overhead_fraction(self) -> float:
+        rest = self.step_time_s - self.forward_time_s - self.draft_time_s
+        return rest / self.step_time_s if self.step_time_s > 0 else 0.0
 
 
 def scheduling_config(config: EngineConfig) -> SchedulingConfig:
@@ -275,8 +285,12 @@ class EngineCore:
                 so.first_scheduled_time = req.first_scheduled_time
                 so.first_token_time = req.first_token_time
             out.append(so)
+        elapsed = time.perf_counter() - start
+        stats.step_time_s += elapsed
+        stats.forward_time_s += result.forward_time
+        stats.draft_time_s += sum(t for _, t in result.draft_pass_times)
         if self.spec is not None:
-            self.spec.controller.observe_outcome(generated, time.perf_counter() - start)
+            self.spec.controller.observe_outcome(generated, elapsed)
         return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -292,6 +306,10 @@ class EngineCore:
             "prompt_tokens": stats.num_prompt_tokens,
             "generation_tokens": stats.num_generation_tokens,
             "num_steps": stats.num_steps,
+            "step_time_s": stats.step_time_s,
+            "forward_time_s": stats.forward_time_s,
+            "draft_time_s": stats.draft_time_s,
+            "engine_overhead_fraction": stats.overhead_fraction,
         }
         if self.spec is not None:
             s = self.spec

@@ -16,6 +16,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: int8 weights and dynamically quantized activations in the linear layers",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -52,6 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "tokenizer",
         "dtype",
+        "quantization",
         "seed",
         "max_model_len",
         "max_num_seqs",

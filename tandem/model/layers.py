@@ -66,6 +66,10 @@ class RotaryEmbedding:
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate every head of x: [T, heads, D]."""
+        return _rotate(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     dtype = x.dtype

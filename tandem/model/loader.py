@@ -12,7 +12,9 @@ from safetensors import SafetensorError, safe_open
 from tandem.config import ModelConfig
 from tandem.model.attention import get_attention_backend
 from tandem.model.layers import RotaryEmbedding
+from tandem.model.linear import pack_linears
 from tandem.model.llama import LlamaForCausalLM
+from tandem.model.quant import quantize_model
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -117,7 +119,12 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
 
 
 def load_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, attention_backend: str, max_positions: int
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str,
+    max_positions: int,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
@@ -131,4 +138,7 @@ def load_model(
     # Materialise without random init; every parameter is then overwritten from the checkpoint.
     model = model.to_empty(device=device)
     load_weights(model, Path(cfg.path))
-    return model.to(dtype=dtype).eval().requires_grad_(False)
+    model = model.to(dtype=dtype).eval().requires_grad_(False)
+    if quantization is not None:
+        return quantize_model(model, quantization)
+    return pack_linears(model)

@@ -36,7 +36,12 @@ class Drafter:
             )
         self.runner = runner
         self.model = load_model(
-            mc, runner.dtype, runner.device, engine_config.attention_backend, max_model_len
+            mc,
+            runner.dtype,
+            runner.device,
+            engine_config.attention_backend,
+            max_model_len,
+            engine_config.quantization,
         )
         self.backend = self.model.layers[0].self_attn.backend
         self.kv_caches = runner.allocate_kv(mc, num_blocks)
@@ -82,6 +87,14 @@ class Drafter:
         tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in todo}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in todo}
         times: list[tuple[int, float]] = []
+        # Plain greedy rows (no penalties, no min_tokens masking) draft by argmax of the raw logits,
+        # and greedy verification never reads a draft distribution: skip building either.
+        plain = all(
+            r.sampling.greedy
+            and not r.sampling.uses_penalties
+            and r.num_output_tokens >= r.sampling.min_tokens
+            for r, _ in todo
+        )
         for j in range(max(k for _, k in todo)):
             start = time.perf_counter()
             active = [r for r, k in todo if k > j]
@@ -91,7 +104,13 @@ class Drafter:
             starts = [r.num_tokens - 1 + j for r in active]
             batch, _ = build_batch(active, [1] * n, bs, runner.device, extra, starts_l=starts)
             self.backend.prepare(batch)
-            logits = self.model.compute_logits(self.model(batch, self.kv_caches)).float()
+            logits = self.model.compute_logits(self.model(batch, self.kv_caches))
+            if plain:
+                for r, t in zip(active, logits.argmax(dim=-1).tolist()):
+                    tokens[r.request_id].append(t)
+                times.append((n, time.perf_counter() - start))
+                continue
+            logits = logits.float()
             sb = runner.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
             sb.generators = [self._generator(r) for r in active]
             dist = runner.sampler.distribution(logits, sb)
@@ -100,7 +119,7 @@ class Drafter:
                 tokens[r.request_id].append(t)
                 probs[r.request_id].append(dist[i])
             times.append((n, time.perf_counter() - start))
-        return tokens, {rid: torch.stack(p) for rid, p in probs.items()}, times
+        return tokens, {rid: torch.stack(p) for rid, p in probs.items() if p}, times
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """Draft draws use their own stream, so a seeded request's target stream is not disturbed."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,7 +89,12 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.dtype = resolve_dtype(engine_config.dtype, self.device)
         self.model = load_model(
-            model_config, self.dtype, self.device, engine_config.attention_backend, max_model_len
+            model_config,
+            self.dtype,
+            self.device,
+            engine_config.attention_backend,
+            max_model_len,
+            engine_config.quantization,
         )
         self.backend = self.model.layers[0].self_attn.backend
         self.kv_caches = self.allocate_kv(model_config, num_blocks)
@@ -156,7 +162,9 @@ class ModelRunner:
                     logits_rows.append(end - 1 - len(d) + j)
         batch.logits_indices = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         self.backend.prepare(batch)
+        t0 = time.perf_counter()
         hidden = self.model(batch, self.kv_caches)
+        out.forward_time = time.perf_counter() - t0
         if self.drafter is not None:
             if sched.num_draft:
                 self.drafter.catch_up(batch)
@@ -164,7 +172,9 @@ class ModelRunner:
                 self.drafter.mark_stale(sched.requests)
         if not rows:
             return out
+        t0 = time.perf_counter()
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        out.forward_time += time.perf_counter() - t0
         sb = self.sampling_batch(rows)
         if not drafts:
             tokens, logprobs = self.sampler(logits, sb)

@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Time the CPU GEMM paths a linear layer can take, per batch size, on a model's real shapes.
+
+Each layer's weights are distinct tensors (a whole model's worth), cycled through in order, so the
+figures include reading the weights from memory as a decode step does, not from cache.
+
+    python benchmarks/gemm_paths.py --rows 1,8,32,128 --json results/gemm_paths.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# (in, out) of one decoder layer of the 415M peer checkpoint: qkv, o, gate_up, down.
+LAYER_SHAPES = [(896, 1152), (896, 896), (896, 9728), (4864, 896)]
+
+
+def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, Callable]]:
+    """name -> (per-layer prepared weights, fn(x, prepared) -> y)."""
+    from tandem.model.linear import PackedLinear, onednn_available
+    from tandem.model.quant import Int8Linear
+
+    paths: dict[str, tuple[list, Callable]] = {}
+    paths["fp32 F.linear (MKL)"] = (weights, lambda x, w: F.linear(x, w))
+    bf16 = [w.to(torch.bfloat16) for w in weights]
+    if onednn_available():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+        paths["fp32 oneDNN reordered"] = (
+            packed,
+            lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+        )
+        paths["fp32 Tandem PackedLinear"] = ([PackedLinear(w, None) for w in weights], lambda x, m: m(x))
+    paths["bf16 F.linear"] = (bf16, lambda x, w: F.linear(x.to(torch.bfloat16), w))
+    if onednn_available():
+        paths["bf16 Tandem PackedLinear"] = (
+            [PackedLinear(w, None) for w in bf16],
+            lambda x, m: m(x.to(torch.bfloat16)),
+        )
+    int8 = [Int8Linear(w, None) for w in weights]
+    paths["int8 Tandem (W8A8 dynamic)"] = (int8, lambda x, m: m(x))
+    if rows <= 8 and hasattr(torch.ops.aten, "_weight_int8pack_mm"):  # far too slow beyond
+        paths["int8 weight-only ATen kernel"] = (
+            int8,
+            lambda x, m: torch.ops.aten._weight_int8pack_mm(x, m.qweight, m.scale),
+        )
+    paths["int8 weight-only, widen + fp32 GEMM"] = (
+        int8,
+        lambda x, m: F.linear(x, m.qweight.to(x.dtype)) * m.scale,
+    )
+    return paths
+
+
+def time_path(prepared: list, fn: Callable, x_by_in: dict[int, torch.Tensor], reps: int) -> float:
+    def one_pass() -> None:
+        for p, w in zip(prepared, _shapes):
+            fn(x_by_in[w[0]], p)
+
+    one_pass()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        one_pass()
+    return (time.perf_counter() - t0) / reps
+
+
+_shapes: list[tuple[int, int]] = []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8,32,128")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    _shapes[:] = LAYER_SHAPES * args.layers
+    weights = [torch.randn(o, i) * 0.02 for i, o in _shapes]
+    total_bytes = sum(w.numel() for w in weights) * 4
+    flops_per_row = 2 * sum(w.numel() for w in weights)
+    results = []
+    print(f"{len(weights)} matrices, {total_bytes / 1e9:.2f} GB fp32, threads {torch.get_num_threads()}")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        x_by_in = {i: torch.randn(rows, i) for i, _ in LAYER_SHAPES}
+        for name, (prepared, fn) in make_paths(weights, rows).items():
+            with torch.inference_mode():
+                t = time_path(prepared, fn, x_by_in, args.reps)
+            gflops = flops_per_row * rows / t / 1e9
+            results.append({"rows": rows, "path": name, "seconds": t, "gflops": gflops})
+            print(f"rows {rows:4d}  {name:28s} {t * 1e3:8.1f} ms  {gflops:6.1f} GFLOP/s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Which GEMM a linear layer runs, by dtype and number of rows (CPU).
+
+`F.linear` goes to MKL's sgemm with the weight as stored. For the 2-64-row products of batched
+decoding that path is slow: oneDNN with the weight reordered once into its blocked layout
+(`mkldnn._linear_pointwise`) is up to 1.9x faster in float32 and faster at every size in bfloat16
+(benchmarks/gemm_paths.py, results in docs/benchmarks.md). For one or two rows (a single stream's
+decode) the plain sgemv reads memory best, so float32 layers keep both forms; bfloat16 layers keep
+only the reordered one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows at or below which float32 uses the plain weight (GEMV-like products).
+_PLAIN_MAX_ROWS = 2
+# Batch-size hint oneDNN tunes the reordered layout for: mid-size decode batches.
+_PACK_HINT_ROWS = 8
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is also held in oneDNN's reordered layout (CPU only)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dtype = weight.dtype
+        w = weight.detach().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
+        # float32 keeps the plain weight for the few-row path; bfloat16 never needs it.
+        self.plain = w if self.dtype == torch.float32 else None
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.plain is not None and x2.shape[0] <= _PLAIN_MAX_ROWS:
+            y = F.linear(x2, self.plain, self.bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Swap float32/bfloat16 `nn.Linear` layers of a CPU model for `PackedLinear`, in place.
+
+    A tied LM head (`lm_head is None`) gets a packed view of the embedding matrix.
+    """
+    if not onednn_available():
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and _packable(child.weight):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", "absent") is None and embed is not None and _packable(embed.weight):
+        model.lm_head = PackedLinear(embed.weight, None)
+    return model

@@ -1,0 +1,93 @@
+"""int8 linear layers (`quantization="int8"`).
+
+Weights: int8 with one symmetric scale per output channel (max |w| / 127), a quarter of float32's
+bytes, which is what bounds small-batch decoding on a CPU. Activations: quantized to 8 bits per
+tensor at run time, inside PyTorch's x86 quantized GEMM (`quantized::linear_dynamic`, fbgemm /
+oneDNN with VNNI), accumulated in int32 and scaled back to float. Where that engine is missing,
+the same int8 weights are widened to float and multiplied in plain torch (weight-only: more
+exact, much slower). benchmarks/gemm_paths.py times the choices; docs/default_model.md reports the
+perplexity cost on the default model.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.config import QUANTIZATION_METHODS
+from tandem.cpu import cpu_flags
+
+
+def _has_dynamic_int8() -> bool:
+    return "x86" in torch.backends.quantized.supported_engines or "fbgemm" in (
+        torch.backends.quantized.supported_engines
+    )
+
+
+def _cpu_has_vnni() -> bool:
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale)^T + b with q int8 [out, in], scale [out]; activations int8 on the fast path."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool | None = None
+    ) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.register_buffer("qweight", q, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.use_kernel = _has_dynamic_int8() if use_kernel is None else use_kernel
+        # Without VNNI, fbgemm's u8 x s8 products can saturate 16-bit sums: keep activations to 7 bits.
+        self.reduce_range = not _cpu_has_vnni()
+        self._packed = self._prepack() if self.use_kernel else None
+
+    def _prepack(self) -> object:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # quantized-tensor constructors warn of future removal
+            qw = torch._make_per_channel_quantized_tensor(
+                self.qweight, self.scale.double(), torch.zeros(self.out_features, dtype=torch.long), 0
+            )
+            return torch.ops.quantized.linear_prepack(qw, self.bias)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.in_features).float()
+        if self._packed is not None and x2.shape[0] > 0:
+            y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, self.reduce_range)
+        else:
+            # Per-channel scales commute with the matmul: scale the output columns instead.
+            y = F.linear(x2, self.qweight.float()) * self.scale
+            if self.bias is not None:
+                y = y + self.bias
+        return y.to(dtype).reshape(*shape[:-1], self.out_features)
+
+
+def quantize_model(model: nn.Module, method: str | None, use_kernel: bool | None = None) -> nn.Module:
+    """Swap every projection (attention, MLP, LM head) for its int8 form, in place.
+
+    The token embedding stays in float: it is a lookup, not a matmul. A tied LM head gets its own
+    quantized copy of the embedding matrix.
+    """
+    if method is None:
+        return model
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child.weight, child.bias, use_kernel))
+    if getattr(model, "lm_head", "absent") is None:
+        model.lm_head = Int8Linear(model.embed_tokens.weight, None, use_kernel)
+    return model
