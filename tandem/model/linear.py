@@ -30,11 +30,10 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.dtype = weight.dtype
         w = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
         # float32 keeps the plain weight for the few-row path; bfloat16 never needs it.
-        self.plain = w if self.dtype == torch.float32 else None
+        self.plain = w if w.dtype == torch.float32 else None
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

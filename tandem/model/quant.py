@@ -45,10 +45,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.use_kernel = _has_dynamic_int8() if use_kernel is None else use_kernel
+        if use_kernel is None:
+            use_kernel = _has_dynamic_int8()
         # Without VNNI, fbgemm's u8 x s8 products can saturate 16-bit sums: keep activations to 7 bits.
         self.reduce_range = not _cpu_has_vnni()
-        self._packed = self._prepack() if self.use_kernel else None
+        self._packed = self._prepack() if use_kernel else None
 
     def _prepack(self) -> object:
         with warnings.catch_warnings():
