@@ -251,8 +251,8 @@ class EngineCore:
         stats.num_steps += 1
         stats.num_batched_tokens += sched.total_tokens
         stats.iteration_tokens.append(sched.total_tokens)
+        draft_time = sum(t for _, t in result.draft_pass_times)
         if self.spec is not None:
-            draft_time = sum(t for _, t in result.draft_pass_times)
             self.spec.controller.observe_step(sched.total_tokens, time.perf_counter() - start - draft_time)
             for n, t in result.draft_pass_times:
                 self.spec.controller.observe_draft_pass(n, t)
@@ -288,7 +288,7 @@ class EngineCore:
         elapsed = time.perf_counter() - start
         stats.step_time_s += elapsed
         stats.forward_time_s += result.forward_time
-        stats.draft_time_s += sum(t for _, t in result.draft_pass_times)
+        stats.draft_time_s += draft_time
         if self.spec is not None:
             self.spec.controller.observe_outcome(generated, elapsed)
         return out

@@ -10,6 +10,8 @@ only the reordered one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,18 +52,31 @@ def _packable(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
-    """Swap float32/bfloat16 `nn.Linear` layers of a CPU model for `PackedLinear`, in place.
+LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module | None]
 
-    A tied LM head (`lm_head is None`) gets a packed view of the embedding matrix.
+
+def replace_linears(model: nn.Module, make: LinearFactory) -> nn.Module:
+    """Swap each `nn.Linear` for `make(weight, bias)` (kept where that returns None), in place.
+
+    A tied LM head (`lm_head is None`) becomes `make(embedding matrix, None)`: the embedding stays a
+    float lookup, the head gets its own form of the same matrix.
     """
-    if not onednn_available():
-        return model
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and _packable(child.weight):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+            if isinstance(child, nn.Linear):
+                new = make(child.weight, child.bias)
+                if new is not None:
+                    setattr(parent, name, new)
     embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", "absent") is None and embed is not None and _packable(embed.weight):
-        model.lm_head = PackedLinear(embed.weight, None)
+    if getattr(model, "lm_head", "absent") is None and embed is not None:
+        head = make(embed.weight, None)
+        if head is not None:
+            model.lm_head = head
     return model
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Swap float32/bfloat16 linear layers (tied LM head included) of a CPU model for `PackedLinear`."""
+    if not onednn_available():
+        return model
+    return replace_linears(model, lambda w, b: PackedLinear(w, b) if _packable(w) else None)

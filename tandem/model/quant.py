@@ -19,6 +19,7 @@ from torch import nn
 
 from tandem.config import QUANTIZATION_METHODS
 from tandem.cpu import cpu_flags
+from tandem.model.linear import replace_linears
 
 
 def _has_dynamic_int8() -> bool:
@@ -85,10 +86,4 @@ def quantize_model(model: nn.Module, method: str | None, use_kernel: bool | None
         return model
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child.weight, child.bias, use_kernel))
-    if getattr(model, "lm_head", "absent") is None:
-        model.lm_head = Int8Linear(model.embed_tokens.weight, None, use_kernel)
-    return model
+    return replace_linears(model, lambda w, b: Int8Linear(w, b, use_kernel))
