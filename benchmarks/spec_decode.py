@@ -1,7 +1,10 @@
 """Speculative decoding: output tokens/s with and without speculation, same run, several concurrencies.
 
-Workloads: `code` (prefixes of held-out Python stdlib files, where drafts are
-often right) and `random` (random token prompts, where they rarely are). For
+Workloads: `code` (windows of held-out Python stdlib files, where drafts are
+often right), `repeat` (a held-out code snippet followed by its own first
+quarter again, so continuing it means copying, as in a code edit that
+reproduces most of its input: the repetitive case prompt lookup is for) and
+`random` (random token prompts, where drafts rarely are right). For
 each concurrency c, `--requests-per-level` requests run through one `generate`
 call with `max_num_seqs=c`, greedy, a fixed number of output tokens each
 (`ignore_eos`). Methods: no speculation, n-gram lookup and the draft model,
@@ -42,6 +45,12 @@ def code_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[in
             start = rng.randrange(0, len(ids) - length)
             out.append(ids[start : start + length])
     return out
+
+
+def repeat_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
+    """A code snippet of 3/4 of `length` tokens, then its first quarter again."""
+    body_len = length * 3 // 4
+    return [body + body[: length - body_len] for body in code_prompts(tokenizer, n, body_len, seed)]
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -90,7 +99,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--workloads", nargs="+", default=["code", "random"])
+    ap.add_argument(
+        "--workloads", nargs="+", default=["repeat", "code", "random"], choices=["repeat", "code", "random"]
+    )
     ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft", "draft-fixed-k"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -134,6 +145,8 @@ def main() -> None:
             n = args.requests_per_level[li] if args.requests_per_level else max(4, 2 * conc)
             if wl == "code":
                 prompts = code_prompts(tok, n, args.prompt_len, args.seed)
+            elif wl == "repeat":
+                prompts = repeat_prompts(tok, n, args.prompt_len, args.seed)
             else:
                 prompts = random_prompts(len(tok), n, args.prompt_len, args.seed)
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}

@@ -44,3 +44,12 @@ def test_compare_ratios_and_markdown():
     assert "## Concurrency 1" in md and "## Concurrency 8" in md
     assert "| vllm | 4 | 20 (2) |" in md
     assert "skipped: RuntimeError: no binary" in md
+
+
+def test_gguf_variants_name_llamacpp_systems():
+    assert run_peers.parse_ggufs(None) == {}
+    assert run_peers.parse_ggufs("m.gguf") == {"llamacpp": "m.gguf"}
+    assert run_peers.parse_ggufs("f16=a.gguf, q8_0=b.gguf") == {
+        "llamacpp-f16": "a.gguf",
+        "llamacpp-q8_0": "b.gguf",
+    }

@@ -37,10 +37,22 @@ def test_gate_runs_the_measured_better_mode_and_explores():
     assert gate.choose(64) is False  # no data on "off" yet: try it
     for _ in range(3):
         gate.observe(64, False, 64, 0.1)  # 640 tok/s without
-    choices = [gate.choose(64) for _ in range(40)]
-    assert choices.count(False) >= 35 and choices.count(True) >= 3  # mostly off, still exploring
+    # "on" runs at half the rate: an exploring step loses one step's worth, so at a 1% budget the
+    # gate explores once per 100 steps.
+    assert gate.explore_interval(320.0, 640.0) == 100
+    choices = [gate.choose(64) for _ in range(400)]
+    assert 3 <= choices.count(True) <= 5  # mostly off, still exploring
+    assert gate.preferred(64) is False
     # Another batch size is its own bucket.
     assert gate.choose(1) is True
+    assert gate.preferred(2) is True  # untried
+
+
+def test_gate_rechecks_close_calls_often_and_clear_losers_rarely():
+    gate = SpecGate(explore_every=8, explore_cost=0.01, max_explore=256)
+    assert gate.explore_interval(100.0, 99.5) == 8  # within 1%: the floor
+    assert gate.explore_interval(100.0, 90.0) == 12
+    assert gate.explore_interval(10.0, 100.0) == 256  # the cap
 
 
 def test_plan_returns_nothing_when_the_gate_is_off():
@@ -53,3 +65,5 @@ def test_plan_returns_nothing_when_the_gate_is_off():
         ctl.observe_outcome(2, 0.1)
     got = [ctl.plan(["a", "b"], other_tokens=0, draft_passes_cost=False) for _ in range(5)]
     assert {} in got
+    # A step with prompt chunks in it follows the bucket's choice (off) without exploring.
+    assert all(ctl.plan(["a", "b"], other_tokens=7, draft_passes_cost=False) == {} for _ in range(50))

@@ -161,15 +161,30 @@ def vllm_server(args: argparse.Namespace, port: int) -> Server:
     return Server("vllm", cmd, port, env, args.out_dir / "vllm.log")
 
 
-def llamacpp_server(args: argparse.Namespace, port: int) -> Server:
-    if not args.llama_server or not args.gguf:
-        raise RuntimeError("llamacpp needs --llama-server PATH and --gguf PATH (see README.md)")
+def parse_ggufs(spec: str | None) -> dict[str, str]:
+    """`--gguf`: one path (system `llamacpp`) or `name=path` pairs (systems `llamacpp-<name>`)."""
+    if not spec:
+        return {}
+    out: dict[str, str] = {}
+    for item in spec.split(","):
+        name, sep, path = item.partition("=")
+        if sep:
+            out[f"llamacpp-{name.strip()}"] = path.strip()
+        else:
+            out["llamacpp"] = item.strip()
+    return out
+
+
+def llamacpp_server(args: argparse.Namespace, port: int, name: str = "llamacpp") -> Server:
+    gguf = args.ggufs.get(name)
+    if not args.llama_server or not gguf:
+        raise RuntimeError(f"{name} needs --llama-server PATH and a --gguf entry for it (see README.md)")
     t = str(args.threads)
     cmd = [
-        args.llama_server, "-m", args.gguf, "-t", t, "-tb", t, "-np", str(args.max_num_seqs),
+        args.llama_server, "-m", gguf, "-t", t, "-tb", t, "-np", str(args.max_num_seqs),
         "-c", str(args.llama_ctx), "-cb", "--host", "127.0.0.1", "--port", str(port), "--no-webui",
     ]  # fmt: skip
-    return Server("llamacpp", cmd, port, base_env(args.threads), args.out_dir / "llamacpp.log")
+    return Server(name, cmd, port, base_env(args.threads), args.out_dir / f"{name}.log")
 
 
 def transformers_baseline(args: argparse.Namespace, level: tuple[int, int]) -> dict[str, Any]:
@@ -231,7 +246,9 @@ def transformers_baseline(args: argparse.Namespace, level: tuple[int, int]) -> d
 def start_server(args: argparse.Namespace, name: str, port: int) -> Server:
     if name in TANDEM_VARIANTS:
         return tandem_server(args, port, name)
-    return {"vllm": vllm_server, "llamacpp": llamacpp_server}[name](args, port)
+    if name.startswith("llamacpp"):
+        return llamacpp_server(args, port, name)
+    return vllm_server(args, port)
 
 
 def run_system(args: argparse.Namespace, name: str) -> dict[int, dict[str, Any]]:
@@ -354,7 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-server", default=None, help="llama-server binary")
-    p.add_argument("--gguf", default=None, help="the checkpoint converted to GGUF")
+    p.add_argument(
+        "--gguf",
+        default=None,
+        help="the checkpoint converted to GGUF: PATH (system llamacpp) or NAME=PATH,... "
+        "(systems llamacpp-NAME, e.g. f16=m-f16.gguf,q8_0=m-q8_0.gguf)",
+    )
     p.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c (split across -np slots)")
     p.add_argument("--vllm-venv", default=str(HERE / ".venv-vllm"))
     p.add_argument("--vllm-kvcache-gb", type=int, default=4)
@@ -377,9 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     args.model = str(Path(args.model).resolve())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(SYSTEMS)
+    args.ggufs = parse_ggufs(args.gguf)
+    unknown = set(systems) - set(SYSTEMS) - set(args.ggufs)
     if unknown:
-        p.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+        known = ", ".join([*SYSTEMS, *args.ggufs])
+        p.error(
+            f"unknown systems {sorted(unknown)}; known: {known} (llamacpp-NAME comes from --gguf NAME=PATH)"
+        )
     by_level: dict[int, dict[str, dict[str, Any]]] = {c: {} for c, _ in args.levels}
     for name in systems:
         try:

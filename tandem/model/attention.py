@@ -27,6 +27,8 @@ class _Group:
     mask: torch.Tensor | None  # [G, 1, Q, C] True where attention is allowed; None = causal, no context
     out_index: torch.Tensor  # [V] flat token index of each valid query slot
     valid: torch.Tensor | None  # [G, Q] which padded query slots are real; None when all are
+    # Every token of the batch, in order, one per request (a pure decode batch): no gathers.
+    whole_batch: bool = False
 
 
 class TorchAttentionBackend:
@@ -78,7 +80,9 @@ class TorchAttentionBackend:
         if self.sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
         all_valid = bool(q_valid.all())
+        whole = max_q == 1 and idx.size == batch.num_requests == batch.num_tokens
         return _Group(
+            whole_batch=whole,
             q_index=torch.from_numpy(q_index).to(device),
             kv_slots=torch.from_numpy(slots).to(device),
             mask=torch.from_numpy(mask[:, None]).to(device),
@@ -100,8 +104,17 @@ class TorchAttentionBackend:
         v_cache = kv_cache[1].view(-1, kvh, hd)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
+        groups = batch.attn_metadata
+        if len(groups) == 1 and groups[0].whole_batch:
+            g = groups[0]
+            kg = k_cache[g.kv_slots].transpose(1, 2)  # [T, KVH, C, D]
+            vg = v_cache[g.kv_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
+            )
+            return o.squeeze(2)  # [T, H, D]
         out = torch.empty_like(q)
-        for g in batch.attn_metadata:
+        for g in groups:
             if g.mask is None:  # fresh prompt: causal attention over its own K/V
                 rows = g.out_index
                 o = F.scaled_dot_product_attention(

@@ -19,10 +19,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in float32 whatever the weight dtype, as the reference implementation does.
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -43,6 +44,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+# cos and sin rows for a pass's positions, shaped [T, 1, D] to broadcast over heads.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class RotaryEmbedding:
     """Neox-style rotary embedding with a precomputed float32 cos/sin table indexed by position.
 
@@ -58,20 +63,13 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, KVH, D]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate every head of x: [T, heads, D]."""
-        return _rotate(x, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+    def lookup(self, positions: torch.Tensor) -> Rope:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate every head of x: [T, heads, D]."""
+    cos, sin = rope
     dtype = x.dtype
     xf = x.float()
     half = xf.shape[-1] // 2

@@ -8,11 +8,11 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.model.attention import TorchAttentionBackend
 from tandem.model.forward_batch import ForwardBatch
-from tandem.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tandem.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, apply_rope
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: TorchAttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -26,11 +26,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = rotary
         self.backend = backend
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
+        self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         n = qkv.shape[0]
@@ -40,29 +39,28 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 n, self.num_heads + self.num_kv_heads, self.head_dim
             )
-            qk = self.rotary.rotate(positions, qk)
+            qk = apply_rope(qk, rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary(positions, q, k)
+            q = apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), rope)
+            k = apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), rope)
         o = self.backend.forward(q, k, v, kv_cache, batch)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: TorchAttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, backend)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
+        self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, batch)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -70,8 +68,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.config = cfg
+        self.rotary = rotary
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -81,8 +80,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states after the final norm, one row per token of the flat batch."""
         x = self.embed_tokens(batch.input_ids)
+        rope = self.rotary.lookup(batch.positions)  # once per pass, not once per layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(batch.positions, x, kv_cache, batch)
+            x = layer(rope, x, kv_cache, batch)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

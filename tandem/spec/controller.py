@@ -20,14 +20,21 @@ The model cannot see everything verification costs (draft passes, the extra
 sampling rows, Python work per request), so a measured gate sits on top:
 for each batch-size bucket (decoding requests, powers of two) it keeps the
 measured output tokens per second of pure-decode steps with speculation on
-and off (exponentially weighted), runs the better mode, and spends one step in
-`explore_every` on the other so both estimates stay current. Speculation is
+and off (exponentially weighted), runs the better mode, and now and then
+spends a step on the other so both estimates stay current. How often follows
+from what exploring costs: a step of the worse mode at relative rate `r < 1`
+loses `1/r - 1` of a step, so the gate explores every
+`(1/r - 1) / explore_cost` steps (clamped to [explore_every, max_explore]),
+which keeps exploring below `explore_cost` (1%) of the time. A close call is
+re-checked often; a clear loser rarely. Steps that also carry prompt chunks
+follow the bucket's current choice without exploring. Speculation is
 therefore on only where it has been measured to pay.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 
 
 class LinearCost:
@@ -67,8 +74,17 @@ class LinearCost:
 class SpecGate:
     """Per batch-size bucket: measured tokens/s with speculation on vs off; run the better one."""
 
-    def __init__(self, explore_every: int = 16, decay: float = 0.8, min_samples: int = 3) -> None:
+    def __init__(
+        self,
+        explore_every: int = 8,
+        decay: float = 0.8,
+        min_samples: int = 3,
+        explore_cost: float = 0.01,
+        max_explore: int = 256,
+    ) -> None:
         self.explore_every = explore_every
+        self.explore_cost = explore_cost
+        self.max_explore = max_explore
         self.decay = decay
         self.min_samples = min_samples
         # bucket -> {mode: [weighted tokens, weighted seconds, samples]}
@@ -85,16 +101,28 @@ class SpecGate:
             return None
         return st[0] / st[1]
 
+    def explore_interval(self, on_rate: float, off_rate: float) -> int:
+        loss = max(on_rate, off_rate) / max(min(on_rate, off_rate), 1e-12) - 1.0
+        steps = math.ceil(loss / self.explore_cost)
+        return max(self.explore_every, min(self.max_explore, steps))
+
+    def preferred(self, num_decoding: int) -> bool:
+        """The better mode so far (untried modes first), without counting a step or exploring."""
+        b = self.bucket(num_decoding)
+        on_rate, off_rate = self.rate(b, True), self.rate(b, False)
+        if on_rate is None or off_rate is None:
+            return on_rate is None
+        return on_rate >= off_rate
+
     def choose(self, num_decoding: int) -> bool:
+        """The mode for a pure-decode step: the better one, or (now and then) the other."""
         b = self.bucket(num_decoding)
         step = self._steps[b] = self._steps.get(b, 0) + 1
         on_rate, off_rate = self.rate(b, True), self.rate(b, False)
-        if on_rate is None:
-            return True
-        if off_rate is None:
-            return False
+        if on_rate is None or off_rate is None:
+            return on_rate is None
         best = on_rate >= off_rate
-        return (not best) if step % self.explore_every == 0 else best
+        return (not best) if step % self.explore_interval(on_rate, off_rate) == 0 else best
 
     def observe(self, num_decoding: int, on: bool, tokens: int, seconds: float) -> None:
         st = self._stats.setdefault(self.bucket(num_decoding), {}).setdefault(on, [0.0, 0.0, 0])
@@ -167,8 +195,10 @@ class AdaptiveSpeculation:
         if other_tokens == 0:  # a pure-decode step: its output rate is comparable across modes
             on = self.gate.choose(len(request_ids))
             self.pending = (len(request_ids), on)
-            if not on:
-                return {}
+        else:
+            on = self.gate.preferred(len(request_ids))
+        if not on:
+            return {}
         if self.step_cost.count < self.warmup_steps:
             return dict.fromkeys(request_ids, self.max_k)
         alphas = {rid: self.alpha(rid) for rid in request_ids}

@@ -2,15 +2,19 @@
 
 The draft keeps its own paged KV cache, indexed by the same block tables as
 the target's (same block ids, its own tensors), so preemption, prefix caching
-and rewinds need nothing extra: the draft runs over every batch the target
-runs while anyone speculates (`catch_up`), and a rejected token's slot is
-simply overwritten later. In steps where nobody speculates (the adaptive gate
-has turned speculation off) the draft does no work at all; the positions it
-skipped are remembered per request (`stale`) and computed in one batched pass
-(`fill_holes`) before that request next gets drafts. Draft KV only affects how
-good the proposals are, never what is emitted (verification is lossless), so
-a prefix-cache hit whose draft KV was never written costs acceptance, not
-correctness.
+and rewinds need no copies. The draft never runs over the target's batch.
+Instead each request remembers how many of its leading positions hold valid
+draft KV (`valid`), and a proposal's first pass feeds everything from there
+to the request's last token in one ragged batch. After a speculative step
+those are only the bonus token (and the last accepted draft, which no pass
+fed), because the draft already computed the accepted drafts' KV while
+proposing them; after a prompt or a stretch without speculation they are all
+the tokens it missed. Positions past what verification accepted are stale
+and are simply overwritten later. Draft KV only affects how good the
+proposals are, never what is emitted (verification is lossless). A new
+request does not trust draft KV in blocks it shares through the prefix cache
+or a fork, since those may never have been fed to the draft; its first pass
+feeds the draft its whole prompt.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.request import Request
-from tandem.model.forward_batch import ForwardBatch
 from tandem.model.loader import load_model
 
 
@@ -46,35 +49,24 @@ class Drafter:
         self.backend = self.model.layers[0].self_attn.backend
         self.kv_caches = runner.allocate_kv(mc, num_blocks)
         self.generators: dict[str, torch.Generator] = {}
-        # request id -> first position whose draft KV was skipped
-        self.stale: dict[str, int] = {}
+        # request id -> how many leading positions hold valid draft KV
+        self.valid: dict[str, int] = {}
 
-    def catch_up(self, batch: ForwardBatch) -> None:
-        """Write the draft's KV for every token the target just computed."""
-        if self.backend.sliding_window != self.runner.backend.sliding_window:
-            self.backend.prepare(batch)
-        self.model(batch, self.kv_caches)
+    def sync(self, reqs: list[Request], preempted: list[Request], finished: list[str]) -> None:
+        """Before a step: clip each request's valid draft KV to what the target has kept.
 
-    def mark_stale(self, reqs: list[Request]) -> None:
+        A request seen for the first time (or again after preemption) has no draft KV it can
+        trust: a cached prefix or a forked parent's blocks may never have been fed to the draft,
+        because the draft catches up lazily. A rewind (rejected drafts) leaves the draft's KV
+        valid only up to the target's computed tokens.
+        """
+        for rid in finished:
+            self.valid.pop(rid, None)
+            self.generators.pop(rid, None)
+        for r in preempted:
+            self.valid.pop(r.request_id, None)
         for r in reqs:
-            start = r.num_computed_tokens
-            if self.stale.get(r.request_id, start + 1) > start:
-                self.stale[r.request_id] = start
-
-    def fill_holes(self, reqs: list[Request]) -> None:
-        """Compute the draft KV a request's skipped steps left out, up to (not incl.) its last token."""
-        from tandem.worker.model_runner import build_batch
-
-        todo = [r for r in reqs if self.stale.get(r.request_id, r.num_tokens) < r.num_tokens - 1]
-        starts = [self.stale[r.request_id] for r in todo]
-        for r in reqs:
-            self.stale.pop(r.request_id, None)
-        if not todo:
-            return
-        q_lens = [r.num_tokens - 1 - s for r, s in zip(todo, starts)]
-        batch, _ = build_batch(todo, q_lens, self.runner.block_size, self.runner.device, starts_l=starts)
-        self.backend.prepare(batch)
-        self.model(batch, self.kv_caches)
+            self.valid[r.request_id] = min(self.valid.get(r.request_id, 0), r.num_computed_tokens)
 
     def propose(
         self, todo: list[tuple[Request, int]]
@@ -84,6 +76,8 @@ class Drafter:
 
         runner = self.runner
         bs = runner.block_size
+        # Pass 0 starts where each request's valid draft KV ends (sync has set it).
+        first = [min(self.valid[r.request_id], r.num_tokens - 1) for r, _ in todo]
         tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in todo}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in todo}
         times: list[tuple[int, float]] = []
@@ -95,20 +89,33 @@ class Drafter:
             and r.num_output_tokens >= r.sampling.min_tokens
             for r, _ in todo
         )
+        for r, k in todo:
+            self.valid[r.request_id] = r.num_tokens - 1 + k  # what the passes below will have fed
         for j in range(max(k for _, k in todo)):
             start = time.perf_counter()
             active = [r for r, k in todo if k > j]
             n = len(active)
-            # Pass 0 feeds each request's last known token; later passes feed the previous proposal.
-            extra = {r.request_id: tokens[r.request_id][-1:] for r in active} if j else None
-            starts = [r.num_tokens - 1 + j for r in active]
-            batch, _ = build_batch(active, [1] * n, bs, runner.device, extra, starts_l=starts)
+            if j == 0:  # every position the draft has not seen, up to the last known token
+                starts = first
+                q_lens = [r.num_tokens - s for r, s in zip(active, starts)]
+                extra = None
+            else:  # the previous proposal
+                starts = [r.num_tokens - 1 + j for r in active]
+                q_lens = [1] * n
+                extra = {r.request_id: tokens[r.request_id][-1:] for r in active}
+            batch, ends = build_batch(active, q_lens, bs, runner.device, extra, starts_l=starts)
             self.backend.prepare(batch)
-            logits = self.model.compute_logits(self.model(batch, self.kv_caches))
+            hidden = self.model(batch, self.kv_caches)
+            if len(ends) != hidden.shape[0]:
+                hidden = hidden[torch.from_numpy(ends - 1)]
+            logits = self.model.compute_logits(hidden)
+            # A first pass that also catches up on a prompt is no sample of a pass's cost.
+            timed = batch.input_ids.shape[0] <= 2 * n
             if plain:
                 for r, t in zip(active, logits.argmax(dim=-1).tolist()):
                     tokens[r.request_id].append(t)
-                times.append((n, time.perf_counter() - start))
+                if timed:
+                    times.append((n, time.perf_counter() - start))
                 continue
             logits = logits.float()
             sb = runner.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
@@ -118,7 +125,8 @@ class Drafter:
             for i, (r, t) in enumerate(zip(active, picked.tolist())):
                 tokens[r.request_id].append(t)
                 probs[r.request_id].append(dist[i])
-            times.append((n, time.perf_counter() - start))
+            if timed:
+                times.append((n, time.perf_counter() - start))
         return tokens, {rid: torch.stack(p) for rid, p in probs.items() if p}, times
 
     def _generator(self, req: Request) -> torch.Generator | None:

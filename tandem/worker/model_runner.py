@@ -122,9 +122,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.finished_ids:
             self.generators.pop(rid, None)
-            if self.drafter is not None:
-                self.drafter.generators.pop(rid, None)
-                self.drafter.stale.pop(rid, None)
+        if self.drafter is not None:
+            self.drafter.sync(sched.requests, sched.preempted, sched.finished_ids)
         if sched.block_copies:
             src = torch.tensor([s for s, _ in sched.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in sched.block_copies], device=self.device)
@@ -142,7 +141,6 @@ class ModelRunner:
                 for r in sched.requests
                 if sched.num_draft.get(r.request_id)
             ]
-            self.drafter.fill_holes([r for r, _ in todo])
             proposed, draft_probs, out.draft_pass_times = self.drafter.propose(todo)
             drafts.update(proposed)
 
@@ -165,11 +163,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         hidden = self.model(batch, self.kv_caches)
         out.forward_time = time.perf_counter() - t0
-        if self.drafter is not None:
-            if sched.num_draft:
-                self.drafter.catch_up(batch)
-            else:  # nobody speculates this step: skip the draft's work, remember the holes
-                self.drafter.mark_stale(sched.requests)
         if not rows:
             return out
         t0 = time.perf_counter()
@@ -195,9 +188,62 @@ class ModelRunner:
         draft_probs: dict[str, torch.Tensor],
         out: RunnerOutput,
     ) -> None:
+        logits = logits.float()
+        if sb.all_greedy:
+            tokens_l, accepted_l = self._verify_greedy(logits, sb, spans, drafts)
+        else:
+            tokens_l, accepted_l = self._verify_sampled(logits, sb, spans, drafts, draft_probs)
+        raw = None
+        if any(k is not None for k in sb.num_logprobs):
+            raw = torch.log_softmax(logits, dim=-1)
+        for b, (member, first, _) in enumerate(spans):
+            a = accepted_l[b]
+            emitted = tokens_l[b][: a + 1]
+            rid = member.request_id
+            if a:
+                out.accepted[rid] = emitted[:a]
+            out.sampled[rid] = emitted[a]
+            if raw is not None and member.sampling.logprobs is not None:
+                idx = torch.arange(first, first + a + 1)
+                lps = self.sampler.logprobs(
+                    raw[idx], torch.tensor(emitted), [member.sampling.logprobs] * (a + 1)
+                )
+                out.logprobs[rid] = [lp for lp in lps if lp is not None]
+
+    def _verify_greedy(
+        self,
+        logits: torch.Tensor,
+        sb: SamplingBatch,
+        spans: list[tuple[Request, int, int]],
+        drafts: dict[str, list[int]],
+    ) -> tuple[list[list[int]], list[int]]:
+        """All rows greedy: accept while the draft equals the target's argmax (penalties applied).
+
+        The same rule as `rejection_sample` on one-hot targets, without building [B, k+1, V]
+        distributions, which at high concurrency cost more than the forward of a tiny model.
+        """
+        target = self.sampler.greedy_tokens(logits, sb).tolist()
+        tokens_l, accepted_l = [], []
+        for member, first, k in spans:
+            row = target[first : first + k + 1]
+            d = drafts.get(member.request_id, [])
+            a = 0
+            while a < k and d[a] == row[a]:
+                a += 1
+            tokens_l.append(row)
+            accepted_l.append(a)
+        return tokens_l, accepted_l
+
+    def _verify_sampled(
+        self,
+        logits: torch.Tensor,
+        sb: SamplingBatch,
+        spans: list[tuple[Request, int, int]],
+        drafts: dict[str, list[int]],
+        draft_probs: dict[str, torch.Tensor],
+    ) -> tuple[list[list[int]], list[int]]:
         from tandem.spec.rejection import rejection_sample
 
-        logits = logits.float()
         probs = self.sampler.distribution(logits, sb)
         vocab = probs.shape[1]
         num = len(spans)
@@ -217,23 +263,7 @@ class ModelRunner:
         tokens, accepted = rejection_sample(
             target, draft_tok, num_draft, q, greedy, gens, self.sampler.generator
         )
-        tokens_l, accepted_l = tokens.tolist(), accepted.tolist()
-        raw = None
-        if any(k is not None for k in sb.num_logprobs):
-            raw = torch.log_softmax(logits, dim=-1)
-        for b, (member, first, _) in enumerate(spans):
-            a = accepted_l[b]
-            emitted = tokens_l[b][: a + 1]
-            rid = member.request_id
-            if a:
-                out.accepted[rid] = emitted[:a]
-            out.sampled[rid] = emitted[a]
-            if raw is not None and member.sampling.logprobs is not None:
-                idx = torch.arange(first, first + a + 1)
-                lps = self.sampler.logprobs(
-                    raw[idx], torch.tensor(emitted), [member.sampling.logprobs] * (a + 1)
-                )
-                out.logprobs[rid] = [lp for lp in lps if lp is not None]
+        return tokens.tolist(), accepted.tolist()
 
     def sampling_batch(self, rows: list[SampleRow]) -> SamplingBatch:
         dev = self.device

@@ -57,6 +57,10 @@ class Sampler:
             lps = self.logprobs(raw_logprobs, tokens, sb.num_logprobs)
         return token_list, lps
 
+    def greedy_tokens(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """The argmax of each row after penalties and `min_tokens` masking."""
+        return self._process(logits.float(), sb).argmax(dim=-1)
+
     def distribution(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """The distribution each row samples from, [R, V]: one-hot at the argmax on greedy rows."""
         logits = self._process(logits.float(), sb)
