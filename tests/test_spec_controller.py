@@ -67,3 +67,31 @@ def test_plan_returns_nothing_when_the_gate_is_off():
     assert {} in got
     # A step with prompt chunks in it follows the bucket's choice (off) without exploring.
     assert all(ctl.plan(["a", "b"], other_tokens=7, draft_passes_cost=False) == {} for _ in range(50))
+
+
+def test_unmeasured_bucket_borrows_its_neighbours_verdict():
+    gate = SpecGate(min_samples=2, max_explore=64)
+    for _ in range(2):
+        gate.observe(8, True, 8, 0.2)  # bucket of 8: speculation loses
+        gate.observe(8, False, 8, 0.1)
+    # A larger batch starts off (off measured smaller) and samples "on" only on the slow schedule.
+    choices = []
+    for _ in range(128):
+        on = gate.choose(32)
+        gate.observe(32, on, 32, 0.4 if on else 0.2)
+        choices.append(on)
+    assert choices[:2] == [False, False] and choices.count(True) == 2
+    assert gate.preferred(32) is False
+    # A smaller batch is not covered by an "off" verdict from above: it tries "on" first.
+    assert gate.choose(2) is True
+    for _ in range(2):
+        gate.observe(1, True, 10, 0.1)  # a single stream gains
+        gate.observe(1, False, 5, 0.1)
+    # Between "on" at 1 and "off" at 8 neither verdict carries over: untried, so "on" first.
+    assert gate.preferred(4) is True
+    assert gate.preferred(64) is False  # off measured at 8 and 32
+    gate2 = SpecGate(min_samples=2)
+    for _ in range(2):
+        gate2.observe(16, True, 20, 0.1)
+        gate2.observe(16, False, 10, 0.1)
+    assert gate2.choose(4) is True and gate2.preferred(4) is True  # on measured larger: on here

@@ -27,8 +27,12 @@ loses `1/r - 1` of a step, so the gate explores every
 `(1/r - 1) / explore_cost` steps (clamped to [explore_every, max_explore]),
 which keeps exploring below `explore_cost` (1%) of the time. A close call is
 re-checked often; a clear loser rarely. Steps that also carry prompt chunks
-follow the bucket's current choice without exploring. Speculation is
-therefore on only where it has been measured to pay.
+follow the bucket's current choice without exploring. A bucket not yet
+measured borrows the verdict of its neighbours, since speculation pays less
+as the batch grows: "off" measured at a smaller batch means off here too, and
+"on" measured at a larger batch means on; it then explores the other mode
+on the slow schedule rather than starting with it. Speculation is therefore
+on only where it has been measured to pay.
 """
 
 from __future__ import annotations
@@ -106,13 +110,29 @@ class SpecGate:
         steps = math.ceil(loss / self.explore_cost)
         return max(self.explore_every, min(self.max_explore, steps))
 
+    def _measured(self, bucket: int) -> bool | None:
+        on_rate, off_rate = self.rate(bucket, True), self.rate(bucket, False)
+        return None if on_rate is None or off_rate is None else on_rate >= off_rate
+
+    def _borrowed(self, bucket: int) -> bool | None:
+        """The nearest informative neighbour's verdict: off from below, on from above."""
+        for other in sorted(self._stats, key=lambda o: abs(o - bucket)):
+            verdict = self._measured(other)
+            if verdict is False and other < bucket:
+                return False
+            if verdict is True and other > bucket:
+                return True
+        return None
+
     def preferred(self, num_decoding: int) -> bool:
-        """The better mode so far (untried modes first), without counting a step or exploring."""
+        """The better mode so far, without counting a step or exploring."""
         b = self.bucket(num_decoding)
-        on_rate, off_rate = self.rate(b, True), self.rate(b, False)
-        if on_rate is None or off_rate is None:
-            return on_rate is None
-        return on_rate >= off_rate
+        verdict = self._measured(b)
+        if verdict is None:
+            verdict = self._borrowed(b)
+        if verdict is None:  # nothing known: try "on" first
+            return self.rate(b, True) is None
+        return verdict
 
     def choose(self, num_decoding: int) -> bool:
         """The mode for a pure-decode step: the better one, or (now and then) the other."""
@@ -120,7 +140,13 @@ class SpecGate:
         step = self._steps[b] = self._steps.get(b, 0) + 1
         on_rate, off_rate = self.rate(b, True), self.rate(b, False)
         if on_rate is None or off_rate is None:
-            return on_rate is None
+            borrowed = self._borrowed(b)
+            if borrowed is None:  # try "on" first, then "off"
+                return on_rate is None
+            if self.rate(b, borrowed) is None:
+                return borrowed
+            # The borrowed mode is measured here; sample the other one on the slow schedule.
+            return (not borrowed) if step % self.max_explore == 0 else borrowed
         best = on_rate >= off_rate
         return (not best) if step % self.explore_interval(on_rate, off_rate) == 0 else best
 
