@@ -3,8 +3,10 @@
 The `torch` backend works on any device. It writes the step's new K/V into the
 cache through the slot mapping, then gathers each request's context from its
 block table into a padded tensor and runs one `scaled_dot_product_attention`
-per group of requests. Decodes (one query token) and longer chunks are grouped
-apart so a long prefill does not pad every decode to its length. All index and
+per group of requests. Requests are grouped by query length in powers of two
+(decodes, speculative verifications of a few tokens, prompt chunks), so a long
+prefill does not pad every decode or verification to its length and padding
+never more than doubles a group's queries. All index and
 mask tensors are built once per step in `prepare` and shared by every layer,
 so the per-layer work has no per-request Python.
 """
@@ -44,13 +46,11 @@ class TorchAttentionBackend:
         self.sliding_window = sliding_window
 
     def prepare(self, batch: ForwardBatch) -> None:
-        q_lens = batch.query_lens
-        decode = np.flatnonzero(q_lens == 1)
-        longer = np.flatnonzero(q_lens > 1)
+        # Bucket b holds query lengths in (2^(b-1), 2^b]; decodes are bucket 0.
+        buckets = np.ceil(np.log2(np.maximum(batch.query_lens, 1))).astype(np.int64)
         groups = []
-        for idx in (decode, longer):
-            if idx.size:
-                groups.append(self._group(batch, idx))
+        for b in np.unique(buckets):
+            groups.append(self._group(batch, np.flatnonzero(buckets == b)))
         batch.attn_metadata = groups
 
     def _group(self, batch: ForwardBatch, idx: np.ndarray) -> _Group:

@@ -1,0 +1,103 @@
+"""The torch attention backend on a mixed ragged batch, against per-request reference attention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.model.attention import TorchAttentionBackend
+from tandem.model.forward_batch import ForwardBatch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
+
+
+def make_batch(q_lens: list[int], seq_lens: list[int], num_blocks: int, rng: np.random.Generator):
+    """A flat batch whose requests own shuffled, disjoint blocks of the cache."""
+    free = list(rng.permutation(num_blocks))
+    tables = []
+    for s in seq_lens:
+        tables.append([int(free.pop()) for _ in range(-(-s // BLOCK))])
+    width = max(len(t) for t in tables)
+    block_tables = np.zeros((len(q_lens), width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    q = np.asarray(q_lens, dtype=np.int64)
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    qsl = np.zeros(len(q) + 1, dtype=np.int64)
+    np.cumsum(q, out=qsl[1:])
+    positions = np.concatenate([np.arange(s - n, s) for n, s in zip(q, seq)])
+    req = np.repeat(np.arange(len(q)), q)
+    slots = block_tables[req, positions // BLOCK] * BLOCK + positions % BLOCK
+    return ForwardBatch(
+        input_ids=torch.zeros(int(qsl[-1]), dtype=torch.long),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        logits_indices=torch.empty(0, dtype=torch.long),
+        query_start_loc=qsl,
+        query_lens=q,
+        seq_lens=seq,
+        block_tables=block_tables,
+        block_size=BLOCK,
+    )
+
+
+def reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float, window: int | None) -> torch.Tensor:
+    out = torch.empty_like(q, dtype=torch.float64)
+    group = HEADS // KV_HEADS
+    for i in range(batch.num_requests):
+        start, n, s = int(batch.query_start_loc[i]), int(batch.query_lens[i]), int(batch.seq_lens[i])
+        pos = np.arange(s)
+        slots = batch.block_tables[i, pos // BLOCK] * BLOCK + pos % BLOCK
+        k = k_cache[torch.from_numpy(slots)].double().repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v_cache[torch.from_numpy(slots)].double().repeat_interleave(group, dim=1)
+        for j in range(n):
+            qpos = s - n + j
+            allowed = pos <= qpos
+            if window is not None:
+                allowed &= pos > qpos - window
+            scores = torch.einsum("hd,shd->hs", q[start + j].double(), k) * scale
+            scores[:, torch.from_numpy(~allowed)] = float("-inf")
+            out[start + j] = torch.einsum("hs,shd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_batch_matches_reference_and_groups_by_query_length(window) -> None:
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    # Decodes, speculative verifications (3 and 5 tokens), a fresh prompt and a prompt chunk with context.
+    q_lens = [1, 5, 1, 3, 40, 17, 5]
+    seq_lens = [9, 30, 22, 7, 40, 50, 5]
+    num_blocks = 64
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window)
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    t = batch.num_tokens
+    q = torch.randn(t, HEADS, HEAD_DIM)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM)
+    v = torch.randn(t, KV_HEADS, HEAD_DIM)
+    backend.prepare(batch)
+    # Query-length buckets 1 | 3 | 5, 5 | 17 | 40: no request is padded to a longer bucket's length.
+    sizes = sorted(int(g.q_index.shape[0]) * int(g.q_index.shape[1]) for g in batch.attn_metadata)
+    assert sizes == [2, 3, 10, 17, 40]
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
+    assert torch.equal(k_cache[batch.slot_mapping], k)  # the new K/V went to their slots
+    expected = reference(q, k_cache, v_cache, batch, HEAD_DIM**-0.5, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_pure_decode_batch_skips_the_gathers() -> None:
+    rng = np.random.default_rng(1)
+    batch = make_batch([1, 1, 1], [5, 12, 3], 16, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    backend.prepare(batch)
+    assert len(batch.attn_metadata) == 1 and batch.attn_metadata[0].whole_batch
+    cache = torch.randn(2, 16, BLOCK, KV_HEADS, HEAD_DIM)
+    q = torch.randn(3, HEADS, HEAD_DIM)
+    k, v = torch.randn(3, KV_HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM)
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
+    expected = reference(q, k_cache, v_cache, batch, HEAD_DIM**-0.5, None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
