@@ -31,6 +31,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def repo_relative(path: str) -> str:
+    """Paths inside the repository are recorded relative to it (results are committed)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else path
+
+
 def code_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
     sys.path.insert(0, str(REPO / "tools"))
     from train_default_model import read, stdlib_files
@@ -185,8 +191,8 @@ def main() -> None:
         json.dumps(
             {
                 "command": shlex.join(sys.argv),
-                "model": model,
-                "draft": draft,
+                "model": repo_relative(model),
+                "draft": repo_relative(draft),
                 "k": args.k,
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,

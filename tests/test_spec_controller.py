@@ -95,3 +95,26 @@ def test_unmeasured_bucket_borrows_its_neighbours_verdict():
         gate2.observe(16, True, 20, 0.1)
         gate2.observe(16, False, 10, 0.1)
     assert gate2.choose(4) is True and gate2.preferred(4) is True  # on measured larger: on here
+
+
+def test_draft_catch_up_is_spread_over_steps() -> None:
+    """A draft that missed whole prompts catches up a budget's worth of requests per step."""
+    from fake_runner import make_group
+
+    from tandem.spec.config import SpeculativeConfig
+    from tandem.spec.planner import CATCH_UP_TOKENS_PER_STEP, SpecPlanner
+
+    planner = SpecPlanner(SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="d"))
+    reqs = []
+    for i in range(3):
+        r, _ = make_group(f"r{i}", list(range(CATCH_UP_TOKENS_PER_STEP + 1)), max_tokens=50)
+        r.token_ids.append(7)  # prompt computed, one sampled token: decoding, draft never fed
+        r.num_computed_tokens = r.num_prompt_tokens
+        reqs.append(r)
+    first = planner.plan(reqs, other_tokens=0, max_model_len=1000)
+    assert list(first) == ["r0"]  # one whole prompt fits the budget, a second would not
+    planner.observe("r0", first["r0"], 0)
+    reqs[0].num_computed_tokens += 1
+    reqs[0].token_ids.append(8)
+    second = planner.plan(reqs, other_tokens=0, max_model_len=1000)
+    assert sorted(second) == ["r0", "r1"]  # r0 is caught up (one token behind); r1 takes the budget

