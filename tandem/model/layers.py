@@ -19,8 +19,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in float32 whatever the weight dtype, as the reference implementation does.
-        if x.dtype == torch.float32:
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # The same ops in the same order as below (bit-identical), in one call from Python.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -44,7 +45,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-# cos and sin rows for a pass's positions, shaped [T, 1, D] to broadcast over heads.
+# cos and sign-folded sin rows for a pass's positions, shaped [T, 1, D] to broadcast over heads.
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -61,20 +62,23 @@ class RotaryEmbedding:
         freqs = t[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        sin = emb.sin()
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_1, sin_2] exactly (negation is exact), and
+        # the roll is one op where rotate_half is four.
+        half = head_dim // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device)
 
     def lookup(self, positions: torch.Tensor) -> Rope:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate every head of x: [T, heads, D]."""
-    cos, sin = rope
-    dtype = x.dtype
+    """Rotate every head of x: [T, heads, D] (neox style: the two halves of each head pair up)."""
+    cos, sin_signed = rope
+    if x.dtype == torch.float32:
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
     xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(dtype)
+    return (xf * cos + xf.roll(xf.shape[-1] // 2, -1) * sin_signed).to(x.dtype)
 
 
 class GatedMLP(nn.Module):
