@@ -20,7 +20,9 @@ class SpecPlanner:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         # Draft model: tokens each request's draft has been fed (mirrors the runner's drafter, which
-        # feeds num_tokens - 1 + k positions per proposal), and the step just planned.
+        # feeds num_tokens - 1 + k positions per proposal), and the step just planned. After a
+        # preemption the mirror can overstate it (the drafter starts over); it only sizes the
+        # catch-up budget, and what is emitted never depends on it.
         self._fed: dict[str, int] = {}
         self._planned: dict[str, int] = {}
         self.controller = AdaptiveSpeculation(config.num_speculative_tokens, adaptive=config.adaptive)
