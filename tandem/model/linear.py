@@ -39,17 +39,12 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:  # the decoder's case: no reshapes
-            if self.plain is not None and x.shape[0] <= _PLAIN_MAX_ROWS:
-                return F.linear(x, self.plain, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.plain is not None and x2.shape[0] <= _PLAIN_MAX_ROWS:
-            y = F.linear(x2, self.plain, self.bias)
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, self.bias, "none", [], "")
-        return y.reshape(*shape[:-1], self.out_features)
+        if x.dim() != 2:  # the decoder passes 2-D input: no reshapes on its path
+            y = self.forward(x.reshape(-1, self.in_features))
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if self.plain is not None and x.shape[0] <= _PLAIN_MAX_ROWS:
+            return F.linear(x, self.plain, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
 def _packable(weight: torch.Tensor) -> bool:

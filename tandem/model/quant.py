@@ -64,19 +64,18 @@ class Int8Linear(nn.Module):
         return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] > 0:
-            # The decoder's case: skip the reshapes and casts (a few Python calls per layer).
-            return torch.ops.quantized.linear_dynamic(x.contiguous(), self._packed, self.reduce_range)
-        shape, dtype = x.shape, x.dtype
-        x2 = x.reshape(-1, self.in_features).float()
+        if x.dim() == 2 and x.dtype == torch.float32:  # the decoder's case: no reshapes or casts
+            return self._matmul(x)
+        y = self._matmul(x.reshape(-1, self.in_features).float())
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """[rows, in] float32 -> [rows, out] float32."""
         if self._packed is not None and x2.shape[0] > 0:
-            y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, self.reduce_range)
-        else:
-            # Per-channel scales commute with the matmul: scale the output columns instead.
-            y = F.linear(x2, self.qweight.float()) * self.scale
-            if self.bias is not None:
-                y = y + self.bias
-        return y.to(dtype).reshape(*shape[:-1], self.out_features)
+            return torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, self.reduce_range)
+        # Per-channel scales commute with the matmul: scale the output columns instead.
+        y = F.linear(x2, self.qweight.float()) * self.scale
+        return y if self.bias is None else y + self.bias
 
 
 def quantize_model(model: nn.Module, method: str | None, use_kernel: bool | None = None) -> nn.Module:
