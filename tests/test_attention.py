@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.model.attention import TorchAttentionBackend
+from tandem import kernels
+from tandem.model.attention import FUSED_MAX_QUERY, TorchAttentionBackend
 from tandem.model.forward_batch import ForwardBatch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
@@ -71,7 +72,7 @@ def test_mixed_batch_matches_reference_and_groups_by_query_length(window) -> Non
     seq_lens = [9, 30, 22, 7, 40, 50, 5]
     num_blocks = 64
     batch = make_batch(q_lens, seq_lens, num_blocks, rng)
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window, use_kernel=False)
     cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     t = batch.num_tokens
     q = torch.randn(t, HEADS, HEAD_DIM)
@@ -91,7 +92,7 @@ def test_mixed_batch_matches_reference_and_groups_by_query_length(window) -> Non
 def test_pure_decode_batch_skips_the_gathers() -> None:
     rng = np.random.default_rng(1)
     batch = make_batch([1, 1, 1], [5, 12, 3], 16, rng)
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, use_kernel=False)
     backend.prepare(batch)
     assert len(batch.attn_metadata) == 1 and batch.attn_metadata[0].whole_batch
     cache = torch.randn(2, 16, BLOCK, KV_HEADS, HEAD_DIM)
@@ -101,3 +102,55 @@ def test_pure_decode_batch_skips_the_gathers() -> None:
     k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
     expected = reference(q, k_cache, v_cache, batch, HEAD_DIM**-0.5, None)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+needs_kernel = pytest.mark.skipif(not kernels.has("paged_attention"), reason="Tandem's kernels did not build")
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernel_matches_reference_on_short_queries(window, dtype) -> None:
+    rng = np.random.default_rng(2)
+    torch.manual_seed(2)
+    # Decodes and verifications, one of them covering a whole (short) prompt.
+    q_lens = [1, 5, 1, 3, 16, 2]
+    seq_lens = [9, 30, 22, 3, 40, 2]
+    num_blocks = 64
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window)
+    backend.prepare(batch)
+    assert not isinstance(batch.attn_metadata, list)  # took the kernel
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    t = batch.num_tokens
+    # q and k as strided views of one projection, as the model passes them.
+    qkv = torch.randn(t, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
+    out = backend.forward(q, k, v, cache, batch)
+    assert out.dtype == dtype and out.shape == q.shape
+    k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
+    assert torch.equal(k_cache[batch.slot_mapping], k) and torch.equal(v_cache[batch.slot_mapping], v)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, HEAD_DIM**-0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+def test_long_queries_keep_the_sdpa_path() -> None:
+    rng = np.random.default_rng(3)
+    batch = make_batch([1, FUSED_MAX_QUERY + 1], [4, 30], 32, rng)
+    TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM).prepare(batch)
+    assert isinstance(batch.attn_metadata, list)
+
+
+@needs_kernel
+def test_fused_kernel_rejects_inconsistent_layout() -> None:
+    rng = np.random.default_rng(4)
+    batch = make_batch([2], [6], 8, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    backend.prepare(batch)
+    batch.attn_metadata.seq_lens[0] = 1  # fewer context tokens than queries
+    cache = torch.zeros(2, 8, BLOCK, KV_HEADS, HEAD_DIM)
+    q, k = torch.randn(2, HEADS, HEAD_DIM), torch.randn(2, KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        backend.forward(q, k, k, cache, batch)

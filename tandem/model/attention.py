@@ -9,6 +9,12 @@ prefill does not pad every decode or verification to its length and padding
 never more than doubles a group's queries. All index and
 mask tensors are built once per step in `prepare` and shared by every layer,
 so the per-layer work has no per-request Python.
+
+When every request's query is short (decodes, speculative verifications) and Tandem's compiled
+kernels are there (tandem/kernels), one `paged_attention` call per layer does the KV write and
+the attention straight through the block tables instead: no gathered copy of the context, no mask,
+no padding, and a dozen fewer torch operators per layer, which is most of a small-batch step's
+attention cost on a CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +25,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tandem import kernels
 from tandem.model.forward_batch import ForwardBatch
+
+# Longest query (tokens per request in a step) the fused kernel takes; longer ones (prompt chunks)
+# go to SDPA, whose blocked kernels win once queries are long.
+FUSED_MAX_QUERY = 16
+
+
+@dataclass(slots=True)
+class _Paged:
+    """Metadata of the fused kernel: the batch's layout as tensors, built once per step."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    seq_lens: torch.Tensor  # [B] int64
+    query_start_loc: torch.Tensor  # [B + 1] int64
 
 
 @dataclass(slots=True)
@@ -37,15 +57,29 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        use_kernel: bool | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        # use_kernel=False keeps the pure-torch path (tests); None takes the kernel where it built.
+        self.fused = use_kernel is not False and kernels.has("paged_attention")
 
     def prepare(self, batch: ForwardBatch) -> None:
+        if self.fused and batch.input_ids.device.type == "cpu" and batch.query_lens.max() <= FUSED_MAX_QUERY:
+            batch.attn_metadata = _Paged(
+                block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int64)),
+                seq_lens=torch.from_numpy(np.ascontiguousarray(batch.seq_lens, dtype=np.int64)),
+                query_start_loc=torch.from_numpy(np.ascontiguousarray(batch.query_start_loc, dtype=np.int64)),
+            )
+            return
         # Bucket b holds query lengths in (2^(b-1), 2^b]; decodes are bucket 0.
         buckets = np.ceil(np.log2(np.maximum(batch.query_lens, 1))).astype(np.int64)
         groups = []
@@ -99,6 +133,20 @@ class TorchAttentionBackend:
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D]."""
+        meta = batch.attn_metadata
+        if isinstance(meta, _Paged):
+            return torch.ops.tandem.paged_attention(
+                q,
+                k,
+                v,
+                kv_cache,
+                batch.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                self.scale,
+                self.sliding_window or 0,
+            )
         kvh, hd = self.num_kv_heads, self.head_dim
         k_cache = kv_cache[0].view(-1, kvh, hd)
         v_cache = kv_cache[1].view(-1, kvh, hd)

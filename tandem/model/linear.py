@@ -16,8 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows at or below which float32 uses the plain weight (GEMV-like products).
-_PLAIN_MAX_ROWS = 2
+from tandem import kernels
+
+# Rows at or below which the plain weight is used (GEMV-like products), per weight dtype.
+# bfloat16: Tandem's kernel sweeps up to four rows per pass over the weight and beats oneDNN there.
+_PLAIN_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 4}
 # Batch-size hint oneDNN tunes the reordered layout for: mid-size decode batches.
 _PACK_HINT_ROWS = 8
 
@@ -34,16 +37,19 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         w = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
-        # float32 keeps the plain weight for the few-row path; bfloat16 never needs it.
-        self.plain = w if w.dtype == torch.float32 else None
+        # The plain weight too, where a few-row path exists for this dtype.
+        self.plain = w if w.dtype == torch.float32 or kernels.has("gemv_bf16") else None
+        self.plain_max_rows = _PLAIN_MAX_ROWS[w.dtype]
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the decoder passes 2-D input: no reshapes on its path
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
-        if self.plain is not None and x.shape[0] <= _PLAIN_MAX_ROWS:
-            return F.linear(x, self.plain, self.bias)
+        if self.plain is not None and x.shape[0] <= self.plain_max_rows:
+            if self.plain.dtype == torch.float32:
+                return F.linear(x, self.plain, self.bias)
+            return torch.ops.tandem.gemv_bf16(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 

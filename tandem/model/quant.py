@@ -3,7 +3,10 @@
 Weights: int8 with one symmetric scale per output channel (max |w| / 127), a quarter of float32's
 bytes, which is what bounds small-batch decoding on a CPU. Activations: quantized to 8 bits per
 tensor at run time, inside PyTorch's x86 quantized GEMM (`quantized::linear_dynamic`, fbgemm /
-oneDNN with VNNI), accumulated in int32 and scaled back to float. Where that engine is missing,
+oneDNN with VNNI), accumulated in int32 and scaled back to float. For up to eight rows (decoding
+a few streams) Tandem's own AVX512-VNNI kernel (tandem/kernels) does the same product with one
+scale per activation row, quantizing inside the call and streaming the weight at memory speed;
+PyTorch's operator spends a good part of each small call outside the product. Where neither is there,
 the same int8 weights are widened to float and multiplied in plain torch (weight-only: more
 exact, much slower). benchmarks/gemm_paths.py times the choices; docs/default_model.md reports the
 perplexity cost on the default model.
@@ -17,9 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem import kernels
 from tandem.config import QUANTIZATION_METHODS
 from tandem.cpu import cpu_flags
 from tandem.model.linear import replace_linears
+
+# Rows up to which Tandem's VNNI kernel beats PyTorch's (benchmarks/gemm_paths.py).
+_KERNEL_MAX_ROWS = 8
 
 
 def _has_dynamic_int8() -> bool:
@@ -46,11 +53,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
-        if use_kernel is None:
-            use_kernel = _has_dynamic_int8()
+        # use_kernel=False forces the float reference path (tests); None takes what the host has.
+        want = use_kernel is not False
         # Without VNNI, fbgemm's u8 x s8 products can saturate 16-bit sums: keep activations to 7 bits.
         self.reduce_range = not _cpu_has_vnni()
-        self._packed = self._prepack() if use_kernel else None
+        self._packed = self._prepack() if want and _has_dynamic_int8() else None
+        # Tandem's few-row kernel wants each weight row's sum (it offsets activations by 128).
+        self.row_sum = q.sum(1, dtype=torch.int32) if want and kernels.has("gemm_w8a8") else None
 
     def _prepack(self) -> object:
         with warnings.catch_warnings():
@@ -71,6 +80,8 @@ class Int8Linear(nn.Module):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """[rows, in] float32 -> [rows, out] float32."""
+        if self.row_sum is not None and 0 < x2.shape[0] <= _KERNEL_MAX_ROWS:
+            return torch.ops.tandem.gemm_w8a8(x2, self.qweight, self.scale, self.row_sum, self.bias)
         if self._packed is not None and x2.shape[0] > 0:
             return torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, self.reduce_range)
         # Per-channel scales commute with the matmul: scale the output columns instead.

@@ -1,0 +1,58 @@
+"""Tandem's compiled CPU kernels (`cpu_ops.cpp`), built from source on first use.
+
+The build needs only what a clean install brings: a C++ compiler on the PATH, PyTorch's headers and
+`ninja` (a dependency). It compiles for the host CPU (`-march=native`) into PyTorch's extension
+cache (`TORCH_EXTENSIONS_DIR`, by default under ~/.cache), once per source version; later runs load
+the cached library. If the build fails, or `TANDEM_CPU_KERNELS=0` is set, `load()` returns False and
+every caller keeps its pure-torch path, which the tests also cover. Each operator exists only
+where the host CPU has its instructions (`has(name)`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+ENV_SWITCH = "TANDEM_CPU_KERNELS"
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@cache
+def _build() -> bool:
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name="tandem_cpu_ops",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        return True
+    except Exception as exc:  # any build or load failure means "use the torch path"
+        logger.warning("Tandem CPU kernels unavailable, using the pure-torch path: %s", exc)
+        return False
+
+
+def load() -> bool:
+    """True when the library is loaded; builds it the first time it is asked."""
+    return enabled_by_env() and _build()
+
+
+def has(op: str) -> bool:
+    """True when `torch.ops.tandem.<op>` exists on this host (and kernels are enabled)."""
+    if not load():
+        return False
+    import torch
+
+    return hasattr(torch.ops.tandem, op)

@@ -1,0 +1,450 @@
+// Tandem's CPU kernels: few-row products that read 16-bit or 8-bit weights at memory speed.
+//
+// A single decoding stream multiplies one activation row by every weight matrix, so its speed is
+// the speed at which the weights stream from memory. oneDNN's bfloat16 product for one to four
+// rows runs at about half the memory bandwidth, and PyTorch's int8 dynamic-quantization path spends
+// a good part of each call quantizing in separate ATen operators. These kernels stream four weight
+// rows at a time with software prefetch, multiply with the CPU's dot-product instructions
+// (AVX512-BF16 `vdpbf16ps`, AVX512-VNNI `vpdpbusd`) for up to four activation rows in one sweep, and
+// do the quantization and epilogue in the same call.
+//
+// Each operator is registered (torch.ops.tandem.*) only when the host CPU has its instructions;
+// tandem/kernels/__init__.py builds this file with -march=native and the Python callers keep their
+// pure-torch paths for everything else.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// Rows beyond this are better served by the libraries' blocked GEMMs.
+constexpr int64_t kMaxRows = 8;
+// Output rows handled together: four independent weight streams and accumulators.
+constexpr int64_t kRowBlock = 4;
+// Output rows per epilogue pass: results stay on the stack until scaled and stored.
+constexpr int64_t kChunk = 64;
+
+void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x and w must be 2-D");
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": x has ", x.size(1), " columns, w has ", w.size(1));
+  TORCH_CHECK(x.size(0) <= kMaxRows, op, ": at most ", kMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(w.is_contiguous(), op, ": w must be contiguous");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
+}
+
+// Runs body(n0, n1) over output rows [0, N) in blocks of kRowBlock on PyTorch's thread pool.
+template <typename F>
+void for_row_blocks(int64_t N, F&& body) {
+  const int64_t blocks = N / kRowBlock;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    body(b0 * kRowBlock, b1 == blocks ? N : b1 * kRowBlock);
+  });
+}
+
+// Calls fn.template operator()<R>() with R the number of activation rows in this sweep (1-4).
+template <typename F>
+void with_rows(int64_t rows, F&& fn) {
+  switch (rows) {
+    case 1: fn.template operator()<1>(); break;
+    case 2: fn.template operator()<2>(); break;
+    case 3: fn.template operator()<3>(); break;
+    default: fn.template operator()<4>(); break;
+  }
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if (std::isnan(f)) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+#if defined(__AVX512BF16__)
+// out[m, n] = sum_k x[m, k] * w[n, k] for m < M and n in [n0, n1); x and w bfloat16 (as uint16).
+template <int M>
+void dot_bf16(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* out,
+              int64_t N) {
+  const int64_t tail = K % 32;
+  const __mmask32 tmask = static_cast<__mmask32>((1ull << tail) - 1);
+  int64_t n = n0;
+  for (; n + kRowBlock <= n1; n += kRowBlock) {
+    __m512 acc[M][kRowBlock];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_setzero_ps();
+    const uint16_t* wr = w + n * K;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      __m512i wv[kRowBlock];
+      for (int r = 0; r < kRowBlock; ++r) wv[r] = _mm512_loadu_si512(wr + r * K + k);
+      // The next block of rows: hardware prefetch alone leaves this loop well below memory speed.
+      for (int r = 0; r < kRowBlock; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(wr + (kRowBlock + r) * K + k), _MM_HINT_T0);
+      for (int m = 0; m < M; ++m) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
+      }
+    }
+    if (tail) {
+      __m512i wv[kRowBlock];
+      for (int r = 0; r < kRowBlock; ++r) wv[r] = _mm512_maskz_loadu_epi16(tmask, wr + r * K + k);
+      for (int m = 0; m < M; ++m) {
+        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tmask, x + m * K + k);
+        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kRowBlock; ++r) out[m * N + n + r] = _mm512_reduce_add_ps(acc[m][r]);
+  }
+  for (; n < n1; ++n) {
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    const uint16_t* wr = w + n * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      __mmask32 mk = k + 32 <= K ? static_cast<__mmask32>(~0u) : tmask;
+      __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, wr + k);
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mk, x + m * K + k), wv);
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
+// x [M, K] (bfloat16 or float32, rounded to bfloat16) times w [N, K] bfloat16, plus bias; float32
+// accumulation, the result in x's dtype.
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  check_inputs("tandem gemv_bf16", x, w);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "tandem gemv_bf16: w must be bfloat16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "tandem gemv_bf16: x must be bfloat16 or float32");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  at::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    bp = b.data_ptr<float>();
+  }
+  auto* out_h = reinterpret_cast<uint16_t*>(out.data_ptr());
+  auto* out_f = reinterpret_cast<float*>(out.data_ptr());
+  for_row_blocks(N, [&](int64_t n0, int64_t n1) {
+    float acc[kMaxRows * kChunk];
+    for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+      const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        with_rows(std::min<int64_t>(4, M - m0), [&]<int R>() {
+          dot_bf16<R>(xp + m0 * K, K, wp, c0, c1, acc + m0 * width - c0, width);
+        });
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = c0; n < c1; ++n) {
+          const float v = acc[m * width + (n - c0)] + (bp ? bp[n] : 0.f);
+          if (out_bf16)
+            out_h[m * N + n] = float_to_bf16(v);
+          else
+            out_f[m * N + n] = v;
+        }
+    }
+  });
+  return out;
+}
+#endif  // __AVX512BF16__
+
+#if defined(__AVX512VNNI__)
+// acc[m, n] = sum_k x[m, k] * w[n, k] with x unsigned 8-bit, w signed 8-bit.
+template <int M>
+void dot_u8s8(const uint8_t* x, int64_t K, const int8_t* w, int64_t n0, int64_t n1, int32_t* out,
+              int64_t N) {
+  const int64_t tail = K % 64;
+  const __mmask64 tmask = tail ? static_cast<__mmask64>((1ull << tail) - 1) : 0;
+  int64_t n = n0;
+  for (; n + kRowBlock <= n1; n += kRowBlock) {
+    __m512i acc[M][kRowBlock];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_setzero_si512();
+    const int8_t* wr = w + n * K;
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      __m512i wv[kRowBlock];
+      for (int r = 0; r < kRowBlock; ++r) wv[r] = _mm512_loadu_si512(wr + r * K + k);
+      for (int r = 0; r < kRowBlock; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(wr + (kRowBlock + r) * K + k), _MM_HINT_T0);
+      for (int m = 0; m < M; ++m) {
+        __m512i xv = _mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], xv, wv[r]);
+      }
+    }
+    if (tail) {
+      __m512i wv[kRowBlock];
+      for (int r = 0; r < kRowBlock; ++r) wv[r] = _mm512_maskz_loadu_epi8(tmask, wr + r * K + k);
+      for (int m = 0; m < M; ++m) {
+        __m512i xv = _mm512_maskz_loadu_epi8(tmask, x + m * K + k);
+        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], xv, wv[r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kRowBlock; ++r) out[m * N + n + r] = _mm512_reduce_add_epi32(acc[m][r]);
+  }
+  for (; n < n1; ++n) {
+    __m512i acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+    const int8_t* wr = w + n * K;
+    for (int64_t k = 0; k < K; k += 64) {
+      __mmask64 mk = k + 64 <= K ? static_cast<__mmask64>(~0ull) : tmask;
+      __m512i wv = _mm512_maskz_loadu_epi8(mk, wr + k);
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(mk, x + m * K + k), wv);
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = _mm512_reduce_add_epi32(acc[m]);
+  }
+}
+
+// Dynamic int8 activations (one symmetric scale per row, max |x| / 127) times int8 weights with one
+// scale per output row: y = x_scale * w_scale * sum(xq * w) + bias, float32 in and out.
+// `vpdpbusd` wants unsigned activations, so they are offset by 128 and the offset is taken back
+// out with each weight row's sum (`w_sum`): sum((xq + 128) * w) - 128 * sum(w) = sum(xq * w).
+at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                     const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
+  check_inputs("tandem gemm_w8a8", x, w);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "tandem gemm_w8a8: x must be float32");
+  TORCH_CHECK(w.scalar_type() == at::kChar, "tandem gemm_w8a8: w must be int8");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == w.size(0),
+              "tandem gemm_w8a8: w_scale must be contiguous float32, one per output row");
+  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == w.size(0),
+              "tandem gemm_w8a8: w_sum must be contiguous int32, one per output row");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  at::Tensor xu = at::empty({M, K}, x.options().dtype(at::kByte));
+  uint8_t* up = xu.data_ptr<uint8_t>();
+  float x_scale[kMaxRows];
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xp + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    const float s = std::max(amax, 1e-12f) / 127.f;
+    const float inv = 1.f / s;
+    for (int64_t k = 0; k < K; ++k) {
+      const float q = std::nearbyint(row[k] * inv);
+      up[m * K + k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(q, -127.f, 127.f)) + 128);
+    }
+    x_scale[m] = s;
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = w_scale.data_ptr<float>();
+  const int32_t* sump = w_sum.data_ptr<int32_t>();
+  at::Tensor b;
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    bp = b.data_ptr<float>();
+  }
+  for_row_blocks(N, [&](int64_t n0, int64_t n1) {
+    int32_t acc[kMaxRows * kChunk];
+    for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+      const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        with_rows(std::min<int64_t>(4, M - m0), [&]<int R>() {
+          dot_u8s8<R>(up + m0 * K, K, wp, c0, c1, acc + m0 * width - c0, width);
+        });
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = c0; n < c1; ++n) {
+          const int32_t dot = acc[m * width + (n - c0)] - 128 * sump[n];
+          op[m * N + n] = static_cast<float>(dot) * x_scale[m] * sp[n] + (bp ? bp[n] : 0.f);
+        }
+    }
+  });
+  return out;
+}
+#endif  // __AVX512VNNI__
+
+
+// ---------------------------------------------------------------------------------------------
+// Attention over the paged KV cache for batches of short queries (decodes, speculative
+// verifications): writes the step's new K/V into the cache and attends each query to its own
+// request's context through the block table, causally, with no gathered copy of the context and no
+// padding or mask tensors. Portable C++ (vectorised by the compiler); float32 or bfloat16 cache.
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// exp for x <= 0 (softmax after subtracting the maximum): Cody-Waite range reduction and the
+// classic single-precision minimax polynomial; relative error about 1e-7.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename E>
+void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
+                          const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
+                          const int64_t* qsl, int64_t B, double scale_d, int64_t window, at::Tensor& out) {
+  const int64_t ntok = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
+  const int64_t BS = kv_cache.size(2), group = H / KVH;
+  E* kc = kv_cache.data_ptr<E>();
+  E* vc = kc + kv_cache.stride(0);
+  const E* qp = q.data_ptr<E>();
+  const E* kp = k.data_ptr<E>();
+  const E* vp = v.data_ptr<E>();
+  E* op = out.data_ptr<E>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+  for (int64_t t = 0; t < ntok; ++t) {
+    for (int64_t g = 0; g < KVH; ++g) {
+      std::memcpy(kc + (slots[t] * KVH + g) * D, kp + t * ks0 + g * ks1, D * sizeof(E));
+      std::memcpy(vc + (slots[t] * KVH + g) * D, vp + t * vs0 + g * vs1, D * sizeof(E));
+    }
+  }
+  int64_t max_ctx = 0;
+  for (int64_t b = 0; b < B; ++b) max_ctx = std::max(max_ctx, seq_lens[b]);
+  const float scale = static_cast<float>(scale_d);
+  at::parallel_for(0, B * H, 1, [&](int64_t task0, int64_t task1) {
+    std::vector<float> scores(max_ctx), qf(D), acc(D);
+    std::vector<int64_t> rows(max_ctx);  // cache row of each context position, per request
+    int64_t rows_for = -1;
+    for (int64_t task = task0; task < task1; ++task) {
+      const int64_t b = task / H, h = task % H, g = h / group;
+      const int64_t seq = seq_lens[b], first = qsl[b], nq = qsl[b + 1] - qsl[b];
+      if (rows_for != b) {
+        for (int64_t j = 0; j < seq; ++j) rows[j] = tables[b * max_blocks + j / BS] * BS + j % BS;
+        rows_for = b;
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t t = first + i, pos = seq - nq + i;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        const E* qr = qp + t * qs0 + h * qs1;
+        for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qr[d]) * scale;
+        float mx = -INFINITY;
+        for (int64_t j = lo; j <= pos; ++j) {
+          const E* kr = kc + (rows[j] * KVH + g) * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_float(kr[d]);
+          scores[j] = dot;
+          mx = std::max(mx, dot);
+        }
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = lo; j <= pos; ++j) {
+          scores[j] = exp_nonpositive(scores[j] - mx);
+          sum += scores[j];
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = lo; j <= pos; ++j) {
+          const E* vr = vc + (rows[j] * KVH + g) * D;
+          const float p = scores[j];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(vr[d]);
+        }
+        const float inv = 1.f / sum;
+        E* orow = op + (t * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<E>(acc[d] * inv);
+      }
+    }
+  });
+}
+
+// q [T, H, D], k and v [T, KVH, D] (rows may be strided views), kv_cache [2, blocks, block_size,
+// KVH, D]; per request b: tokens query_start_loc[b]..query_start_loc[b+1] are the last ones of its
+// seq_lens[b]-token context. Returns the attention output [T, H, D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                           int64_t sliding_window) {
+  const char* op = "tandem paged_attention";
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op, ": q, k, v must be 3-D");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), op,
+              ": kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, op, ": head_dim must be contiguous");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && k.scalar_type() == kv_cache.scalar_type() &&
+                  v.scalar_type() == kv_cache.scalar_type(),
+              op, ": q, k, v and the cache must share a dtype");
+  TORCH_CHECK(k.size(1) == kv_cache.size(3) && q.size(2) == kv_cache.size(4) && q.size(1) % k.size(1) == 0, op,
+              ": head counts or head_dim do not match the cache");
+  const int64_t T = q.size(0), B = seq_lens.numel();
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && slot_mapping.numel() == T, op, ": one slot per token");
+  TORCH_CHECK(query_start_loc.numel() == B + 1 && block_tables.dim() == 2 && block_tables.size(0) == B, op,
+              ": one block table row and one query range per request");
+  for (const at::Tensor* t : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), op, ": index tensors must be contiguous int64");
+  at::Tensor out = at::empty({T, q.size(1), q.size(2)}, q.options());
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1), BS = kv_cache.size(2);
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, op, ": query_start_loc must run from 0 to the token count");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(nq >= 1 && nq <= sl[b] && sl[b] <= max_blocks * BS, op, ": request ", b,
+                " has a query range that does not fit its context or block table");
+  }
+  if (q.scalar_type() == at::kFloat) {
+    paged_attention_impl<float>(q, k, v, kv_cache, slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+                                max_blocks, sl, qsl, B, scale, sliding_window, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 only");
+    paged_attention_impl<at::BFloat16>(q, k, v, kv_cache, slot_mapping.data_ptr<int64_t>(),
+                                       block_tables.data_ptr<int64_t>(), max_blocks, sl, qsl, B, scale,
+                                       sliding_window, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> Tensor");
+#if defined(__AVX512BF16__)
+  m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+#endif
+#if defined(__AVX512VNNI__)
+  m.def("gemm_w8a8(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+#if defined(__AVX512BF16__)
+  m.impl("gemv_bf16", &gemv_bf16);
+#endif
+#if defined(__AVX512VNNI__)
+  m.impl("gemm_w8a8", &gemm_w8a8);
+#endif
+}

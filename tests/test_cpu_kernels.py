@@ -1,0 +1,107 @@
+"""Tandem's compiled CPU kernels (tandem/kernels) against exact references, and their fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import kernels
+from tandem.model.linear import PackedLinear, onednn_available
+from tandem.model.quant import Int8Linear
+
+SHAPES = [(37, 40), (130, 96), (64, 100), (8, 64)]  # (out, in): ragged tails in both dimensions
+
+
+def _bf16_round(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+@pytest.mark.skipif(not kernels.has("gemv_bf16"), reason="host CPU has no AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_bf16_matches_float_reference(rows, shape, bias):
+    g = torch.Generator().manual_seed(rows * 100 + shape[0])
+    n, k = shape
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    # Products of bfloat16 values are exact in float32; only the summation order differs.
+    ref = F.linear(_bf16_round(x), w.float(), b)
+    y32 = torch.ops.tandem.gemv_bf16(x, w, b)
+    assert y32.dtype == torch.float32 and y32.shape == (rows, n)
+    torch.testing.assert_close(y32, ref, rtol=1e-5, atol=1e-4)
+    y16 = torch.ops.tandem.gemv_bf16(x.to(torch.bfloat16), w, None if b is None else b.to(torch.bfloat16))
+    assert y16.dtype == torch.bfloat16
+    ref16 = F.linear(_bf16_round(x), w.float(), None if b is None else _bf16_round(b))
+    torch.testing.assert_close(y16.float(), ref16, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not kernels.has("gemm_w8a8"), reason="host CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_w8a8_matches_integer_reference(rows, shape, bias):
+    g = torch.Generator().manual_seed(rows * 100 + shape[0])
+    n, k = shape
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w_scale = torch.rand(n, generator=g) / 100 + 1e-3
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g) * 3
+    x[0, 0] = 0.0
+    # The kernel's scheme, computed exactly: one symmetric scale per activation row.
+    x_scale = x.abs().amax(1).clamp(min=1e-12) / 127
+    xq = torch.round(x / x_scale[:, None]).clamp(-127, 127).to(torch.int64)
+    dot = xq @ w.to(torch.int64).T
+    ref = dot.double() * x_scale.double()[:, None] * w_scale.double()
+    if b is not None:
+        ref = ref + b.double()
+    y = torch.ops.tandem.gemm_w8a8(x, w, w_scale, w.sum(1, dtype=torch.int32), b)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.load(), reason="kernels did not build here")
+def test_kernels_reject_bad_input():
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    if kernels.has("gemv_bf16"):
+        with pytest.raises(RuntimeError, match="at most 8 rows"):
+            torch.ops.tandem.gemv_bf16(torch.zeros(9, 16), w, None)
+        with pytest.raises(RuntimeError, match="columns"):
+            torch.ops.tandem.gemv_bf16(torch.zeros(1, 15), w, None)
+        with pytest.raises(RuntimeError, match="bfloat16"):
+            torch.ops.tandem.gemv_bf16(torch.zeros(1, 16), w.float(), None)
+    if kernels.has("gemm_w8a8"):
+        wq = torch.zeros(8, 16, dtype=torch.int8)
+        with pytest.raises(RuntimeError, match="one per output row"):
+            torch.ops.tandem.gemm_w8a8(
+                torch.zeros(1, 16), wq, torch.ones(7), torch.zeros(8, dtype=torch.int32), None
+            )
+
+
+def test_env_switch_disables_kernels(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    assert not kernels.load() and not kernels.has("gemv_bf16")
+    if onednn_available():
+        assert PackedLinear(torch.randn(8, 16).to(torch.bfloat16), None).plain is None
+    assert Int8Linear(torch.randn(8, 16), None).row_sum is None
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_layers_agree_with_and_without_kernels(rows, monkeypatch):
+    """The layers' few-row kernel paths and their torch paths give the same products."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(72, 48, generator=g)
+    b = torch.randn(72, generator=g)
+    x = torch.randn(rows, 48, generator=g)
+    on_q = Int8Linear(w, b)
+    on_b = PackedLinear(w.to(torch.bfloat16), b.to(torch.bfloat16)) if onednn_available() else None
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    off_q = Int8Linear(w, b)
+    ref_q = F.linear(x, on_q.dequantized(torch.float32), b)
+    for lin in (on_q, off_q):  # both quantize activations to 8 bits, differently: compare to float
+        assert float((lin(x) - ref_q).norm() / ref_q.norm()) < 0.03
+    if on_b is not None:
+        off_b = PackedLinear(w.to(torch.bfloat16), b.to(torch.bfloat16))
+        xb = x.to(torch.bfloat16)
+        torch.testing.assert_close(on_b(xb).float(), off_b(xb).float(), rtol=2e-2, atol=5e-2)
