@@ -39,12 +39,24 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
         paths["fp32 Tandem PackedLinear"] = ([PackedLinear(w, None) for w in weights], lambda x, m: m(x))
     paths["bf16 F.linear"] = (bf16, lambda x, w: F.linear(x.to(torch.bfloat16), w))
     if onednn_available():
+        packed16 = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in bf16]
+        paths["bf16 oneDNN reordered"] = (
+            packed16,
+            lambda x, p: torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), p, None, "none", [], ""),
+        )
+        # Tandem's own kernel for 1-4 rows where it built (tandem/kernels), oneDNN above.
         paths["bf16 Tandem PackedLinear"] = (
             [PackedLinear(w, None) for w in bf16],
             lambda x, m: m(x.to(torch.bfloat16)),
         )
     int8 = [Int8Linear(w, None) for w in weights]
-    paths["int8 Tandem (W8A8 dynamic)"] = (int8, lambda x, m: m(x))
+    if int8[0]._packed is not None:
+        paths["int8 PyTorch linear_dynamic (W8A8)"] = (
+            int8,
+            lambda x, m: torch.ops.quantized.linear_dynamic(x, m._packed, m.reduce_range),
+        )
+    # Tandem's VNNI kernel for up to 8 rows where it built, PyTorch's operator above.
+    paths["int8 Tandem Int8Linear (W8A8)"] = (int8, lambda x, m: m(x))
     if rows <= 8 and hasattr(torch.ops.aten, "_weight_int8pack_mm"):  # far too slow beyond
         paths["int8 weight-only ATen kernel"] = (
             int8,

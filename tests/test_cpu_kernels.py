@@ -38,6 +38,23 @@ def test_gemv_bf16_matches_float_reference(rows, shape, bias):
     torch.testing.assert_close(y16.float(), ref16, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.skipif(not kernels.has("gemv_f32"), reason="host CPU has no AVX-512")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_f32_matches_f_linear(rows, shape, bias):
+    g = torch.Generator().manual_seed(rows * 100 + shape[0])
+    n, k = shape
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    y = torch.ops.tandem.gemv_f32(x, w, b)
+    torch.testing.assert_close(y, F.linear(x.double(), w.double(), None if b is None else b.double()).float())
+    # A strided (non-contiguous) activation is read correctly too.
+    xs = torch.randn(k, rows, generator=g).T
+    torch.testing.assert_close(torch.ops.tandem.gemv_f32(xs, w, None), F.linear(xs, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not kernels.has("gemm_w8a8"), reason="host CPU has no AVX512-VNNI")
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -84,10 +101,11 @@ def test_env_switch_disables_kernels(monkeypatch):
     assert not kernels.load() and not kernels.has("gemv_bf16")
     if onednn_available():
         assert PackedLinear(torch.randn(8, 16).to(torch.bfloat16), None).plain is None
+        assert PackedLinear(torch.randn(8, 16), None).plain_max_rows == 2  # MKL's sgemv only
     assert Int8Linear(torch.randn(8, 16), None).row_sum is None
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
 def test_layers_agree_with_and_without_kernels(rows, monkeypatch):
     """The layers' few-row kernel paths and their torch paths give the same products."""
     g = torch.Generator().manual_seed(rows)
@@ -96,8 +114,13 @@ def test_layers_agree_with_and_without_kernels(rows, monkeypatch):
     x = torch.randn(rows, 48, generator=g)
     on_q = Int8Linear(w, b)
     on_b = PackedLinear(w.to(torch.bfloat16), b.to(torch.bfloat16)) if onednn_available() else None
+    on_f = PackedLinear(w, b) if onednn_available() else None
     monkeypatch.setenv(kernels.ENV_SWITCH, "0")
     off_q = Int8Linear(w, b)
+    if on_f is not None:
+        torch.testing.assert_close(on_f(x), PackedLinear(w, b)(x), rtol=1e-5, atol=1e-5)
+        if rows <= 2:  # MKL's sgemv either way: the very same bits as F.linear
+            assert torch.equal(on_f(x), F.linear(x, w, b))
     ref_q = F.linear(x, on_q.dequantized(torch.float32), b)
     for lin in (on_q, off_q):  # both quantize activations to 8 bits, differently: compare to float
         assert float((lin(x) - ref_q).norm() / ref_q.norm()) < 0.03

@@ -69,6 +69,19 @@ def test_plan_returns_nothing_when_the_gate_is_off():
     assert all(ctl.plan(["a", "b"], other_tokens=7, draft_passes_cost=False) == {} for _ in range(50))
 
 
+def test_on_steps_without_drafts_count_as_off():
+    """An "on" step in which nothing was drafted ran as an "off" step: the gate files it there."""
+    ctl = AdaptiveSpeculation(max_k=4, warmup_steps=0)
+    ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    assert ctl.pending == (1, True)  # nothing measured yet: "on" is tried first
+    ctl.observe_outcome(1, 0.01, drafted=False)
+    gate = ctl.gate
+    assert gate._stats[1][False][2] == 1 and True not in gate._stats[1]
+    ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(3, 0.01, drafted=True)
+    assert gate._stats[1][True][2] == 1
+
+
 def test_unmeasured_bucket_borrows_its_neighbours_verdict():
     gate = SpecGate(min_samples=2, max_explore=64)
     for _ in range(2):

@@ -290,7 +290,7 @@ class EngineCore:
         stats.forward_time_s += result.forward_time
         stats.draft_time_s += draft_time
         if self.spec is not None:
-            self.spec.controller.observe_outcome(generated, elapsed)
+            self.spec.controller.observe_outcome(generated, elapsed, drafted=any(sched.num_draft.values()))
         return out
 
     def snapshot(self) -> dict[str, Any]:

@@ -51,24 +51,6 @@ void for_row_blocks(int64_t N, F&& body) {
   });
 }
 
-// Calls fn.template operator()<R>() with R the number of activation rows in this sweep (1-4).
-template <typename F>
-void with_rows(int64_t rows, F&& fn) {
-  switch (rows) {
-    case 1: fn.template operator()<1>(); break;
-    case 2: fn.template operator()<2>(); break;
-    case 3: fn.template operator()<3>(); break;
-    default: fn.template operator()<4>(); break;
-  }
-}
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
@@ -77,57 +59,159 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch d
   return static_cast<uint16_t>(bits >> 16);
 }
 
+#if defined(__AVX512F__)
+// How one weight type is multiplied: elements per instruction, loads, the multiply-accumulate and
+// the final horizontal sum. `dot_rows` below is written once against these.
+struct F32Dot {  // float32 x float32, fused multiply-add
+  using X = float;
+  using W = float;
+  using Vec = __m512;
+  using Acc = __m512;
+  using Out = float;
+  using Mask = __mmask16;
+  static constexpr int64_t kStep = 16;
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
+  static Out sum(Acc acc) { return _mm512_reduce_add_ps(acc); }
+};
+#endif
+
 #if defined(__AVX512BF16__)
-// out[m, n] = sum_k x[m, k] * w[n, k] for m < M and n in [n0, n1); x and w bfloat16 (as uint16).
-template <int M>
-void dot_bf16(const uint16_t* x, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* out,
-              int64_t N) {
-  const int64_t tail = K % 32;
-  const __mmask32 tmask = static_cast<__mmask32>((1ull << tail) - 1);
+struct Bf16Dot {  // bfloat16 pairs, float32 accumulation (vdpbf16ps); bfloat16 held as uint16
+  using X = uint16_t;
+  using W = uint16_t;
+  using Vec = __m512i;
+  using Acc = __m512;
+  using Out = float;
+  using Mask = __mmask32;
+  static constexpr int64_t kStep = 32;
+  static Vec load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static Vec load(Mask m, const uint16_t* p) { return _mm512_maskz_loadu_epi16(m, p); }
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+  static Out sum(Acc acc) { return _mm512_reduce_add_ps(acc); }
+};
+#endif
+
+#if defined(__AVX512VNNI__)
+struct U8S8Dot {  // unsigned 8-bit x signed 8-bit quadruples, int32 accumulation (vpdpbusd)
+  using X = uint8_t;
+  using W = int8_t;
+  using Vec = __m512i;
+  using Acc = __m512i;
+  using Out = int32_t;
+  using Mask = __mmask64;
+  static constexpr int64_t kStep = 64;
+  static Vec load(const void* p) { return _mm512_loadu_si512(p); }
+  static Vec load(Mask m, const void* p) { return _mm512_maskz_loadu_epi8(m, p); }
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm512_dpbusd_epi32(acc, x, w); }
+  static Out sum(Acc acc) { return _mm512_reduce_add_epi32(acc); }
+};
+#endif
+
+#if defined(__AVX512F__)
+// out[m, n] = sum_k x[m, k] * w[n, k] for m < M and n in [n0, n1); out has row stride N.
+template <typename D, int M>
+void dot_rows(const typename D::X* x, int64_t K, const typename D::W* w, int64_t n0, int64_t n1,
+              typename D::Out* out, int64_t N) {
+  using Mask = typename D::Mask;
+  constexpr int64_t S = D::kStep;
+  const int64_t tail = K % S;
+  const Mask tmask = static_cast<Mask>((tail ? (1ull << tail) : 1ull) - 1);
   int64_t n = n0;
   for (; n + kRowBlock <= n1; n += kRowBlock) {
-    __m512 acc[M][kRowBlock];
+    typename D::Acc acc[M][kRowBlock];
     for (int m = 0; m < M; ++m)
-      for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_setzero_ps();
-    const uint16_t* wr = w + n * K;
+      for (int r = 0; r < kRowBlock; ++r) acc[m][r] = D::zero();
+    const typename D::W* wr = w + n * K;
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      __m512i wv[kRowBlock];
-      for (int r = 0; r < kRowBlock; ++r) wv[r] = _mm512_loadu_si512(wr + r * K + k);
+    for (; k + S <= K; k += S) {
+      typename D::Vec wv[kRowBlock];
+      for (int r = 0; r < kRowBlock; ++r) wv[r] = D::load(wr + r * K + k);
       // The next block of rows: hardware prefetch alone leaves this loop well below memory speed.
       for (int r = 0; r < kRowBlock; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(wr + (kRowBlock + r) * K + k), _MM_HINT_T0);
       for (int m = 0; m < M; ++m) {
-        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
+        const typename D::Vec xv = D::load(x + m * K + k);
+        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = D::madd(acc[m][r], xv, wv[r]);
       }
     }
     if (tail) {
-      __m512i wv[kRowBlock];
-      for (int r = 0; r < kRowBlock; ++r) wv[r] = _mm512_maskz_loadu_epi16(tmask, wr + r * K + k);
+      typename D::Vec wv[kRowBlock];
+      for (int r = 0; r < kRowBlock; ++r) wv[r] = D::load(tmask, wr + r * K + k);
       for (int m = 0; m < M; ++m) {
-        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tmask, x + m * K + k);
-        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
+        const typename D::Vec xv = D::load(tmask, x + m * K + k);
+        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = D::madd(acc[m][r], xv, wv[r]);
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int r = 0; r < kRowBlock; ++r) out[m * N + n + r] = _mm512_reduce_add_ps(acc[m][r]);
+      for (int r = 0; r < kRowBlock; ++r) out[m * N + n + r] = D::sum(acc[m][r]);
   }
-  for (; n < n1; ++n) {
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    const uint16_t* wr = w + n * K;
-    for (int64_t k = 0; k < K; k += 32) {
-      __mmask32 mk = k + 32 <= K ? static_cast<__mmask32>(~0u) : tmask;
-      __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, wr + k);
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mk, x + m * K + k), wv);
+  for (; n < n1; ++n) {  // the last few rows, one at a time
+    typename D::Acc acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = D::zero();
+    const typename D::W* wr = w + n * K;
+    for (int64_t k = 0; k < K; k += S) {
+      const Mask mk = k + S <= K ? static_cast<Mask>(~0ull) : tmask;
+      const typename D::Vec wv = D::load(mk, wr + k);
+      for (int m = 0; m < M; ++m) acc[m] = D::madd(acc[m], D::load(mk, x + m * K + k), wv);
     }
-    for (int m = 0; m < M; ++m) out[m * N + n] = _mm512_reduce_add_ps(acc[m]);
+    for (int m = 0; m < M; ++m) out[m * N + n] = D::sum(acc[m]);
   }
 }
 
-// x [M, K] (bfloat16 or float32, rounded to bfloat16) times w [N, K] bfloat16, plus bias; float32
+// x [M, K] times w [N, K]^T on PyTorch's thread pool, in chunks of kChunk output rows; each chunk's
+// results go to store(m, n, value) while they are still on the stack. Activation rows are swept
+// four at a time (register pressure), so rows 5-8 read a chunk's weights a second time, from cache.
+template <typename D, typename Store>
+void product(const typename D::X* x, int64_t M, int64_t K, const typename D::W* w, int64_t N, Store&& store) {
+  for_row_blocks(N, [&](int64_t n0, int64_t n1) {
+    typename D::Out acc[kMaxRows * kChunk];
+    for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+      const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        // dot_rows indexes outputs from c0: shift the base so chunk row c0 lands at column 0.
+        typename D::Out* base = acc + m0 * width - c0;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: dot_rows<D, 1>(x + m0 * K, K, w, c0, c1, base, width); break;
+          case 2: dot_rows<D, 2>(x + m0 * K, K, w, c0, c1, base, width); break;
+          case 3: dot_rows<D, 3>(x + m0 * K, K, w, c0, c1, base, width); break;
+          default: dot_rows<D, 4>(x + m0 * K, K, w, c0, c1, base, width); break;
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = c0; n < c1; ++n) store(m, n, acc[m * width + (n - c0)]);
+    }
+  });
+}
+
+const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& holder) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == N, "tandem kernels: one bias per output row");
+  holder = bias->to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
+}
+
+// float32 x [M, K] times float32 w [N, K], plus bias.
+at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  check_inputs("tandem gemv_f32", x, w);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "tandem gemv_f32: float32 only");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor xc = x.contiguous(), b;
+  const float* bp = bias_ptr(bias, N, b);
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  product<F32Dot>(xc.data_ptr<float>(), M, K, w.data_ptr<float>(), N,
+                  [&](int64_t m, int64_t n, float v) { op[m * N + n] = bp ? v + bp[n] : v; });
+  return out;
+}
+#endif  // __AVX512F__
+
+#if defined(__AVX512BF16__)
+// x [M, K] (bfloat16, or float32 rounded to bfloat16) times bfloat16 w [N, K], plus bias; float32
 // accumulation, the result in x's dtype.
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   check_inputs("tandem gemv_bf16", x, w);
@@ -135,91 +219,24 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "tandem gemv_bf16: x must be bfloat16 or float32");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
-  at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  at::Tensor xb = x.to(at::kBFloat16).contiguous(), b;
+  const float* bp = bias_ptr(bias, N, b);
   at::Tensor out = at::empty({M, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  at::Tensor b;
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    bp = b.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) {
+    float* op = out.data_ptr<float>();
+    product<Bf16Dot>(xp, M, K, wp, N, [&](int64_t m, int64_t n, float v) { op[m * N + n] = bp ? v + bp[n] : v; });
+  } else {
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    product<Bf16Dot>(xp, M, K, wp, N,
+                     [&](int64_t m, int64_t n, float v) { op[m * N + n] = float_to_bf16(bp ? v + bp[n] : v); });
   }
-  auto* out_h = reinterpret_cast<uint16_t*>(out.data_ptr());
-  auto* out_f = reinterpret_cast<float*>(out.data_ptr());
-  for_row_blocks(N, [&](int64_t n0, int64_t n1) {
-    float acc[kMaxRows * kChunk];
-    for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-      const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        with_rows(std::min<int64_t>(4, M - m0), [&]<int R>() {
-          dot_bf16<R>(xp + m0 * K, K, wp, c0, c1, acc + m0 * width - c0, width);
-        });
-      }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = c0; n < c1; ++n) {
-          const float v = acc[m * width + (n - c0)] + (bp ? bp[n] : 0.f);
-          if (out_bf16)
-            out_h[m * N + n] = float_to_bf16(v);
-          else
-            out_f[m * N + n] = v;
-        }
-    }
-  });
   return out;
 }
 #endif  // __AVX512BF16__
 
 #if defined(__AVX512VNNI__)
-// acc[m, n] = sum_k x[m, k] * w[n, k] with x unsigned 8-bit, w signed 8-bit.
-template <int M>
-void dot_u8s8(const uint8_t* x, int64_t K, const int8_t* w, int64_t n0, int64_t n1, int32_t* out,
-              int64_t N) {
-  const int64_t tail = K % 64;
-  const __mmask64 tmask = tail ? static_cast<__mmask64>((1ull << tail) - 1) : 0;
-  int64_t n = n0;
-  for (; n + kRowBlock <= n1; n += kRowBlock) {
-    __m512i acc[M][kRowBlock];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_setzero_si512();
-    const int8_t* wr = w + n * K;
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-      __m512i wv[kRowBlock];
-      for (int r = 0; r < kRowBlock; ++r) wv[r] = _mm512_loadu_si512(wr + r * K + k);
-      for (int r = 0; r < kRowBlock; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(wr + (kRowBlock + r) * K + k), _MM_HINT_T0);
-      for (int m = 0; m < M; ++m) {
-        __m512i xv = _mm512_loadu_si512(x + m * K + k);
-        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], xv, wv[r]);
-      }
-    }
-    if (tail) {
-      __m512i wv[kRowBlock];
-      for (int r = 0; r < kRowBlock; ++r) wv[r] = _mm512_maskz_loadu_epi8(tmask, wr + r * K + k);
-      for (int m = 0; m < M; ++m) {
-        __m512i xv = _mm512_maskz_loadu_epi8(tmask, x + m * K + k);
-        for (int r = 0; r < kRowBlock; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], xv, wv[r]);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < kRowBlock; ++r) out[m * N + n + r] = _mm512_reduce_add_epi32(acc[m][r]);
-  }
-  for (; n < n1; ++n) {
-    __m512i acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
-    const int8_t* wr = w + n * K;
-    for (int64_t k = 0; k < K; k += 64) {
-      __mmask64 mk = k + 64 <= K ? static_cast<__mmask64>(~0ull) : tmask;
-      __m512i wv = _mm512_maskz_loadu_epi8(mk, wr + k);
-      for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(mk, x + m * K + k), wv);
-    }
-    for (int m = 0; m < M; ++m) out[m * N + n] = _mm512_reduce_add_epi32(acc[m]);
-  }
-}
-
 // Dynamic int8 activations (one symmetric scale per row, max |x| / 127) times int8 weights with one
 // scale per output row: y = x_scale * w_scale * sum(xq * w) + bias, float32 in and out.
 // `vpdpbusd` wants unsigned activations, so they are offset by 128 and the offset is taken back
@@ -234,7 +251,7 @@ at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == w.size(0),
               "tandem gemm_w8a8: w_sum must be contiguous int32, one per output row");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor xc = x.contiguous();
+  at::Tensor xc = x.contiguous(), b;
   const float* xp = xc.data_ptr<float>();
   at::Tensor xu = at::empty({M, K}, x.options().dtype(at::kByte));
   uint8_t* up = xu.data_ptr<uint8_t>();
@@ -251,37 +268,18 @@ at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     }
     x_scale[m] = s;
   }
+  const float* bp = bias_ptr(bias, N, b);
   at::Tensor out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = w_scale.data_ptr<float>();
   const int32_t* sump = w_sum.data_ptr<int32_t>();
-  at::Tensor b;
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    bp = b.data_ptr<float>();
-  }
-  for_row_blocks(N, [&](int64_t n0, int64_t n1) {
-    int32_t acc[kMaxRows * kChunk];
-    for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-      const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        with_rows(std::min<int64_t>(4, M - m0), [&]<int R>() {
-          dot_u8s8<R>(up + m0 * K, K, wp, c0, c1, acc + m0 * width - c0, width);
-        });
-      }
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = c0; n < c1; ++n) {
-          const int32_t dot = acc[m * width + (n - c0)] - 128 * sump[n];
-          op[m * N + n] = static_cast<float>(dot) * x_scale[m] * sp[n] + (bp ? bp[n] : 0.f);
-        }
-    }
+  product<U8S8Dot>(up, M, K, w.data_ptr<int8_t>(), N, [&](int64_t m, int64_t n, int32_t dot) {
+    const float v = static_cast<float>(dot - 128 * sump[n]) * x_scale[m] * sp[n];
+    op[m * N + n] = bp ? v + bp[n] : v;
   });
   return out;
 }
 #endif  // __AVX512VNNI__
-
 
 // ---------------------------------------------------------------------------------------------
 // Attention over the paged KV cache for batches of short queries (decodes, speculative
@@ -428,6 +426,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
+#if defined(__AVX512F__)
+  m.def("gemv_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+#endif
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> Tensor");
@@ -440,6 +441,9 @@ TORCH_LIBRARY(tandem, m) {
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+#if defined(__AVX512F__)
+  m.impl("gemv_f32", &gemv_f32);
+#endif
   m.impl("paged_attention", &paged_attention);
 #if defined(__AVX512BF16__)
   m.impl("gemv_bf16", &gemv_bf16);

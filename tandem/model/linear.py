@@ -1,11 +1,13 @@
 """Which GEMM a linear layer runs, by dtype and number of rows (CPU).
 
-`F.linear` goes to MKL's sgemm with the weight as stored. For the 2-64-row products of batched
-decoding that path is slow: oneDNN with the weight reordered once into its blocked layout
-(`mkldnn._linear_pointwise`) is up to 1.9x faster in float32 and faster at every size in bfloat16
-(benchmarks/gemm_paths.py, results in docs/benchmarks.md). For one or two rows (a single stream's
-decode) the plain sgemv reads memory best, so float32 layers keep both forms; bfloat16 layers keep
-only the reordered one.
+`F.linear` goes to MKL's sgemm with the weight as stored. For the 3-64-row products of batched
+decoding and speculative verification that path is slow: oneDNN with the weight reordered once
+into its blocked layout (`mkldnn._linear_pointwise`) is up to 1.9x faster in float32 and faster in
+bfloat16 from 8 rows on (benchmarks/gemm_paths.py, results in docs/benchmarks.md). A product of a
+few rows is bound by reading the weight from memory, and there the plain weight streamed once is
+best: MKL's sgemv for one or two float32 rows (the same call transformers makes, so a single
+stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-8 float32
+rows and 1-4 bfloat16 rows. So layers keep both forms where a few-row path exists.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from torch import nn
 
 from tandem import kernels
 
-# Rows at or below which the plain weight is used (GEMV-like products), per weight dtype.
-# bfloat16: Tandem's kernel sweeps up to four rows per pass over the weight and beats oneDNN there.
-_PLAIN_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 4}
+# float32 rows that MKL's sgemv takes (bit-identical to transformers' own F.linear).
+_MKL_MAX_ROWS = 2
+# Rows up to which Tandem's kernels beat oneDNN (they sweep up to four activation rows per pass over
+# the weight; bfloat16's pairs of passes lose to AMX beyond four rows).
+_KERNEL_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+_KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
 # Batch-size hint oneDNN tunes the reordered layout for: mid-size decode batches.
 _PACK_HINT_ROWS = 8
 
@@ -37,18 +42,23 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         w = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
+        self.kernel = kernels.has(_KERNEL[w.dtype])
         # The plain weight too, where a few-row path exists for this dtype.
-        self.plain = w if w.dtype == torch.float32 or kernels.has("gemv_bf16") else None
-        self.plain_max_rows = _PLAIN_MAX_ROWS[w.dtype]
+        few = _KERNEL_MAX_ROWS[w.dtype] if self.kernel else _MKL_MAX_ROWS if w.dtype == torch.float32 else 0
+        self.plain = w if few else None
+        self.plain_max_rows = few
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the decoder passes 2-D input: no reshapes on its path
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
-        if self.plain is not None and x.shape[0] <= self.plain_max_rows:
+        rows = x.shape[0]
+        if rows <= self.plain_max_rows:
             if self.plain.dtype == torch.float32:
-                return F.linear(x, self.plain, self.bias)
+                if rows <= _MKL_MAX_ROWS:
+                    return F.linear(x, self.plain, self.bias)
+                return torch.ops.tandem.gemv_f32(x, self.plain, self.bias)
             return torch.ops.tandem.gemv_bf16(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 

@@ -20,7 +20,9 @@ The model cannot see everything verification costs (draft passes, the extra
 sampling rows, Python work per request), so a measured gate sits on top:
 for each batch-size bucket (decoding requests, powers of two) it keeps the
 measured output tokens per second of pure-decode steps with speculation on
-and off (exponentially weighted), runs the better mode, and now and then
+(steps that verified drafts) and off (steps that did not, whatever the gate
+chose: an "on" step whose plan or n-gram lookup drafted nothing ran as an
+"off" one), exponentially weighted, runs the better mode, and now and then
 spends a step on the other so both estimates stay current. How often follows
 from what exploring costs: a step of the worse mode at relative rate `r < 1`
 loses `1/r - 1` of a step, so the gate explores every
@@ -214,11 +216,17 @@ class AdaptiveSpeculation:
     def forget(self, request_id: str) -> None:
         self._acc.pop(request_id, None)
 
-    def observe_outcome(self, tokens: int, seconds: float) -> None:
-        """Output tokens and wall time of the step just planned (used when it was a pure-decode step)."""
+    def observe_outcome(self, tokens: int, seconds: float, drafted: bool = True) -> None:
+        """Output tokens and wall time of the step just planned (used when it was a pure-decode step).
+
+        `drafted`: whether any request drafted. An "on" step in which none did (the plan gave every
+        request k = 0, or n-gram lookup found nothing) ran exactly as an "off" step, and counts as one:
+        the gate then compares steps that verify drafts with steps that do not, and a mode that
+        often drafts nothing cannot look like speculation that does not pay.
+        """
         if self.pending is not None:
             n, on = self.pending
-            self.gate.observe(n, on, tokens, seconds)
+            self.gate.observe(n, on and drafted, tokens, seconds)
             self.pending = None
 
     # -- the plan --------------------------------------------------------
