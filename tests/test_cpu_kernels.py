@@ -10,7 +10,7 @@ from tandem import kernels
 from tandem.model.linear import PackedLinear, onednn_available
 from tandem.model.quant import Int8Linear
 
-SHAPES = [(37, 40), (130, 96), (64, 100), (8, 64)]  # (out, in): ragged tails in both dimensions
+SHAPES = [(37, 40), (130, 96), (64, 100), (8, 64), (3, 32)]  # (out, in): ragged tails in both dimensions
 
 
 def _bf16_round(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def test_gemv_bf16_matches_float_reference(rows, shape, bias):
 
 
 @pytest.mark.skipif(not kernels.has("gemv_f32"), reason="host CPU has no AVX-512")
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_f32_matches_f_linear(rows, shape, bias):
@@ -82,8 +82,8 @@ def test_gemm_w8a8_matches_integer_reference(rows, shape, bias):
 def test_kernels_reject_bad_input():
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     if kernels.has("gemv_bf16"):
-        with pytest.raises(RuntimeError, match="at most 8 rows"):
-            torch.ops.tandem.gemv_bf16(torch.zeros(9, 16), w, None)
+        with pytest.raises(RuntimeError, match="at most 16 rows"):
+            torch.ops.tandem.gemv_bf16(torch.zeros(17, 16), w, None)
         with pytest.raises(RuntimeError, match="columns"):
             torch.ops.tandem.gemv_bf16(torch.zeros(1, 15), w, None)
         with pytest.raises(RuntimeError, match="bfloat16"):
@@ -105,7 +105,7 @@ def test_env_switch_disables_kernels(monkeypatch):
     assert Int8Linear(torch.randn(8, 16), None).row_sum is None
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9, 17])
 def test_layers_agree_with_and_without_kernels(rows, monkeypatch):
     """The layers' few-row kernel paths and their torch paths give the same products."""
     g = torch.Generator().manual_seed(rows)

@@ -20,12 +20,14 @@ def test_plan_speculates_when_fixed_cost_dominates_and_not_when_tokens_cost():
         ctl.observe_acceptance(rid, 4, 2)  # alpha about 0.5
     for t in (64, 128, 256):
         ctl.observe_step(t, 0.020 + 0.00001 * t)  # fixed cost dominates
-    ks = ctl.plan(ids[:1], other_tokens=5, draft_passes_cost=False)
+    ks = ctl.plan(ids[:1], other_tokens=0, draft_passes_cost=False)
     assert ks["r0"] == 4
+    # A step that also carries prompt tokens never drafts, whatever the model says.
+    assert ctl.plan(ids[:1], other_tokens=5, draft_passes_cost=False) == {}
     heavy = AdaptiveSpeculation(max_k=4, warmup_steps=0)
     for t in (64, 128, 256):
         heavy.observe_step(t, 0.001 + 0.001 * t)  # every token costs as much as the fixed part
-    ks = heavy.plan(ids, other_tokens=5, draft_passes_cost=False)
+    ks = heavy.plan(ids, other_tokens=0, draft_passes_cost=False)
     assert sum(ks.values()) == 0
 
 

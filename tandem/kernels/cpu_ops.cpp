@@ -1,14 +1,16 @@
-// Tandem's CPU kernels: few-row products that read 16-bit or 8-bit weights at memory speed.
+// Tandem's CPU kernels: few-row products that read the weights at memory speed, and attention
+// over the paged KV cache for short queries.
 //
-// A single decoding stream multiplies one activation row by every weight matrix, so its speed is
-// the speed at which the weights stream from memory. oneDNN's bfloat16 product for one to four
-// rows runs at about half the memory bandwidth, and PyTorch's int8 dynamic-quantization path spends
-// a good part of each call quantizing in separate ATen operators. These kernels stream four weight
-// rows at a time with software prefetch, multiply with the CPU's dot-product instructions
-// (AVX512-BF16 `vdpbf16ps`, AVX512-VNNI `vpdpbusd`) for up to four activation rows in one sweep, and
-// do the quantization and epilogue in the same call.
+// A decoding stream multiplies one activation row (a few, when verifying drafts or batching a
+// handful of streams) by every weight matrix, so its speed is the speed at which the weights
+// stream from memory. oneDNN's bfloat16 product for one to four rows and its float32 product for
+// three to eight run well below the memory bandwidth, and PyTorch's int8 dynamic-quantization path
+// spends a good part of each small call quantizing in separate ATen operators. These kernels stream
+// four weight rows at a time with software prefetch, multiply with the CPU's vector dot-product
+// instructions (AVX-512 FMA, AVX512-BF16 `vdpbf16ps`, AVX512-VNNI `vpdpbusd`) for up to four
+// activation rows per sweep, and do quantization and epilogue in the same call.
 //
-// Each operator is registered (torch.ops.tandem.*) only when the host CPU has its instructions;
+// Each product is registered (torch.ops.tandem.*) only when the host CPU has its instructions;
 // tandem/kernels/__init__.py builds this file with -march=native and the Python callers keep their
 // pure-torch paths for everything else.
 #include <ATen/ATen.h>
@@ -28,7 +30,7 @@
 namespace {
 
 // Rows beyond this are better served by the libraries' blocked GEMMs.
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 16;
 // Output rows handled together: four independent weight streams and accumulators.
 constexpr int64_t kRowBlock = 4;
 // Output rows per epilogue pass: results stay on the stack until scaled and stored.
@@ -46,6 +48,10 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& w) {
 template <typename F>
 void for_row_blocks(int64_t N, F&& body) {
   const int64_t blocks = N / kRowBlock;
+  if (blocks == 0) {  // fewer outputs than one block: not worth a thread
+    if (N > 0) body(0, N);
+    return;
+  }
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     body(b0 * kRowBlock, b1 == blocks ? N : b1 * kRowBlock);
   });

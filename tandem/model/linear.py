@@ -6,7 +6,7 @@ into its blocked layout (`mkldnn._linear_pointwise`) is up to 1.9x faster in flo
 bfloat16 from 8 rows on (benchmarks/gemm_paths.py, results in docs/benchmarks.md). A product of a
 few rows is bound by reading the weight from memory, and there the plain weight streamed once is
 best: MKL's sgemv for one or two float32 rows (the same call transformers makes, so a single
-stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-8 float32
+stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16 float32
 rows and 1-4 bfloat16 rows. So layers keep both forms where a few-row path exists.
 """
 
@@ -24,7 +24,7 @@ from tandem import kernels
 _MKL_MAX_ROWS = 2
 # Rows up to which Tandem's kernels beat oneDNN (they sweep up to four activation rows per pass over
 # the weight; bfloat16's pairs of passes lose to AMX beyond four rows).
-_KERNEL_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+_KERNEL_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 _KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
 # Batch-size hint oneDNN tunes the reordered layout for: mid-size decode batches.
 _PACK_HINT_ROWS = 8
