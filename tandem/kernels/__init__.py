@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -25,10 +26,23 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _ninja_on_path() -> None:
+    """PyTorch's builder runs `ninja` from PATH; a virtualenv used without activation lacks it."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @cache
 def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
 
         load(
             name="tandem_cpu_ops",
