@@ -10,6 +10,7 @@ where the host CPU has its instructions (`has(name)`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -24,6 +25,15 @@ ENV_SWITCH = "TANDEM_CPU_KERNELS"
 
 def enabled_by_env() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def library_name() -> str:
+    """The build's name, one per CPU feature set: it is compiled with -march=native, so a cache
+    directory shared between different CPUs must not hand one machine's build to another."""
+    from tandem.cpu import cpu_flags
+
+    digest = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
+    return f"tandem_cpu_ops_{digest}"
 
 
 def _ninja_on_path() -> None:
@@ -45,7 +55,7 @@ def _build() -> bool:
         _ninja_on_path()
 
         load(
-            name="tandem_cpu_ops",
+            name=library_name(),
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
