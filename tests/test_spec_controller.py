@@ -40,10 +40,12 @@ def test_gate_runs_the_measured_better_mode_and_explores():
     for _ in range(3):
         gate.observe(64, False, 64, 0.1)  # 640 tok/s without
     # "on" runs at half the rate: an exploring step loses one step's worth, so at a 1% budget the
-    # gate explores once per 100 steps.
-    assert gate.explore_interval(320.0, 640.0) == 100
+    # gate explores for min_samples (2) steps once per 200 steps.
+    assert gate.explore_interval(320.0, 640.0) == 200
     choices = [gate.choose(64) for _ in range(400)]
-    assert 3 <= choices.count(True) <= 5  # mostly off, still exploring
+    assert choices.count(True) == 4  # mostly off, still exploring
+    first = choices.index(True)
+    assert choices[first : first + 2] == [True, True]  # an exploration is a burst of min_samples steps
     assert gate.preferred(64) is False
     # Another batch size is its own bucket.
     assert gate.choose(1) is True
@@ -53,7 +55,7 @@ def test_gate_runs_the_measured_better_mode_and_explores():
 def test_gate_rechecks_close_calls_often_and_clear_losers_rarely():
     gate = SpecGate(explore_every=8, explore_cost=0.01, max_explore=256)
     assert gate.explore_interval(100.0, 99.5) == 8  # within 1%: the floor
-    assert gate.explore_interval(100.0, 90.0) == 12
+    assert gate.explore_interval(100.0, 90.0) == 34  # 3 steps lose 1/3 of a step: every 34
     assert gate.explore_interval(10.0, 100.0) == 256  # the cap
 
 
@@ -95,7 +97,9 @@ def test_unmeasured_bucket_borrows_its_neighbours_verdict():
         on = gate.choose(32)
         gate.observe(32, on, 32, 0.4 if on else 0.2)
         choices.append(on)
-    assert choices[:2] == [False, False] and choices.count(True) == 2
+    assert choices[:2] == [False, False]
+    # One burst of min_samples "on" steps at step 64; the next exploration starts at step 128.
+    assert choices[63:65] == [True, True] and choices.count(True) == 3
     assert gate.preferred(32) is False
     # A smaller batch is not covered by an "off" verdict from above: it tries "on" first.
     assert gate.choose(2) is True

@@ -26,8 +26,11 @@ chose: an "on" step whose plan or n-gram lookup drafted nothing ran as an
 spends a step on the other so both estimates stay current. How often follows
 from what exploring costs: a step of the worse mode at relative rate `r < 1`
 loses `1/r - 1` of a step, so the gate explores every
-`(1/r - 1) / explore_cost` steps (clamped to [explore_every, max_explore]),
-which keeps exploring below `explore_cost` (1%) of the time. A close call is
+`min_samples * (1/r - 1) / explore_cost` steps (clamped to [explore_every,
+max_explore]) for `min_samples` consecutive steps, which keeps exploring below
+`explore_cost` (1%) of the time; a burst, not a single step, because one
+speculative step's output swings with acceptance, and a single lucky or
+unlucky sample, weighted up by aging (below), would flip the verdict. A close call is
 re-checked often; a clear loser rarely. The mode not being run also ages
 with every step of the other (`stale_decay`), so a fresh exploration sample
 outweighs old ones: acceptance drifts over a request's life, and comparing a
@@ -102,6 +105,8 @@ class SpecGate:
         # bucket -> {mode: [weighted tokens, weighted seconds, samples]}
         self._stats: dict[int, dict[bool, list[float]]] = {}
         self._steps: dict[int, int] = {}
+        # bucket -> (mode, steps left) of an exploration in progress
+        self._burst: dict[int, tuple[bool, int]] = {}
 
     @staticmethod
     def bucket(num_decoding: int) -> int:
@@ -114,9 +119,17 @@ class SpecGate:
         return st[0] / st[1]
 
     def explore_interval(self, on_rate: float, off_rate: float) -> int:
+        """Steps between explorations, each `min_samples` steps of the worse mode long."""
         loss = max(on_rate, off_rate) / max(min(on_rate, off_rate), 1e-12) - 1.0
-        steps = math.ceil(loss / self.explore_cost)
+        steps = math.ceil(self.min_samples * loss / self.explore_cost)
         return max(self.explore_every, min(self.max_explore, steps))
+
+    def _explore(self, b: int, mode: bool) -> bool:
+        """Start an exploration of `mode`: `min_samples` consecutive steps, so the refreshed rate
+        is a mean over several steps and not one noisy one (a step's tokens vary with acceptance)."""
+        if self.min_samples > 1:
+            self._burst[b] = (mode, self.min_samples - 1)
+        return mode
 
     def _measured(self, bucket: int) -> bool | None:
         on_rate, off_rate = self.rate(bucket, True), self.rate(bucket, False)
@@ -146,6 +159,12 @@ class SpecGate:
         """The mode for a pure-decode step: the better one, or (now and then) the other."""
         b = self.bucket(num_decoding)
         step = self._steps[b] = self._steps.get(b, 0) + 1
+        burst = self._burst.pop(b, None)
+        if burst is not None:
+            mode, left = burst
+            if left > 1:
+                self._burst[b] = (mode, left - 1)
+            return mode
         on_rate, off_rate = self.rate(b, True), self.rate(b, False)
         if on_rate is None or off_rate is None:
             borrowed = self._borrowed(b)
@@ -154,9 +173,11 @@ class SpecGate:
             if self.rate(b, borrowed) is None:
                 return borrowed
             # The borrowed mode is measured here; sample the other one on the slow schedule.
-            return (not borrowed) if step % self.max_explore == 0 else borrowed
+            return self._explore(b, not borrowed) if step % self.max_explore == 0 else borrowed
         best = on_rate >= off_rate
-        return (not best) if step % self.explore_interval(on_rate, off_rate) == 0 else best
+        if step % self.explore_interval(on_rate, off_rate) == 0:
+            return self._explore(b, not best)
+        return best
 
     def observe(self, num_decoding: int, on: bool, tokens: int, seconds: float) -> None:
         modes = self._stats.setdefault(self.bucket(num_decoding), {})
