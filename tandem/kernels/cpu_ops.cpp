@@ -7,7 +7,7 @@
 // three to eight run well below the memory bandwidth, and PyTorch's int8 dynamic-quantization path
 // spends a good part of each small call quantizing in separate ATen operators. These kernels stream
 // four weight rows at a time with software prefetch, multiply with the CPU's vector dot-product
-// instructions (AVX-512 FMA, AVX512-BF16 `vdpbf16ps`, AVX512-VNNI `vpdpbusd`) for up to four
+// instructions (AVX-512 FMA, AVX512-BF16 `vdpbf16ps`, AVX512-VNNI `vpdpbusd`) for up to six
 // activation rows per sweep, and do quantization and epilogue in the same call.
 //
 // Each product is registered (torch.ops.tandem.*) only when the host CPU has its instructions;
@@ -169,23 +169,31 @@ void dot_rows(const typename D::X* x, int64_t K, const typename D::W* w, int64_t
   }
 }
 
+// Activation rows per sweep over the weight: 6 rows x 4 weight rows = 24 accumulators, which with
+// the 4 weight vectors and one activation vector fits the 32 vector registers. A speculative
+// verification of 1 + 4 or 1 + 5 tokens is then a single pass over the weight.
+constexpr int64_t kSweepRows = 6;
+
 // x [M, K] times w [N, K]^T on PyTorch's thread pool, in chunks of kChunk output rows; each chunk's
 // results go to store(m, n, value) while they are still on the stack. Activation rows are swept
-// four at a time (register pressure), so rows 5-8 read a chunk's weights a second time, from cache.
+// kSweepRows at a time, so rows beyond read a chunk's weights a second time, from cache.
 template <typename D, typename Store>
 void product(const typename D::X* x, int64_t M, int64_t K, const typename D::W* w, int64_t N, Store&& store) {
   for_row_blocks(N, [&](int64_t n0, int64_t n1) {
     typename D::Out acc[kMaxRows * kChunk];
     for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
       const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      for (int64_t m0 = 0; m0 < M; m0 += kSweepRows) {
         // dot_rows indexes outputs from c0: shift the base so chunk row c0 lands at column 0.
         typename D::Out* base = acc + m0 * width - c0;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: dot_rows<D, 1>(x + m0 * K, K, w, c0, c1, base, width); break;
-          case 2: dot_rows<D, 2>(x + m0 * K, K, w, c0, c1, base, width); break;
-          case 3: dot_rows<D, 3>(x + m0 * K, K, w, c0, c1, base, width); break;
-          default: dot_rows<D, 4>(x + m0 * K, K, w, c0, c1, base, width); break;
+        const typename D::X* xm = x + m0 * K;
+        switch (std::min<int64_t>(kSweepRows, M - m0)) {
+          case 1: dot_rows<D, 1>(xm, K, w, c0, c1, base, width); break;
+          case 2: dot_rows<D, 2>(xm, K, w, c0, c1, base, width); break;
+          case 3: dot_rows<D, 3>(xm, K, w, c0, c1, base, width); break;
+          case 4: dot_rows<D, 4>(xm, K, w, c0, c1, base, width); break;
+          case 5: dot_rows<D, 5>(xm, K, w, c0, c1, base, width); break;
+          default: dot_rows<D, 6>(xm, K, w, c0, c1, base, width); break;
         }
       }
       for (int64_t m = 0; m < M; ++m)

@@ -22,8 +22,8 @@ from tandem import kernels
 
 # float32 rows that MKL's sgemv takes (bit-identical to transformers' own F.linear).
 _MKL_MAX_ROWS = 2
-# Rows up to which Tandem's kernels beat oneDNN (they sweep up to four activation rows per pass over
-# the weight; bfloat16's pairs of passes lose to AMX beyond four rows).
+# Rows up to which Tandem's kernels beat oneDNN (benchmarks/gemm_paths.py): they stream the weight
+# once per six activation rows; in bfloat16, AMX wins from about five rows on.
 _KERNEL_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 _KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
 # Batch-size hint oneDNN tunes the reordered layout for: mid-size decode batches.
