@@ -57,6 +57,17 @@ def greedy(model, prefix: list[int], n: int) -> list[int]:
     return out[0, len(prefix) :].tolist()
 
 
+def _tandem_model(path: Path, dtype: str, quantization: str | None, max_len: int):
+    """The checkpoint through Tandem's own loader: (config, torch dtype, model, attention backend)."""
+    from tandem.config import ModelConfig
+    from tandem.model.loader import load_model, resolve_dtype
+
+    cfg = ModelConfig.from_pretrained(path)
+    dt = resolve_dtype(dtype, torch.device("cpu"))
+    model = load_model(cfg, dt, torch.device("cpu"), "torch", max_len, quantization)
+    return cfg, dt, model, model.layers[0].self_attn.backend
+
+
 @torch.no_grad()
 def tandem_perplexity(
     path: Path, dtype: str, quantization: str | None, ids: torch.Tensor, seq: int = 256, max_rows: int = 256
@@ -64,14 +75,9 @@ def tandem_perplexity(
     """Held-out perplexity through Tandem's own model code, with its dtype and weight format."""
     import numpy as np
 
-    from tandem.config import ModelConfig
     from tandem.model.forward_batch import ForwardBatch
-    from tandem.model.loader import load_model, resolve_dtype
 
-    cfg = ModelConfig.from_pretrained(path)
-    dt = resolve_dtype(dtype, torch.device("cpu"))
-    model = load_model(cfg, dt, torch.device("cpu"), "torch", seq, quantization)
-    backend = model.layers[0].self_attn.backend
+    cfg, dt, model, backend = _tandem_model(path, dtype, quantization, seq)
     total, count = 0.0, 0
     n = min(max_rows, (ids.numel() - 1) // seq)
     for i in range(0, n, 8):
@@ -119,14 +125,9 @@ def tandem_decode_perplexity(
     """
     import numpy as np
 
-    from tandem.config import ModelConfig
     from tandem.model.forward_batch import ForwardBatch
-    from tandem.model.loader import load_model, resolve_dtype
 
-    cfg = ModelConfig.from_pretrained(path)
-    dt = resolve_dtype(dtype, torch.device("cpu"))
-    model = load_model(cfg, dt, torch.device("cpu"), "torch", seq, quantization)
-    backend = model.layers[0].self_attn.backend
+    cfg, dt, model, backend = _tandem_model(path, dtype, quantization, seq)
     total, count = 0.0, 0
     n = min(max_seqs, (ids.numel() - 1) // seq)
     with torch.inference_mode():

@@ -42,9 +42,11 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         w = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
-        self.kernel = kernels.has(_KERNEL[w.dtype])
         # The plain weight too, where a few-row path exists for this dtype.
-        few = _KERNEL_MAX_ROWS[w.dtype] if self.kernel else _MKL_MAX_ROWS if w.dtype == torch.float32 else 0
+        if kernels.has(_KERNEL[w.dtype]):
+            few = _KERNEL_MAX_ROWS[w.dtype]
+        else:
+            few = _MKL_MAX_ROWS if w.dtype == torch.float32 else 0
         self.plain = w if few else None
         self.plain_max_rows = few
         self.bias = None if bias is None else bias.detach().contiguous()
