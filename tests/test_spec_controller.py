@@ -86,6 +86,17 @@ def test_on_steps_without_drafts_count_as_off():
     assert gate._stats[1][True][2] == 1
 
 
+def test_steps_that_also_computed_prompts_are_no_sample():
+    """A planned pure-decode step that ended up computing prompt tokens as well is not filed."""
+    ctl = AdaptiveSpeculation(max_k=4, warmup_steps=0)
+    ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(3, 0.5, drafted=True, pure=False)
+    assert ctl.pending is None and ctl.gate._stats == {}
+    ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(3, 0.01, drafted=True)
+    assert ctl.gate._stats[1][True][2] == 1
+
+
 def test_unmeasured_bucket_borrows_its_neighbours_verdict():
     gate = SpecGate(min_samples=2, max_explore=64)
     for _ in range(2):

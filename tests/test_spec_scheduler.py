@@ -781,6 +781,40 @@ def test_drafts_are_dropped_rather_than_preempting() -> None:
         assert r.output_token_ids == reference(next_token, r, h.max_model_len)
 
 
+class OtherTokens(RandomDrafts):
+    """Records the `other_tokens` of every plan."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.seen: list[int] = []
+
+    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> dict[str, int]:
+        self.seen.append(other_tokens)
+        return super().plan(decoding, other_tokens, max_model_len)
+
+
+def test_plan_counts_the_prompts_this_step_admits() -> None:
+    """Drafts are planned before the queue is admitted: a step that will also admit a prompt must
+    not look like a pure-decode step to the plan (the adaptive controller drafts only in those)."""
+    spec = OtherTokens("scheduler", 2, random.Random(0), next_token)
+    h = SpecHarness(
+        num_blocks=32, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, mode="scheduler", spec=spec
+    )
+    h.add(*make_group("a", [1, 2, 3], max_tokens=6))
+    h.step()  # a's prompt; nothing decoding yet, so no plan
+    h.add(*make_group("b", [4, 5, 6, 7, 8], max_tokens=3))
+    h.add(*make_group("c", [9, 9], max_tokens=3))
+    out = h.step()  # a decodes, b is admitted (a free seat), c waits (no seat)
+    assert [r.request_id for r in out.requests] == ["a", "b"]
+    assert spec.seen[-1] == 5
+    out = h.step()  # both decode, c still has no seat: a pure-decode step
+    assert "c" not in [r.request_id for r in out.requests]
+    assert spec.seen[-1] == 0
+    while h.sched.has_unfinished():
+        h.step()
+    h.check_end()
+
+
 def test_real_planner_ngram_counters() -> None:
     """The real SpecPlanner (n-gram, adaptive off) in the scheduler over a periodic target: n-gram drafts
     are accepted, the outputs are the target's, and the planner's counters add up."""

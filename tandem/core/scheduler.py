@@ -145,7 +145,7 @@ class Scheduler:
             # service counts `_preempt_for` compared (the running requests are charged below).
             order = self._admission_order(now)
 
-        drafts = self._plan_drafts(out, budget) if self.spec is not None else {}
+        drafts = self._plan_drafts(out, budget, order) if self.spec is not None else {}
         i = 0
         stalled = False
         while i < len(self.running) and budget > 0:
@@ -224,12 +224,16 @@ class Scheduler:
             budget -= n
         return out
 
-    def _plan_drafts(self, out: SchedulerOutput, budget: int) -> dict[str, int]:
-        """Speculation: draft length per decoding running request; n-gram proposals go into `out`."""
+    def _plan_drafts(self, out: SchedulerOutput, budget: int, order: list[Request]) -> dict[str, int]:
+        """Speculation: draft length per decoding running request; n-gram proposals go into `out`.
+
+        Planned before the queue is admitted, so the plan counts the prompt tokens this step is
+        about to admit among the step's other tokens: the step is then not a pure-decode one."""
         decoding = [
             r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.pending_children
         ]
         other = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - len(decoding)
+        other += self._expected_admissions(order)
         ks = self.spec.plan(decoding, min(other, budget), self.max_model_len)
         for r in decoding:
             k = ks.get(r.request_id, 0)
@@ -241,6 +245,21 @@ class Scheduler:
                 if proposal:
                     out.draft_tokens[r.request_id] = proposal
         return ks
+
+    def _expected_admissions(self, order: list[Request]) -> int:
+        """Tokens of the queued requests this step will likely admit: those that fit in the free
+        seats and the available blocks now (tenant quotas and running requests' growth aside)."""
+        seats = sum(r.num_seats for r in self.running)
+        free = self.kv.num_available
+        tokens = 0
+        for req in order:
+            need = self.kv.blocks_to_admit(req)
+            if seats + req.num_seats > self.max_num_seqs or need > free:
+                break
+            seats += req.num_seats
+            free -= need
+            tokens += req.num_tokens - req.num_computed_tokens
+        return tokens
 
     def _schedule(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.requests.append(req)

@@ -290,7 +290,15 @@ class EngineCore:
         stats.forward_time_s += result.forward_time
         stats.draft_time_s += draft_time
         if self.spec is not None:
-            self.spec.controller.observe_outcome(generated, elapsed, drafted=any(sched.num_draft.values()))
+            # Only a pure-decode step (each request's one known token plus its drafts) is a sample
+            # of a mode's rate; one that also computed prompt tokens is not.
+            pure = all(
+                n == 1 + sched.num_draft.get(r.request_id, 0)
+                for r, n in zip(sched.requests, sched.num_tokens)
+            )
+            self.spec.controller.observe_outcome(
+                generated, elapsed, drafted=any(sched.num_draft.values()), pure=pure
+            )
         return out
 
     def snapshot(self) -> dict[str, Any]:

@@ -238,18 +238,23 @@ class AdaptiveSpeculation:
     def forget(self, request_id: str) -> None:
         self._acc.pop(request_id, None)
 
-    def observe_outcome(self, tokens: int, seconds: float, drafted: bool = True) -> None:
+    def observe_outcome(self, tokens: int, seconds: float, drafted: bool = True, pure: bool = True) -> None:
         """Output tokens and wall time of the step just planned (used when it was a pure-decode step).
 
         `drafted`: whether any request drafted. An "on" step in which none did (the plan gave every
         request k = 0, or n-gram lookup found nothing) ran exactly as an "off" step, and counts as one:
         the gate then compares steps that verify drafts with steps that do not, and a mode that
         often drafts nothing cannot look like speculation that does not pay.
+
+        `pure`: whether the step computed nothing but each decoding request's next token and its
+        drafts. A step that also computed prompt tokens (a request admitted after the plan) is no
+        sample of either mode: its time is mostly the prompt's.
         """
         if self.pending is not None:
             n, on = self.pending
-            self.gate.observe(n, on and drafted, tokens, seconds)
             self.pending = None
+            if pure:
+                self.gate.observe(n, on and drafted, tokens, seconds)
 
     # -- the plan --------------------------------------------------------
 
