@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tandem import kernels
-from tandem.model.attention import FUSED_MAX_QUERY, TorchAttentionBackend
+from tandem.model.attention import FUSED_MAX_QUERY, TorchAttentionBackend, _Paged
 from tandem.model.forward_batch import ForwardBatch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
@@ -138,9 +138,38 @@ def test_fused_kernel_matches_reference_on_short_queries(window, dtype) -> None:
 @needs_kernel
 def test_long_queries_keep_the_sdpa_path() -> None:
     rng = np.random.default_rng(3)
-    batch = make_batch([1, FUSED_MAX_QUERY + 1], [4, 30], 32, rng)
+    batch = make_batch([FUSED_MAX_QUERY + 1, 40], [30, 40], 32, rng)
     TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM).prepare(batch)
     assert isinstance(batch.attn_metadata, list)
+    assert not any(isinstance(g, _Paged) for g in batch.attn_metadata)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_sends_short_queries_to_the_kernel(window, dtype) -> None:
+    """Decodes and verifications sharing a step with prompt chunks take the kernel, the chunks SDPA;
+    together they match the per-request reference, and every new K/V is in its slot."""
+    rng = np.random.default_rng(5)
+    torch.manual_seed(5)
+    q_lens = [1, 40, 5, 1, FUSED_MAX_QUERY + 1, 3, 24]
+    seq_lens = [9, 40, 30, 22, 50, 7, 60]
+    num_blocks = 96
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window)
+    backend.prepare(batch)
+    paged = [g for g in batch.attn_metadata if isinstance(g, _Paged)]
+    assert len(paged) == 1 and paged[0].rows.tolist() == [0, 41, 42, 43, 44, 45, 46, 64, 65, 66]
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    t = batch.num_tokens
+    qkv = torch.randn(t, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
+    assert torch.equal(k_cache[batch.slot_mapping], k) and torch.equal(v_cache[batch.slot_mapping], v)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, HEAD_DIM**-0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
 @needs_kernel

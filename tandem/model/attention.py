@@ -10,11 +10,12 @@ never more than doubles a group's queries. All index and
 mask tensors are built once per step in `prepare` and shared by every layer,
 so the per-layer work has no per-request Python.
 
-When every request's query is short (decodes, speculative verifications) and Tandem's compiled
-kernels are there (tandem/kernels), one `paged_attention` call per layer does the KV write and
-the attention straight through the block tables instead: no gathered copy of the context, no mask,
-no padding, and a dozen fewer torch operators per layer, which is most of a small-batch step's
-attention cost on a CPU.
+Requests with a short query (decodes, speculative verifications), where Tandem's compiled kernels
+are there (tandem/kernels), go to one `paged_attention` call per layer instead, which does the KV
+write and the attention straight through the block tables: no gathered copy of the context, no
+mask, no padding, and a dozen fewer torch operators per layer, which is most of a small-batch
+step's attention cost on a CPU. In a step that also carries prompt chunks, only the chunks take
+the grouped SDPA path.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class _Paged:
     block_tables: torch.Tensor  # [B, max_blocks] int64
     seq_lens: torch.Tensor  # [B] int64
     query_start_loc: torch.Tensor  # [B + 1] int64
+    # In a batch that also has long queries: the flat token rows of the short-query requests the
+    # kernel takes (query_start_loc then indexes into those rows), and their cache slots.
+    rows: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -73,19 +78,46 @@ class TorchAttentionBackend:
         self.fused = use_kernel is not False and kernels.has("paged_attention")
 
     def prepare(self, batch: ForwardBatch) -> None:
-        if self.fused and batch.input_ids.device.type == "cpu" and batch.query_lens.max() <= FUSED_MAX_QUERY:
-            batch.attn_metadata = _Paged(
-                block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int64)),
-                seq_lens=torch.from_numpy(np.ascontiguousarray(batch.seq_lens, dtype=np.int64)),
-                query_start_loc=torch.from_numpy(np.ascontiguousarray(batch.query_start_loc, dtype=np.int64)),
-            )
-            return
+        short = np.ones(batch.num_requests, dtype=bool)
+        groups: list[_Group | _Paged] = []
+        if self.fused and batch.input_ids.device.type == "cpu":
+            short = batch.query_lens <= FUSED_MAX_QUERY
+            if short.all():
+                batch.attn_metadata = _Paged(
+                    block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int64)),
+                    seq_lens=torch.from_numpy(np.ascontiguousarray(batch.seq_lens, dtype=np.int64)),
+                    query_start_loc=torch.from_numpy(
+                        np.ascontiguousarray(batch.query_start_loc, dtype=np.int64)
+                    ),
+                )
+                return
+            if short.any():
+                # Decodes and verifications that share a step with prompt chunks still take the
+                # kernel; only the chunks go to SDPA (padding dozens of decodes to a group of their
+                # own took most of such a step's attention time).
+                groups.append(self._paged_subset(batch, np.flatnonzero(short)))
         # Bucket b holds query lengths in (2^(b-1), 2^b]; decodes are bucket 0.
-        buckets = np.ceil(np.log2(np.maximum(batch.query_lens, 1))).astype(np.int64)
-        groups = []
+        rest = np.flatnonzero(~short) if groups else np.arange(batch.num_requests)
+        buckets = np.ceil(np.log2(np.maximum(batch.query_lens[rest], 1))).astype(np.int64)
         for b in np.unique(buckets):
-            groups.append(self._group(batch, np.flatnonzero(buckets == b)))
+            groups.append(self._group(batch, rest[buckets == b]))
         batch.attn_metadata = groups
+
+    @staticmethod
+    def _paged_subset(batch: ForwardBatch, idx: np.ndarray) -> _Paged:
+        q_lens = batch.query_lens[idx]
+        qsl = np.zeros(idx.size + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        # Row j of the subset is token qsl-offset j of its request, at the request's place in the batch.
+        rows = np.arange(int(qsl[-1])) + np.repeat(batch.query_start_loc[idx] - qsl[:-1], q_lens)
+        rows_t = torch.from_numpy(rows)
+        return _Paged(
+            block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_tables[idx], dtype=np.int64)),
+            seq_lens=torch.from_numpy(np.ascontiguousarray(batch.seq_lens[idx], dtype=np.int64)),
+            query_start_loc=torch.from_numpy(qsl),
+            rows=rows_t,
+            slot_mapping=batch.slot_mapping[rows_t],
+        )
 
     def _group(self, batch: ForwardBatch, idx: np.ndarray) -> _Group:
         device = batch.input_ids.device
@@ -153,7 +185,7 @@ class TorchAttentionBackend:
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
         groups = batch.attn_metadata
-        if len(groups) == 1 and groups[0].whole_batch:
+        if len(groups) == 1 and isinstance(groups[0], _Group) and groups[0].whole_batch:
             g = groups[0]
             kg = k_cache[g.kv_slots].transpose(1, 2)  # [T, KVH, C, D]
             vg = v_cache[g.kv_slots].transpose(1, 2)
@@ -163,6 +195,21 @@ class TorchAttentionBackend:
             return o.squeeze(2)  # [T, H, D]
         out = torch.empty_like(q)
         for g in groups:
+            if isinstance(g, _Paged):  # the short queries of a mixed batch (their K/V is written)
+                r = g.rows
+                out[r] = torch.ops.tandem.paged_attention(
+                    q[r],
+                    k[r],
+                    v[r],
+                    kv_cache,
+                    g.slot_mapping,
+                    g.block_tables,
+                    g.seq_lens,
+                    g.query_start_loc,
+                    self.scale,
+                    self.sliding_window or 0,
+                )
+                continue
             if g.mask is None:  # fresh prompt: causal attention over its own K/V
                 rows = g.out_index
                 # 4-D inputs: with 3-D ones torch takes its unfused math path on CPU (~4x slower).
