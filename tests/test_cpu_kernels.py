@@ -128,3 +128,26 @@ def test_layers_agree_with_and_without_kernels(rows, monkeypatch):
         off_b = PackedLinear(w.to(torch.bfloat16), b.to(torch.bfloat16))
         xb = x.to(torch.bfloat16)
         torch.testing.assert_close(on_b(xb).float(), off_b(xb).float(), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN packed layers only")
+def test_warm_row_counts_runs_each_layer_shape_once_per_row_count(monkeypatch):
+    """Warming runs one layer of each distinct shape at every row count oneDNN would take."""
+    from tandem.model.linear import warm_row_counts
+
+    shapes = [(24, 16), (24, 16), (16, 24)]
+    layers = torch.nn.ModuleList([PackedLinear(torch.randn(*shape), None) for shape in shapes])
+    calls: list[tuple[int, int]] = []
+    forward = PackedLinear.forward
+
+    def counted(self, x):
+        calls.append((id(self), x.shape[0]))
+        return forward(self, x)
+
+    monkeypatch.setattr(PackedLinear, "forward", counted)
+    warm_row_counts(layers, range(1, 21))
+    few = layers[0].plain_max_rows
+    expected = {(id(layers[0]), r) for r in range(few + 1, 21)} | {
+        (id(layers[2]), r) for r in range(few + 1, 21)
+    }
+    assert sorted(calls) == sorted(expected)

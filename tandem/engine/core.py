@@ -23,6 +23,9 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.planner import SpecPlanner
 
+# Batches (decode rows plus drafts) up to this many rows get their GEMM primitives built at load.
+WARM_MAX_ROWS = 64
+
 
 @dataclass(slots=True)
 class EngineCoreRequest:
@@ -171,6 +174,9 @@ class EngineCore:
         self.runner = ModelRunner(
             mc, config, self.num_blocks, self.max_model_len, draft_model_config=draft_mc
         )
+        # Decode and verification batches up to 64 rows: oneDNN's first use of a row count costs ms.
+        k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
+        self.runner.warm(min(WARM_MAX_ROWS, config.max_num_seqs * (1 + k)))
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.spec = SpecPlanner(self.spec_config) if self.spec_config is not None else None
         self.scheduler = Scheduler(
@@ -252,8 +258,17 @@ class EngineCore:
         stats.num_batched_tokens += sched.total_tokens
         stats.iteration_tokens.append(sched.total_tokens)
         draft_time = sum(t for _, t in result.draft_pass_times)
+        # A pure-decode step computes each request's one known token plus its drafts. Only those
+        # are samples of what speculation decides: a mode's rate for the gate, and the step-cost
+        # fit for the planner, which a prompt's many cheap-per-token rows would skew.
+        pure = self.spec is not None and all(
+            n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
+        )
         if self.spec is not None:
-            self.spec.controller.observe_step(sched.total_tokens, time.perf_counter() - start - draft_time)
+            if pure:
+                self.spec.controller.observe_step(
+                    sched.total_tokens, time.perf_counter() - start - draft_time
+                )
             for n, t in result.draft_pass_times:
                 self.spec.controller.observe_draft_pass(n, t)
         out = []
@@ -290,12 +305,6 @@ class EngineCore:
         stats.forward_time_s += result.forward_time
         stats.draft_time_s += draft_time
         if self.spec is not None:
-            # Only a pure-decode step (each request's one known token plus its drafts) is a sample
-            # of a mode's rate; one that also computed prompt tokens is not.
-            pure = all(
-                n == 1 + sched.num_draft.get(r.request_id, 0)
-                for r, n in zip(sched.requests, sched.num_tokens)
-            )
             self.spec.controller.observe_outcome(
                 generated, elapsed, drafted=any(sched.num_draft.values()), pure=pure
             )

@@ -107,6 +107,17 @@ class ModelRunner:
 
             self.drafter = Drafter(self, draft_model_config, engine_config, num_blocks, max_model_len)
 
+    def warm(self, max_rows: int) -> None:
+        """Build oneDNN's per-row-count primitives for batches of up to `max_rows` rows now, not in
+        the first step of each batch size (see `warm_row_counts`)."""
+        if self.device.type != "cpu":
+            return
+        from tandem.model.linear import warm_row_counts
+
+        for model in (self.model, self.drafter.model if self.drafter else None):
+            if model is not None:
+                warm_row_counts(model, range(1, max_rows + 1))
+
     def allocate_kv(self, mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
