@@ -6,7 +6,7 @@ quarter again, so continuing it means copying, as in a code edit that
 reproduces most of its input: the repetitive case prompt lookup is for) and
 `random` (random token prompts, where drafts rarely are right). For
 each concurrency c, `--requests-per-level` requests run through one `generate`
-call with `max_num_seqs=c`, greedy, a fixed number of output tokens each
+call with `max_num_seqs=c`, greedy, a seeded spread of output lengths (the same for every method)
 (`ignore_eos`). Methods: no speculation, n-gram lookup and the draft model,
 with the adaptive controller (the default) and, for reference, a fixed `k`.
 Model: the embedded default model and its draft unless `--model/--draft`.
@@ -64,15 +64,33 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def output_lengths(n: int, mean: int, spread: float, seed: int) -> list[int]:
+    """Per-request output lengths, uniform in mean * [1 - spread, 1 + spread] (the same for every method).
+
+    Equal lengths make a closed-loop offline run move in lockstep: without speculation every
+    request of a wave finishes in the same step and the next wave's prompts run as one large,
+    efficient prefill; speculation desynchronizes the finishes, so the same prompts are computed
+    a few at a time inside decode steps. That difference (measured at c=64: up to 10%) is an
+    artifact of equal lengths, not a cost of speculation, and real traffic does not have it."""
+    rng = random.Random(seed + 1)
+    lo, hi = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
 def run(
-    model: str, prompts: list[list[int]], out_len: int, conc: int, spec: dict | None, threads: int | None
+    model: str,
+    prompts: list[list[int]],
+    out_lens: list[int],
+    conc: int,
+    spec: dict | None,
+    threads: int | None,
 ) -> dict[str, Any]:
     from tandem import LLM, SamplingParams
 
     llm = LLM(
         model, max_num_seqs=conc, speculative_config=spec, num_threads=threads, enable_prefix_caching=False
     )
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -100,10 +118,16 @@ def main() -> None:
         type=int,
         nargs="+",
         default=None,
-        help="requests per concurrency level (default: max(4, 2*c))",
+        help="requests per concurrency level (default: max(8, 4*c): four waves, so the steady state outweighs the first and last steps)",
     )
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--output-len", type=int, default=96, help="mean output tokens per request")
+    ap.add_argument(
+        "--output-len-spread",
+        type=float,
+        default=0.5,
+        help="output lengths are uniform in output-len * [1 - spread, 1 + spread] (0: all equal)",
+    )
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument(
         "--workloads", nargs="+", default=["repeat", "code", "random"], choices=["repeat", "code", "random"]
@@ -148,17 +172,18 @@ def main() -> None:
     print(f"{'workload':<8} {'conc':>4} {'method':<14} {'tok/s':>8} {'vs off':>7} {'accept':>7} {'same':>5}")
     for wl in args.workloads:
         for li, conc in enumerate(args.concurrency):
-            n = args.requests_per_level[li] if args.requests_per_level else max(4, 2 * conc)
+            n = args.requests_per_level[li] if args.requests_per_level else max(8, 4 * conc)
             if wl == "code":
                 prompts = code_prompts(tok, n, args.prompt_len, args.seed)
             elif wl == "repeat":
                 prompts = repeat_prompts(tok, n, args.prompt_len, args.seed)
             else:
                 prompts = random_prompts(len(tok), n, args.prompt_len, args.seed)
+            out_lens = output_lengths(n, args.output_len, args.output_len_spread, args.seed)
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
             for _ in range(args.repeats):  # interleaved, so a slow patch of the machine hits all methods
                 for name, spec in methods.items():
-                    runs[name].append(run(model, prompts, args.output_len, conc, spec, args.threads))
+                    runs[name].append(run(model, prompts, out_lens, conc, spec, args.threads))
             base = None
             base_name = next(iter(methods))
             for name in methods:
@@ -203,6 +228,7 @@ def main() -> None:
                 "k": args.k,
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,
+                "output_len_spread": args.output_len_spread,
                 "results": results,
             },
             indent=2,
