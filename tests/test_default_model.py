@@ -32,8 +32,9 @@ def test_greedy_matches_transformers(path):
 
     tok = AutoTokenizer.from_pretrained(str(path))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    # min_tokens, as transformers' min_new_tokens: EOS is masked out, not merely not stopped at.
     ours = LLM(str(path)).generate(
-        PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
+        PROMPTS, SamplingParams(temperature=0, max_tokens=32, min_tokens=32), use_tqdm=False
     )
     for prompt, out in zip(PROMPTS, ours):
         ids = torch.tensor([tok.encode(prompt)])
