@@ -108,6 +108,68 @@ def run(
     return result
 
 
+def run_interleaved(
+    model: str,
+    prompts: list[list[int]],
+    out_lens: list[int],
+    conc: int,
+    specs: dict[str, dict | None],
+    threads: int | None,
+    slice_s: float,
+) -> dict[str, dict[str, Any]]:
+    """All methods' engines at once, each stepped for `slice_s` of wall time in turn; each method's
+    rate is its tokens over the time its own steps took.
+
+    This VM's speed drifts by 10-20% over seconds (identical back-to-back runs: 669-890 tok/s), so
+    methods run one after another compare different machines. Taking turns every quarter second
+    puts every method on the same machine; the cost is a cold cache at the start of each turn
+    (a 40 MB model re-read: ~2 ms per 250 ms turn, the same share for every method)."""
+    from tandem import LLM, SamplingParams
+
+    llms = {
+        name: LLM(
+            model,
+            max_num_seqs=conc,
+            speculative_config=spec,
+            num_threads=threads,
+            enable_prefix_caching=False,
+        )
+        for name, spec in specs.items()
+    }
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    busy = dict.fromkeys(llms, 0.0)
+    outs: dict[str, dict[str, Any]] = {name: {} for name in llms}
+    for llm in llms.values():
+        llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            llm.engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sp)
+    active = list(llms)
+    while active:
+        for name in list(active):
+            engine = llms[name].engine
+            start = time.perf_counter()
+            while engine.has_unfinished_requests() and time.perf_counter() - start < slice_s:
+                for out in engine.step(emit_unfinished=False):
+                    outs[name][out.request_id] = out
+            busy[name] += time.perf_counter() - start
+            if not engine.has_unfinished_requests():
+                active.remove(name)
+    results = {}
+    for name, llm in llms.items():
+        ordered = [outs[name][f"r{i}"] for i in range(len(prompts))]
+        tokens = sum(len(o.outputs[0].token_ids) for o in ordered)
+        results[name] = {
+            "wall_s": busy[name],
+            "output_tokens": tokens,
+            "output_tok_s": tokens / busy[name],
+            "token_ids": [o.outputs[0].token_ids for o in ordered],
+        }
+        snap = llm.get_stats().get("spec_decode")
+        if snap:
+            results[name]["spec"] = snap
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -140,6 +202,12 @@ def main() -> None:
         type=int,
         default=1,
         help="run every method this many times, interleaved, and report the median (machine noise)",
+    )
+    ap.add_argument(
+        "--slice",
+        type=float,
+        default=0.25,
+        help="seconds each method's engine steps before the next takes its turn (0: whole runs in sequence)",
     )
     ap.add_argument("--result-json", type=Path, default=REPO / "benchmarks" / "results" / "spec_decode.json")
     args = ap.parse_args()
@@ -181,8 +249,13 @@ def main() -> None:
                 prompts = random_prompts(len(tok), n, args.prompt_len, args.seed)
             out_lens = output_lengths(n, args.output_len, args.output_len_spread, args.seed)
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
-            for _ in range(args.repeats):  # interleaved, so a slow patch of the machine hits all methods
-                for name, spec in methods.items():
+            for _ in range(args.repeats):
+                if args.slice > 0:  # all methods take turns within the repeat
+                    got = run_interleaved(model, prompts, out_lens, conc, methods, args.threads, args.slice)
+                    for name in methods:
+                        runs[name].append(got[name])
+                    continue
+                for name, spec in methods.items():  # one after another, so a slow patch hits all methods
                     runs[name].append(run(model, prompts, out_lens, conc, spec, args.threads))
             base = None
             base_name = next(iter(methods))
@@ -229,6 +302,7 @@ def main() -> None:
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,
                 "output_len_spread": args.output_len_spread,
+                "slice_s": args.slice,
                 "results": results,
             },
             indent=2,
