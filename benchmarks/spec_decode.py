@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shlex
@@ -77,38 +78,7 @@ def output_lengths(n: int, mean: int, spread: float, seed: int) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def run(
-    model: str,
-    prompts: list[list[int]],
-    out_lens: list[int],
-    conc: int,
-    spec: dict | None,
-    threads: int | None,
-) -> dict[str, Any]:
-    from tandem import LLM, SamplingParams
-
-    llm = LLM(
-        model, max_num_seqs=conc, speculative_config=spec, num_threads=threads, enable_prefix_caching=False
-    )
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4), use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    result: dict[str, Any] = {
-        "wall_s": wall,
-        "output_tokens": tokens,
-        "output_tok_s": tokens / wall,
-        "token_ids": [o.outputs[0].token_ids for o in outs],
-    }
-    snap = llm.get_stats().get("spec_decode")
-    if snap:
-        result["spec"] = snap
-    return result
-
-
-def run_interleaved(
+def run_methods(
     model: str,
     prompts: list[list[int]],
     out_lens: list[int],
@@ -117,8 +87,8 @@ def run_interleaved(
     threads: int | None,
     slice_s: float,
 ) -> dict[str, dict[str, Any]]:
-    """All methods' engines at once, each stepped for `slice_s` of wall time in turn; each method's
-    rate is its tokens over the time its own steps took.
+    """All methods' engines at once, each stepped for `slice_s` of wall time in turn (`math.inf`: each
+    to the end, one after another); each method's rate is its tokens over the time its own steps took.
 
     This VM's speed drifts by 10-20% over seconds (identical back-to-back runs: 669-890 tok/s), so
     methods run one after another compare different machines. Taking turns every quarter second
@@ -251,12 +221,15 @@ def main() -> None:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
             for _ in range(args.repeats):
                 if args.slice > 0:  # all methods take turns within the repeat
-                    got = run_interleaved(model, prompts, out_lens, conc, methods, args.threads, args.slice)
-                    for name in methods:
-                        runs[name].append(got[name])
-                    continue
-                for name, spec in methods.items():  # one after another, so a slow patch hits all methods
-                    runs[name].append(run(model, prompts, out_lens, conc, spec, args.threads))
+                    got = run_methods(model, prompts, out_lens, conc, methods, args.threads, args.slice)
+                else:  # one after another, so a slow patch of the machine hits all methods
+                    got = {}
+                    for name, spec in methods.items():
+                        got |= run_methods(
+                            model, prompts, out_lens, conc, {name: spec}, args.threads, math.inf
+                        )
+                for name in methods:
+                    runs[name].append(got[name])
             base = None
             base_name = next(iter(methods))
             for name in methods:

@@ -23,7 +23,8 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.planner import SpecPlanner
 
-# Batches (decode rows plus drafts) up to this many rows get their GEMM primitives built at load.
+# Batches (decode rows plus drafts) up to this many rows get their GEMM primitives built at load:
+# oneDNN's first use of a row count costs ms, which would land in a timed step.
 WARM_MAX_ROWS = 64
 
 
@@ -174,7 +175,6 @@ class EngineCore:
         self.runner = ModelRunner(
             mc, config, self.num_blocks, self.max_model_len, draft_model_config=draft_mc
         )
-        # Decode and verification batches up to 64 rows: oneDNN's first use of a row count costs ms.
         k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
         self.runner.warm(min(WARM_MAX_ROWS, config.max_num_seqs * (1 + k)))
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -78,45 +78,44 @@ class TorchAttentionBackend:
         self.fused = use_kernel is not False and kernels.has("paged_attention")
 
     def prepare(self, batch: ForwardBatch) -> None:
-        short = np.ones(batch.num_requests, dtype=bool)
-        groups: list[_Group | _Paged] = []
+        short = np.zeros(batch.num_requests, dtype=bool)
         if self.fused and batch.input_ids.device.type == "cpu":
             short = batch.query_lens <= FUSED_MAX_QUERY
             if short.all():
-                batch.attn_metadata = _Paged(
-                    block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int64)),
-                    seq_lens=torch.from_numpy(np.ascontiguousarray(batch.seq_lens, dtype=np.int64)),
-                    query_start_loc=torch.from_numpy(
-                        np.ascontiguousarray(batch.query_start_loc, dtype=np.int64)
-                    ),
-                )
+                batch.attn_metadata = self._paged(batch)
                 return
-            if short.any():
-                # Decodes and verifications that share a step with prompt chunks still take the
-                # kernel; only the chunks go to SDPA (padding dozens of decodes to a group of their
-                # own took most of such a step's attention time).
-                groups.append(self._paged_subset(batch, np.flatnonzero(short)))
+        # Decodes and verifications that share a step with prompt chunks still take the kernel;
+        # only the chunks go to SDPA (padding dozens of decodes to a group of their own took most
+        # of such a step's attention time).
+        groups: list[_Group | _Paged] = [self._paged(batch, np.flatnonzero(short))] if short.any() else []
         # Bucket b holds query lengths in (2^(b-1), 2^b]; decodes are bucket 0.
-        rest = np.flatnonzero(~short) if groups else np.arange(batch.num_requests)
+        rest = np.flatnonzero(~short)
         buckets = np.ceil(np.log2(np.maximum(batch.query_lens[rest], 1))).astype(np.int64)
         for b in np.unique(buckets):
             groups.append(self._group(batch, rest[buckets == b]))
         batch.attn_metadata = groups
 
     @staticmethod
-    def _paged_subset(batch: ForwardBatch, idx: np.ndarray) -> _Paged:
-        q_lens = batch.query_lens[idx]
-        qsl = np.zeros(idx.size + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        # Row j of the subset is token qsl-offset j of its request, at the request's place in the batch.
-        rows = np.arange(int(qsl[-1])) + np.repeat(batch.query_start_loc[idx] - qsl[:-1], q_lens)
-        rows_t = torch.from_numpy(rows)
+    def _paged(batch: ForwardBatch, idx: np.ndarray | None = None) -> _Paged:
+        """The kernel's metadata for the whole batch, or for the requests `idx` of a mixed one: then
+        `rows` holds their tokens' rows in the flat batch, and query_start_loc indexes those rows."""
+        sel = slice(None) if idx is None else idx
+        qsl, rows, slots = batch.query_start_loc, None, None
+        if idx is not None:
+            q_lens = batch.query_lens[idx]
+            qsl = np.zeros(idx.size + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=qsl[1:])
+            # Row j of the subset is token j - qsl[i] of its request i, at that request's place.
+            rows = torch.from_numpy(
+                np.arange(int(qsl[-1])) + np.repeat(batch.query_start_loc[idx] - qsl[:-1], q_lens)
+            )
+            slots = batch.slot_mapping[rows]
         return _Paged(
-            block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_tables[idx], dtype=np.int64)),
-            seq_lens=torch.from_numpy(np.ascontiguousarray(batch.seq_lens[idx], dtype=np.int64)),
-            query_start_loc=torch.from_numpy(qsl),
-            rows=rows_t,
-            slot_mapping=batch.slot_mapping[rows_t],
+            block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_tables[sel], dtype=np.int64)),
+            seq_lens=torch.from_numpy(np.ascontiguousarray(batch.seq_lens[sel], dtype=np.int64)),
+            query_start_loc=torch.from_numpy(np.ascontiguousarray(qsl, dtype=np.int64)),
+            rows=rows,
+            slot_mapping=slots,
         )
 
     def _group(self, batch: ForwardBatch, idx: np.ndarray) -> _Group:

@@ -114,9 +114,8 @@ class ModelRunner:
             return
         from tandem.model.linear import warm_row_counts
 
-        for model in (self.model, self.drafter.model if self.drafter else None):
-            if model is not None:
-                warm_row_counts(model, range(1, max_rows + 1))
+        for model in [self.model] + ([self.drafter.model] if self.drafter is not None else []):
+            warm_row_counts(model, range(1, max_rows + 1))
 
     def allocate_kv(self, mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
