@@ -197,6 +197,13 @@ def main() -> None:
             "prompt_lookup_min": 2,
             "prompt_lookup_max": 4,
         },
+        "ngram-fixed-k": {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+            "adaptive": False,
+        },
         "draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k},
         "draft-fixed-k": {
             "method": "draft_model",

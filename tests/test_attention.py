@@ -45,7 +45,7 @@ def make_batch(q_lens: list[int], seq_lens: list[int], num_blocks: int, rng: np.
 
 def reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float, window: int | None) -> torch.Tensor:
     out = torch.empty_like(q, dtype=torch.float64)
-    group = HEADS // KV_HEADS
+    group = q.shape[1] // k_cache.shape[1]
     for i in range(batch.num_requests):
         start, n, s = int(batch.query_start_loc[i]), int(batch.query_lens[i]), int(batch.seq_lens[i])
         pos = np.arange(s)
@@ -133,6 +133,33 @@ def test_fused_kernel_matches_reference_on_short_queries(window, dtype) -> None:
     expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, HEAD_DIM**-0.5, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 1, 40), (5, 1, 80), (6, 3, 64)])
+def test_fused_kernel_head_layouts(heads, kv_heads, head_dim) -> None:
+    """The kernel tiles a KV group's query vectors (query tokens x the group's heads) 16 at a time
+    and head_dim 64 elements at a time: groups of 1 to 8 heads, tiles that split a request's
+    queries, and head sizes that are not a multiple of the tiles all match the reference."""
+    rng = np.random.default_rng(6)
+    torch.manual_seed(6)
+    q_lens = [1, 5, 16, 3, 9]
+    seq_lens = [37, 12, 16, 70, 9]
+    num_blocks = 64
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim)
+    backend.prepare(batch)
+    cache = torch.randn(2, num_blocks, BLOCK, kv_heads, head_dim)
+    t = batch.num_tokens
+    q, k, v = (
+        torch.randn(t, heads, head_dim),
+        torch.randn(t, kv_heads, head_dim),
+        torch.randn(t, kv_heads, head_dim),
+    )
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, kv_heads, head_dim), cache[1].view(-1, kv_heads, head_dim)
+    expected = reference(q, k_cache, v_cache, batch, head_dim**-0.5, None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel

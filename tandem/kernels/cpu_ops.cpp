@@ -323,6 +323,36 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Query vectors (one query token's head of one KV group) a task attends together: the scores of a
+// context position for all of them fill one vector register. Every key and value row is then read
+// once for all of a group's heads and a verification's query tokens, and no dot product needs a
+// horizontal sum of its own, which is what a per-query loop spends most of its time on.
+constexpr int64_t kQueryTile = 16;
+// Context positions per score micro-tile: independent accumulators, so the FMAs pipeline.
+constexpr int64_t kPosTile = 8;
+// Output tile of the probabilities-times-values product: query vectors x head_dim elements.
+constexpr int64_t kOutRows = 4;
+constexpr int64_t kOutCols = 64;
+
+// a[r][0:n] += sum over context positions j of p[j][r] * v_j[d0 : d0 + n], for kOutRows query
+// vectors (N: n as a compile-time constant for full tiles, 0 for a tail). Always kOutRows rows, even
+// for a partial tile: GCC keeps this shape's accumulators in registers, and fewer rows compiled to
+// scalar code.
+template <typename E, int64_t N>
+inline void weighted_values(const float* p, int64_t span, const E* const* vrows, int64_t d0, int64_t n,
+                            float (&a)[kOutRows][kOutCols]) {
+  const int64_t width = N > 0 ? N : n;
+  for (int64_t j = 0; j < span; ++j) {
+    const E* vr = vrows[j] + d0;
+    const float* pj = p + j * kQueryTile;
+    for (int64_t r = 0; r < kOutRows; ++r) {
+      const float w = pj[r];
+#pragma omp simd
+      for (int64_t dd = 0; dd < width; ++dd) a[r][dd] += w * to_float(vr[dd]);
+    }
+  }
+}
+
 template <typename E>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                           const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
@@ -344,49 +374,101 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
     }
   }
   int64_t max_ctx = 0;
-  for (int64_t b = 0; b < B; ++b) max_ctx = std::max(max_ctx, seq_lens[b]);
+  // Tasks: (request, KV head, tile of its query vectors); task_start[b] is request b's first.
+  std::vector<int64_t> task_start(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    max_ctx = std::max(max_ctx, seq_lens[b]);
+    const int64_t tiles = ((qsl[b + 1] - qsl[b]) * group + kQueryTile - 1) / kQueryTile;
+    task_start[b + 1] = task_start[b] + KVH * tiles;
+  }
   const float scale = static_cast<float>(scale_d);
-  at::parallel_for(0, B * H, 1, [&](int64_t task0, int64_t task1) {
-    std::vector<float> scores(max_ctx), qf(D), acc(D);
-    std::vector<int64_t> rows(max_ctx);  // cache row of each context position, per request
-    int64_t rows_for = -1;
+  at::parallel_for(0, task_start[B], 1, [&](int64_t task0, int64_t task1) {
+    // qt: the tile's queries transposed ([D][kQueryTile]); st: scores, then probabilities, of each
+    // context position for the tile ([position][kQueryTile]).
+    std::vector<float> qt(D * kQueryTile), st((max_ctx + kPosTile) * kQueryTile);
+    std::vector<const E*> krows(max_ctx + kPosTile), vrows(max_ctx);
     for (int64_t task = task0; task < task1; ++task) {
-      const int64_t b = task / H, h = task % H, g = h / group;
+      const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
+      const int64_t tiles = (task_start[b + 1] - task_start[b]) / KVH, local = task - task_start[b];
+      const int64_t g = local / tiles, c0 = (local % tiles) * kQueryTile;
       const int64_t seq = seq_lens[b], first = qsl[b], nq = qsl[b + 1] - qsl[b];
-      if (rows_for != b) {
-        for (int64_t j = 0; j < seq; ++j) rows[j] = tables[b * max_blocks + j / BS] * BS + j % BS;
-        rows_for = b;
+      const int64_t nc = std::min(kQueryTile, nq * group - c0);
+      // Query vector c is query token i = (c0 + c) / group, head g * group + (c0 + c) % group; it
+      // attends context positions lo[c]..hi[c]. Padding vectors repeat the first one.
+      int64_t tok[kQueryTile], head[kQueryTile], lo[kQueryTile], hi[kQueryTile];
+      int64_t jlo = seq, jhi = 0;
+      for (int64_t c = 0; c < kQueryTile; ++c) {
+        const int64_t i = (c0 + std::min(c, nc - 1)) / group;
+        tok[c] = first + i;
+        head[c] = g * group + (c0 + std::min(c, nc - 1)) % group;
+        hi[c] = seq - nq + i;
+        lo[c] = window > 0 ? std::max<int64_t>(0, hi[c] - window + 1) : 0;
+        jlo = std::min(jlo, lo[c]);
+        jhi = std::max(jhi, hi[c]);
+        const E* qr = qp + tok[c] * qs0 + head[c] * qs1;
+        for (int64_t d = 0; d < D; ++d) qt[d * kQueryTile + c] = c < nc ? to_float(qr[d]) * scale : 0.f;
       }
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t t = first + i, pos = seq - nq + i;
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        const E* qr = qp + t * qs0 + h * qs1;
-        for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qr[d]) * scale;
-        float mx = -INFINITY;
-        for (int64_t j = lo; j <= pos; ++j) {
-          const E* kr = kc + (rows[j] * KVH + g) * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qf[d] * to_float(kr[d]);
-          scores[j] = dot;
-          mx = std::max(mx, dot);
-        }
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = lo; j <= pos; ++j) {
-          scores[j] = exp_nonpositive(scores[j] - mx);
-          sum += scores[j];
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = lo; j <= pos; ++j) {
-          const E* vr = vc + (rows[j] * KVH + g) * D;
-          const float p = scores[j];
+      const int64_t span = jhi - jlo + 1;
+      for (int64_t j = 0; j < span; ++j) {
+        const int64_t pos = jlo + j, row = tables[b * max_blocks + pos / BS] * BS + pos % BS;
+        krows[j] = kc + (row * KVH + g) * D;
+        vrows[j] = vc + (row * KVH + g) * D;
+      }
+      for (int64_t j = span; j < span + kPosTile; ++j) krows[j] = krows[0];  // tail of the last tile
+      // Scores: for kPosTile positions at a time, accumulate key element d times query column d.
+      for (int64_t j0 = 0; j0 < span; j0 += kPosTile) {
+        float acc[kPosTile][kQueryTile] = {};
+        const E* const* kr = krows.data() + j0;
+        for (int64_t d = 0; d < D; ++d) {
+          const float* qd = qt.data() + d * kQueryTile;
+          for (int64_t jj = 0; jj < kPosTile; ++jj) {
+            const float kv = to_float(kr[jj][d]);
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(vr[d]);
+            for (int64_t c = 0; c < kQueryTile; ++c) acc[jj][c] += kv * qd[c];
+          }
         }
-        const float inv = 1.f / sum;
-        E* orow = op + (t * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<E>(acc[d] * inv);
+        std::memcpy(st.data() + j0 * kQueryTile, acc, sizeof acc);
+      }
+      // Softmax over each query vector's own causal (and windowed) range, across the vectors at once.
+      float mx[kQueryTile], sum[kQueryTile] = {};
+      std::fill(mx, mx + kQueryTile, -INFINITY);
+      for (int64_t j = 0; j < span; ++j) {
+        const float* s = st.data() + j * kQueryTile;
+        const int64_t pos = jlo + j;
+#pragma omp simd
+        for (int64_t c = 0; c < kQueryTile; ++c)
+          mx[c] = (pos >= lo[c] && pos <= hi[c]) ? std::max(mx[c], s[c]) : mx[c];
+      }
+      for (int64_t j = 0; j < span; ++j) {
+        float* s = st.data() + j * kQueryTile;
+        const int64_t pos = jlo + j;
+#pragma omp simd
+        for (int64_t c = 0; c < kQueryTile; ++c) {
+          const float e = exp_nonpositive(std::min(s[c] - mx[c], 0.f));
+          s[c] = (pos >= lo[c] && pos <= hi[c]) ? e : 0.f;
+          sum[c] += s[c];
+        }
+      }
+      // Values: kOutRows query vectors x kOutCols head elements per pass.
+      float inv[kQueryTile];
+      E* orows[kQueryTile];
+      for (int64_t c = 0; c < nc; ++c) {
+        inv[c] = 1.f / sum[c];
+        orows[c] = op + (tok[c] * H + head[c]) * D;
+      }
+      for (int64_t r0 = 0; r0 < nc; r0 += kOutRows) {
+        for (int64_t d0 = 0; d0 < D; d0 += kOutCols) {
+          const int64_t n = std::min(kOutCols, D - d0);
+          const float* p = st.data() + r0;
+          float a[kOutRows][kOutCols] = {};
+          if (n == kOutCols) {
+            weighted_values<E, kOutCols>(p, span, vrows.data(), d0, n, a);
+          } else {
+            weighted_values<E, 0>(p, span, vrows.data(), d0, n, a);
+          }
+          for (int64_t r = 0; r < kOutRows && r0 + r < nc; ++r)
+            for (int64_t dd = 0; dd < n; ++dd) orows[r0 + r][d0 + dd] = static_cast<E>(a[r][dd] * inv[r0 + r]);
+        }
       }
     }
   });
