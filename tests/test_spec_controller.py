@@ -13,6 +13,23 @@ def test_linear_cost_recovers_a_line():
     assert abs(a - 0.01) < 1e-9 and abs(b - 0.002) < 1e-9
 
 
+def test_a_measured_shape_is_only_rescaled_online():
+    """Seeded with a line measured over a wide range, noisy online samples over a narrow one (a
+    single request's steps) move the level, not the slope."""
+    c = LinearCost()
+    c.set_shape([(1, 0.003), (64, 0.0036), (320, 0.006)])
+    a0, b0 = c.coefficients()
+    assert abs(b0 - 0.0000094) < 2e-6
+    for i in range(40):  # the machine now runs 20% slower, with noise, at 1 or 2 tokens a step
+        c.observe(1 + i % 2, (a0 + b0 * (1 + i % 2)) * 1.2 * (1.1 if i % 4 == 1 else 1.0))
+    a, b = c.coefficients()
+    assert 1.2 < a / a0 < 1.26 and abs(b / b0 - a / a0) < 1e-9
+    free = LinearCost()  # the same samples unseeded: the slope is the noise
+    for i in range(40):
+        free.observe(1 + i % 2, (a0 + b0 * (1 + i % 2)) * 1.2 * (1.1 if i % 4 == 1 else 1.0))
+    assert free.coefficients()[1] > 10 * b0
+
+
 def test_plan_speculates_when_fixed_cost_dominates_and_not_when_tokens_cost():
     ctl = AdaptiveSpeculation(max_k=4, warmup_steps=0)
     ids = [f"r{i}" for i in range(64)]
@@ -29,6 +46,42 @@ def test_plan_speculates_when_fixed_cost_dominates_and_not_when_tokens_cost():
         heavy.observe_step(t, 0.001 + 0.001 * t)  # every token costs as much as the fixed part
     ks = heavy.plan(ids, other_tokens=0, draft_passes_cost=False)
     assert sum(ks.values()) == 0
+
+
+def test_plan_prices_draft_passes_as_a_fixed_cost_shared_by_the_batch():
+    """A draft pass costs about the same for one request as for eight: one draft token alone never
+    pays for it, eight requests drafting together do. The plan must find that, and must still
+    draft nothing where even the best plan loses."""
+    ids = [f"r{i}" for i in range(8)]
+
+    def controller(pass_fixed: float) -> AdaptiveSpeculation:
+        ctl = AdaptiveSpeculation(max_k=4)
+        ctl.seed(
+            [(t, 0.003 + 0.00001 * t) for t in (1, 5, 8, 40)],  # 3 ms a step, 10 us a token
+            [(n, pass_fixed + 0.00005 * n) for n in (1, 8)],  # a pass: fixed + 50 us a request
+        )
+        for rid in ids:
+            ctl.observe_acceptance(rid, 4, 4)
+            ctl.observe_acceptance(rid, 4, 4)  # alpha about 0.9
+        return ctl
+
+    ks = controller(0.001).plan(ids, other_tokens=0, draft_passes_cost=True)
+    # One request's first draft token: 8.9 expected tokens in 3.09 + 1.05 ms, below the plain
+    # 8 in 3.08 ms; all eight drafting one token pays, and a second pass pays again.
+    assert all(k >= 2 for k in ks.values()), ks
+    assert len(set(ks.values())) == 1  # every request drafts as many tokens as there are passes
+    assert sum(controller(0.010).plan(ids, other_tokens=0, draft_passes_cost=True).values()) == 0
+
+
+def test_seeded_costs_price_the_first_step():
+    """Without measured costs the plan drafts max_k for its first steps; seeded, it plans from the
+    first step, and a draft too slow to pay is not used even once."""
+    blind = AdaptiveSpeculation(max_k=4)
+    assert blind.plan(["a"], other_tokens=0, draft_passes_cost=True) == {"a": 4}
+    ctl = AdaptiveSpeculation(max_k=4)
+    ctl.seed([(1, 0.003), (5, 0.0031)], [(1, 0.01)])  # a draft pass costs three steps
+    assert ctl.seeded and ctl.step_cost.shape is not None and ctl.draft_cost.shape is not None
+    assert sum(ctl.plan(["a"], other_tokens=0, draft_passes_cost=True).values()) == 0
 
 
 def test_gate_runs_the_measured_better_mode_and_explores():

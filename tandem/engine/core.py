@@ -26,6 +26,10 @@ from tandem.spec.planner import SpecPlanner
 # Batches (decode rows plus drafts) up to this many rows get their GEMM primitives built at load:
 # oneDNN's first use of a row count costs ms, which would land in a timed step.
 WARM_MAX_ROWS = 64
+# The adaptive speculation plan's costs are seeded at load by timing passes over synthetic batches
+# of up to this many requests, each with this many tokens of context.
+COST_SEED_MAX_REQUESTS = 64
+COST_SEED_CONTEXT = 128
 
 
 @dataclass(slots=True)
@@ -179,6 +183,8 @@ class EngineCore:
         self.runner.warm(min(WARM_MAX_ROWS, config.max_num_seqs * (1 + k)))
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.spec = SpecPlanner(self.spec_config) if self.spec_config is not None else None
+        if self.spec is not None and self.spec_config.adaptive:
+            self._seed_costs(config, k)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -197,6 +203,26 @@ class EngineCore:
         self.stats = EngineStats()
         # user request id -> ids of its samples' Requests
         self._groups: dict[str, list[str]] = {}
+
+    def _seed_costs(self, config: EngineConfig, k: int) -> None:
+        """Time verification steps and draft passes of one request and of a full batch now, so the
+        adaptive plan knows what speculation costs from its first step."""
+        n = max(1, min(COST_SEED_MAX_REQUESTS, config.max_num_seqs, config.max_num_batched_tokens // (1 + k)))
+        shapes = [(1, 1), (1, 1 + k), (n, 1), (n, 1 + k)]
+        try:
+            seconds = self.runner.time_passes(shapes, COST_SEED_CONTEXT)
+            draft = []
+            if self.runner.drafter is not None:
+                draft_shapes = [(1, 1), (n, 1)]
+                draft = list(
+                    zip(
+                        [r for r, _ in draft_shapes],
+                        self.runner.time_passes(draft_shapes, COST_SEED_CONTEXT, draft=True),
+                    )
+                )
+        except ValueError:  # a cache too small to time a pass in: learn online instead
+            return
+        self.spec.controller.seed([(r * q, s) for (r, q), s in zip(shapes, seconds)], draft)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self._groups:
@@ -257,20 +283,28 @@ class EngineCore:
         stats.num_steps += 1
         stats.num_batched_tokens += sched.total_tokens
         stats.iteration_tokens.append(sched.total_tokens)
-        draft_time = sum(t for _, t in result.draft_pass_times)
+        draft_time = sum(t for _, t, _ in result.draft_pass_times)
         # A pure-decode step computes each request's one known token plus its drafts. Only those
         # are samples of what speculation decides: a mode's rate for the gate, and the step-cost
         # fit for the planner, which a prompt's many cheap-per-token rows would skew.
         pure = self.spec is not None and all(
             n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
         )
+        switch_cost = 0.0
         if self.spec is not None:
             if pure:
                 self.spec.controller.observe_step(
                     sched.total_tokens, time.perf_counter() - start - draft_time
                 )
-            for n, t in result.draft_pass_times:
-                self.spec.controller.observe_draft_pass(n, t)
+            for n, t, catch_up in result.draft_pass_times:
+                if catch_up:
+                    # Feeding the draft what it missed while speculation was off is the price of
+                    # switching on, paid once, not of running on: the gate compares the modes'
+                    # steady rates, so it does not see it (else every exploration would pay it
+                    # and look worse than speculation running).
+                    switch_cost += max(0.0, t - self.spec.controller.draft_cost.predict(n))
+                else:
+                    self.spec.controller.observe_draft_pass(n, t)
         out = []
         generated = 0
         for req in changed:
@@ -306,7 +340,7 @@ class EngineCore:
         stats.draft_time_s += draft_time
         if self.spec is not None:
             self.spec.controller.observe_outcome(
-                generated, elapsed, drafted=any(sched.num_draft.values()), pure=pure
+                generated, elapsed - switch_cost, drafted=any(sched.num_draft.values()), pure=pure
             )
         return out
 

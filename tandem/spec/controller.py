@@ -51,12 +51,29 @@ import math
 
 
 class LinearCost:
-    """`y = a + b*x`, fitted by exponentially weighted least squares."""
+    """`y = a + b*x`, fitted by exponentially weighted least squares.
+
+    With a shape measured up front (`set_shape`), online samples only rescale it: `y = s*(a0 + b0*x)`,
+    `s` the decayed ratio of observed to shape-predicted costs. Online samples of a decoding batch
+    barely vary `x` (a step of one request computes 1 to 1 + k tokens), and this machine's speed
+    drifts 10-20% within seconds, so a slope fitted online from them is mostly noise (measured: 0.8
+    ms per token at one request, against a true 0.01); the shape's slope comes from a wide range
+    of `x` timed at load, and the scale tracks the machine and the engine's overhead."""
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.count = 0
+        self.shape: tuple[float, float] | None = None
+        self._observed = self._predicted = 0.0
+
+    def set_shape(self, points: list[tuple[float, float]]) -> None:
+        """The line through `points` (plain least squares) as the cost's shape."""
+        fit = LinearCost(decay=1.0)
+        for x, y in points:
+            fit.observe(x, y)
+        self.shape = fit.coefficients()
+        self._observed = self._predicted = 0.0
 
     def observe(self, x: float, y: float) -> None:
         d = self.decay
@@ -66,8 +83,16 @@ class LinearCost:
         self.sxx = d * self.sxx + x * x
         self.sxy = d * self.sxy + x * y
         self.count += 1
+        if self.shape is not None:
+            a0, b0 = self.shape
+            self._observed = d * self._observed + y
+            self._predicted = d * self._predicted + a0 + b0 * x
 
     def coefficients(self) -> tuple[float, float]:
+        if self.shape is not None:
+            a0, b0 = self.shape
+            scale = self._observed / self._predicted if self._predicted > 0 else 1.0
+            return scale * a0, scale * b0
         if self.n == 0:
             return 0.0, 0.0
         mx, my = self.sx / self.n, self.sy / self.n
@@ -212,6 +237,7 @@ class AdaptiveSpeculation:
         self.warmup_steps = warmup_steps
         self._acc: dict[str, tuple[float, float]] = {}
         self.gate = SpecGate()
+        self.seeded = False
         # The last pure-decode step's (decoding requests, speculation on), for `observe_outcome`.
         self.pending: tuple[int, bool] | None = None
 
@@ -237,6 +263,16 @@ class AdaptiveSpeculation:
 
     def forget(self, request_id: str) -> None:
         self._acc.pop(request_id, None)
+
+    def seed(self, step_points: list[tuple[int, float]], draft_points: list[tuple[int, float]]) -> None:
+        """Costs measured before the first step, `(tokens, seconds)` of steps and `(requests, seconds)`
+        of draft passes: the plan is priced from the first step instead of drafting `max_k` blindly
+        for `warmup_steps` steps (which, for a draft model, is exploring at full price). The fits
+        give the costs' shapes; online samples scale them (`LinearCost.set_shape`)."""
+        self.step_cost.set_shape(step_points)
+        if draft_points:
+            self.draft_cost.set_shape(draft_points)
+        self.seeded = True
 
     def observe_outcome(self, tokens: int, seconds: float, drafted: bool = True, pure: bool = True) -> None:
         """Output tokens and wall time of the step just planned (used when it was a pure-decode step).
@@ -275,43 +311,24 @@ class AdaptiveSpeculation:
         self.pending = (len(request_ids), on)
         if not on:
             return {}
-        if self.step_cost.count < self.warmup_steps:
+        if not self.seeded and self.step_cost.count < self.warmup_steps:
             return dict.fromkeys(request_ids, self.max_k)
         alphas = {rid: self.alpha(rid) for rid in request_ids}
-        k = dict.fromkeys(request_ids, 0)
-        expected = float(len(request_ids))
-        tokens = other_tokens + len(request_ids)
-        k_max = 0
-        num_spec = 0
-
-        def step_time(tokens: int, k_max: int, num_spec: int) -> float:
-            t = self.step_cost.predict(tokens)
-            if draft_passes_cost and k_max:
-                t += k_max * self.draft_cost.predict(num_spec)
-            return max(t, 1e-9)
-
-        rate = expected / step_time(tokens, k_max, num_spec)
-        heap = [(-alphas[rid], rid) for rid in request_ids]
-        heapq.heapify(heap)
-        while heap:
-            neg_gain, rid = heapq.heappop(heap)
-            new_k = k[rid] + 1
-            new_kmax = max(k_max, new_k)
-            new_spec = num_spec + (1 if k[rid] == 0 else 0)
-            new_expected = expected - neg_gain
-            new_rate = new_expected / step_time(tokens + 1, new_kmax, new_spec)
-            if new_rate <= rate:
-                continue  # this request's next draft token does not pay; others' might
-            k[rid], k_max, num_spec, expected, tokens, rate = (
-                new_k,
-                new_kmax,
-                new_spec,
-                new_expected,
-                tokens + 1,
-                new_rate,
-            )
-            if new_k < self.max_k:
-                heapq.heappush(heap, (-(alphas[rid] ** (new_k + 1)), rid))
+        if not draft_passes_cost:
+            k, _ = self._allocate(request_ids, alphas, other_tokens, self.max_k, 0)
+        else:
+            # A draft model's passes cost the same however few requests draft in them: a fixed cost
+            # that no single draft token pays for on its own, so growing the plan one token at a time
+            # would never start drafting. Price each pass count up front instead (1 pass first:
+            # later passes propose tokens less likely to be accepted, so once one more pass does not
+            # pay, none does) and keep the best plan, or none.
+            k = dict.fromkeys(request_ids, 0)
+            best = len(request_ids) / self._step_time(other_tokens + len(request_ids), 0, 0)
+            for passes in range(1, self.max_k + 1):
+                plan_p, rate = self._allocate(request_ids, alphas, other_tokens, passes, passes)
+                if rate <= best:
+                    break
+                k, best = plan_p, rate
         # A request given no drafts produces no new acceptance evidence; let its history fade
         # toward the prior so one bad stretch does not shut it out for good.
         d = self.history_decay
@@ -320,3 +337,38 @@ class AdaptiveSpeculation:
                 a, r = self._acc[rid]
                 self._acc[rid] = (a * d, r * d)
         return k
+
+    def _step_time(self, tokens: int, passes: int, num_spec: int) -> float:
+        """Predicted seconds of a step verifying `tokens` tokens after `passes` draft-model passes
+        over `num_spec` requests (no passes: n-gram lookup, or nobody drafts)."""
+        t = self.step_cost.predict(tokens)
+        if passes and num_spec:
+            t += passes * self.draft_cost.predict(num_spec)
+        return max(t, 1e-9)
+
+    def _allocate(
+        self, request_ids: list[str], alphas: dict[str, float], other_tokens: int, cap: int, passes: int
+    ) -> tuple[dict[str, int], float]:
+        """Greedy: give one more draft token (up to `cap` each) to the request whose next one is most
+        likely accepted, while that raises the step's expected tokens per second. With `passes`
+        draft-model passes, their fixed cost is paid from the start and each drafting request adds
+        its share. Returns the draft lengths and the expected rate."""
+        k = dict.fromkeys(request_ids, 0)
+        expected = float(len(request_ids))
+        tokens = other_tokens + len(request_ids)
+        num_spec = 0
+        rate = expected / self._step_time(tokens, passes, max(num_spec, 1) if passes else 0)
+        heap = [(-alphas[rid], rid) for rid in request_ids]
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, rid = heapq.heappop(heap)
+            new_spec = num_spec + (1 if k[rid] == 0 else 0)
+            new_expected = expected - neg_gain
+            new_rate = new_expected / self._step_time(tokens + 1, passes, new_spec)
+            if new_rate <= rate:
+                continue  # this request's next draft token does not pay; others' might
+            k[rid] += 1
+            num_spec, expected, tokens, rate = new_spec, new_expected, tokens + 1, new_rate
+            if k[rid] < cap:
+                heapq.heappush(heap, (-(alphas[rid] ** (k[rid] + 1)), rid))
+        return k, rate

@@ -70,7 +70,7 @@ class Drafter:
 
     def propose(
         self, todo: list[tuple[Request, int]]
-    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[tuple[int, float]]]:
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[tuple[int, float, bool]]]:
         """Propose `k` tokens for each decoding request: k batched single-token draft passes."""
         from tandem.worker.model_runner import SampleRow, build_batch
 
@@ -80,7 +80,7 @@ class Drafter:
         first = [min(self.valid[r.request_id], r.num_tokens - 1) for r, _ in todo]
         tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in todo}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in todo}
-        times: list[tuple[int, float]] = []
+        times: list[tuple[int, float, bool]] = []
         # Plain greedy rows (no penalties, no min_tokens masking) draft by argmax of the raw logits,
         # and greedy verification never reads a draft distribution: skip building either.
         plain = all(
@@ -109,13 +109,12 @@ class Drafter:
             if len(ends) != hidden.shape[0]:
                 hidden = hidden[torch.from_numpy(ends - 1)]
             logits = self.model.compute_logits(hidden)
-            # A first pass that also catches up on a prompt is no sample of a pass's cost.
-            timed = batch.input_ids.shape[0] <= 2 * n
+            # A first pass that also catches up on a prompt or a stretch without speculation.
+            catch_up = batch.input_ids.shape[0] > 2 * n
             if plain:
                 for r, t in zip(active, logits.argmax(dim=-1).tolist()):
                     tokens[r.request_id].append(t)
-                if timed:
-                    times.append((n, time.perf_counter() - start))
+                times.append((n, time.perf_counter() - start, catch_up))
                 continue
             logits = logits.float()
             sb = runner.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
@@ -125,8 +124,7 @@ class Drafter:
             for i, (r, t) in enumerate(zip(active, picked.tolist())):
                 tokens[r.request_id].append(t)
                 probs[r.request_id].append(dist[i])
-            if timed:
-                times.append((n, time.perf_counter() - start))
+            times.append((n, time.perf_counter() - start, catch_up))
         return tokens, {rid: torch.stack(p) for rid, p in probs.items() if p}, times
 
     def _generator(self, req: Request) -> torch.Generator | None:

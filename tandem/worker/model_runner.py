@@ -13,6 +13,7 @@ from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.request import Request
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.loader import load_model, resolve_dtype
+from tandem.sampling_params import SamplingParams
 from tandem.worker.sampler import Sampler, SamplingBatch
 
 
@@ -116,6 +117,41 @@ class ModelRunner:
 
         for model in [self.model] + ([self.drafter.model] if self.drafter is not None else []):
             warm_row_counts(model, range(1, max_rows + 1))
+
+    @torch.inference_mode()
+    def time_passes(
+        self, shapes: list[tuple[int, int]], context: int, draft: bool = False, repeats: int = 3
+    ) -> list[float]:
+        """Seconds (best of `repeats`) of one pass per `(requests, tokens each)` shape over a synthetic
+        batch whose requests have `context` tokens before: building the batch and its attention
+        metadata, the forward, logits for every token and their argmax, as a verification step (or,
+        with `draft`, a draft-model proposal pass) computes them. The passes write KV into blocks
+        no request holds yet, so this runs before serving. Raises ValueError if the cache is too
+        small for the shapes."""
+        model = self.drafter.model if draft else self.model
+        caches = self.drafter.kv_caches if draft else self.kv_caches
+        backend = self.drafter.backend if draft else self.backend
+        longest = context + max(q for _, q in shapes)
+        blocks = list(range(-(-longest // self.block_size)))
+        if len(blocks) > caches[0].shape[1]:
+            raise ValueError(f"a {longest}-token pass needs more KV blocks than the cache has")
+        out = []
+        for num_reqs, q_len in shapes:
+            reqs = []
+            for i in range(num_reqs):
+                r = Request(f"timing-{i}", [1] * (context + q_len), SamplingParams(), max_tokens=1)
+                r.block_ids, r.num_computed_tokens = blocks, context
+                reqs.append(r)
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                batch, _ = build_batch(reqs, [q_len] * num_reqs, self.block_size, self.device)
+                backend.prepare(batch)
+                hidden = model(batch, caches)
+                model.compute_logits(hidden).argmax(dim=-1).tolist()
+                best = min(best, time.perf_counter() - start)
+            out.append(best)
+        return out
 
     def allocate_kv(self, mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
