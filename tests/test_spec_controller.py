@@ -84,6 +84,20 @@ def test_seeded_costs_price_the_first_step():
     assert sum(ctl.plan(["a"], other_tokens=0, draft_passes_cost=True).values()) == 0
 
 
+def test_gate_samples_are_taken_at_the_load_time_machine_speed():
+    """Steps run while the machine is 25% slower are filed as if at the seeded speed, so the two
+    modes, measured at different moments, compare like with like."""
+    ctl = AdaptiveSpeculation(max_k=4)
+    ctl.seed([(1, 0.004), (5, 0.004)], [])
+    for _ in range(30):
+        ctl.observe_step(1, 0.005)
+    assert abs(ctl.step_cost.scale - 1.25) < 1e-9
+    ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(3, 0.010)
+    tokens, seconds, samples = ctl.gate._stats[1][True]
+    assert tokens == 3 and abs(seconds - 0.008) < 1e-12 and samples == 1
+
+
 def test_gate_runs_the_measured_better_mode_and_explores():
     gate = SpecGate(explore_every=10, min_samples=2)
     assert gate.choose(64) is True  # no data on "on" yet: try it

@@ -1,15 +1,20 @@
 """Adaptive speculation: how many draft tokens each request gets this step (0 included).
 
-The model. A step that computes `t` tokens takes `T(t) = a + b*t` seconds
-(fitted online by exponentially weighted least squares over measured steps).
-A draft model adds `k_max` sequential proposal passes, each `c + d*n` seconds
-for `n` requests (fitted the same way; zero for n-gram lookup). Request `r`
-accepts each draft token with probability `alpha_r` (estimated from its own
+The model. A step that computes `t` tokens takes `T(t) = a + b*t` seconds.
+A draft model adds `P` sequential proposal passes (the longest draft), each
+`c + d*n` seconds for `n` drafting requests (zero for n-gram lookup). Both
+lines are timed at load over synthetic batches (the engine seeds them) and
+rescaled online by measured steps and passes (`LinearCost.set_shape`); without
+a seed they are fitted online by exponentially weighted least squares. Request
+`r` accepts each draft token with probability `alpha_r` (estimated from its own
 history: accepted / (accepted + rejections), with a prior); with `k` drafts it
 expects `1 + alpha + ... + alpha^k` tokens. Starting from `k = 0` everywhere,
 the controller repeatedly gives one more draft token to the request whose next
 token is most likely accepted (`alpha_r^(k_r+1)`) as long as that raises the
-step's expected tokens per second, `sum_r E_r / (T(t) + draft time)`.
+step's expected tokens per second, `sum_r E_r / (T(t) + P * (c + d*n))`. For a
+draft model the pass count is fixed first (1, 2, ... up to `num_speculative_tokens`,
+while one more pass still raises the best rate) with its fixed cost paid up
+front: one token alone never pays for a pass that a whole batch's drafts share.
 
 At low load the fixed cost `a` dominates, so extra tokens are nearly free and
 requests get up to `num_speculative_tokens`; as the batch grows, `b*t`
@@ -88,11 +93,17 @@ class LinearCost:
             self._observed = d * self._observed + y
             self._predicted = d * self._predicted + a0 + b0 * x
 
+    @property
+    def scale(self) -> float:
+        """Recent costs over the measured shape's (1.0 without a shape or samples)."""
+        if self.shape is None or self._predicted <= 0:
+            return 1.0
+        return self._observed / self._predicted
+
     def coefficients(self) -> tuple[float, float]:
         if self.shape is not None:
             a0, b0 = self.shape
-            scale = self._observed / self._predicted if self._predicted > 0 else 1.0
-            return scale * a0, scale * b0
+            return self.scale * a0, self.scale * b0
         if self.n == 0:
             return 0.0, 0.0
         mx, my = self.sx / self.n, self.sy / self.n
@@ -285,12 +296,17 @@ class AdaptiveSpeculation:
         `pure`: whether the step computed nothing but each decoding request's next token and its
         drafts. A step that also computed prompt tokens (a request admitted after the plan) is no
         sample of either mode: its time is mostly the prompt's.
+
+        With a seeded step cost, the seconds are divided by its current scale (how much slower than
+        at load the machine now runs steps): the gate's modes are measured at different moments,
+        and this machine's speed drifts by 10-20% within seconds, which would otherwise decide
+        between them as much as speculation does.
         """
         if self.pending is not None:
             n, on = self.pending
             self.pending = None
             if pure:
-                self.gate.observe(n, on and drafted, tokens, seconds)
+                self.gate.observe(n, on and drafted, tokens, seconds / self.step_cost.scale)
 
     # -- the plan --------------------------------------------------------
 
@@ -323,7 +339,7 @@ class AdaptiveSpeculation:
             # later passes propose tokens less likely to be accepted, so once one more pass does not
             # pay, none does) and keep the best plan, or none.
             k = dict.fromkeys(request_ids, 0)
-            best = len(request_ids) / self._step_time(other_tokens + len(request_ids), 0, 0)
+            best = len(request_ids) / max(self.step_cost.predict(other_tokens + len(request_ids)), 1e-9)
             for passes in range(1, self.max_k + 1):
                 plan_p, rate = self._allocate(request_ids, alphas, other_tokens, passes, passes)
                 if rate <= best:
@@ -338,14 +354,6 @@ class AdaptiveSpeculation:
                 self._acc[rid] = (a * d, r * d)
         return k
 
-    def _step_time(self, tokens: int, passes: int, num_spec: int) -> float:
-        """Predicted seconds of a step verifying `tokens` tokens after `passes` draft-model passes
-        over `num_spec` requests (no passes: n-gram lookup, or nobody drafts)."""
-        t = self.step_cost.predict(tokens)
-        if passes and num_spec:
-            t += passes * self.draft_cost.predict(num_spec)
-        return max(t, 1e-9)
-
     def _allocate(
         self, request_ids: list[str], alphas: dict[str, float], other_tokens: int, cap: int, passes: int
     ) -> tuple[dict[str, int], float]:
@@ -353,18 +361,22 @@ class AdaptiveSpeculation:
         likely accepted, while that raises the step's expected tokens per second. With `passes`
         draft-model passes, their fixed cost is paid from the start and each drafting request adds
         its share. Returns the draft lengths and the expected rate."""
+        a, b = self.step_cost.coefficients()  # once, not per candidate token
+        c, d = self.draft_cost.coefficients() if passes else (0.0, 0.0)
         k = dict.fromkeys(request_ids, 0)
         expected = float(len(request_ids))
         tokens = other_tokens + len(request_ids)
         num_spec = 0
-        rate = expected / self._step_time(tokens, passes, max(num_spec, 1) if passes else 0)
+        drafting = passes * (c + d) if passes else 0.0  # the passes' cost, one request in them
+        rate = expected / max(a + b * tokens + drafting, 1e-9)
         heap = [(-alphas[rid], rid) for rid in request_ids]
         heapq.heapify(heap)
         while heap:
             neg_gain, rid = heapq.heappop(heap)
             new_spec = num_spec + (1 if k[rid] == 0 else 0)
             new_expected = expected - neg_gain
-            new_rate = new_expected / self._step_time(tokens + 1, passes, new_spec)
+            new_drafting = passes * (c + d * new_spec) if passes else 0.0
+            new_rate = new_expected / max(a + b * (tokens + 1) + new_drafting, 1e-9)
             if new_rate <= rate:
                 continue  # this request's next draft token does not pay; others' might
             k[rid] += 1
