@@ -7,8 +7,9 @@ reproduces most of its input: the repetitive case prompt lookup is for) and
 `random` (random token prompts, where drafts rarely are right). For
 each concurrency c, `--requests-per-level` requests run through one `generate`
 call with `max_num_seqs=c`, greedy, a seeded spread of output lengths (the same for every method)
-(`ignore_eos`). Methods: no speculation, n-gram lookup and the draft model,
-with the adaptive controller (the default) and, for reference, a fixed `k`.
+(`ignore_eos`). Methods: no speculation, n-gram lookup (the engine's default
+window, 1-4 tokens) and the draft model, with the adaptive controller (the
+default) and, for reference, a fixed `k`.
 Model: the embedded default model and its draft unless `--model/--draft`.
 
     python benchmarks/spec_decode.py --result-json benchmarks/results/spec_decode.json
@@ -194,13 +195,13 @@ def main() -> None:
         "ngram": {
             "method": "ngram",
             "num_speculative_tokens": args.k,
-            "prompt_lookup_min": 2,
+            "prompt_lookup_min": 1,
             "prompt_lookup_max": 4,
         },
         "ngram-fixed-k": {
             "method": "ngram",
             "num_speculative_tokens": args.k,
-            "prompt_lookup_min": 2,
+            "prompt_lookup_min": 1,
             "prompt_lookup_max": 4,
             "adaptive": False,
         },

@@ -98,6 +98,21 @@ def test_gate_samples_are_taken_at_the_load_time_machine_speed():
     assert tokens == 3 and abs(seconds - 0.008) < 1e-12 and samples == 1
 
 
+def test_speculation_overhead_is_learned_from_drafting_steps():
+    """With a measured shape, drafting steps teach what speculating costs beyond the shape (their
+    time does not rescale it), and the plan charges that once per drafting step: a request whose
+    drafts would pay at zero overhead does not draft when the overhead eats the gain."""
+    ctl = AdaptiveSpeculation(max_k=4)
+    ctl.seed([(1, 0.003), (5, 0.003)], [])
+    ctl.observe_acceptance("a", 4, 0)  # alpha 1/3: drafting pays only while it costs nothing
+    assert sum(ctl.plan(["a"], other_tokens=0, draft_passes_cost=False).values()) > 0
+    for _ in range(60):
+        ctl.observe_step(5, 0.0045, drafted=True)  # 1.5 ms more than the shape says
+        ctl.observe_step(1, 0.003)
+    assert abs(ctl.spec_overhead - 0.0015) < 1e-5 and abs(ctl.step_cost.scale - 1.0) < 1e-9
+    assert sum(ctl.plan(["a"], other_tokens=0, draft_passes_cost=False).values()) == 0
+
+
 def test_gate_runs_the_measured_better_mode_and_explores():
     gate = SpecGate(explore_every=10, min_samples=2)
     assert gate.choose(64) is True  # no data on "on" yet: try it

@@ -294,7 +294,9 @@ class EngineCore:
         if self.spec is not None:
             if pure:
                 self.spec.controller.observe_step(
-                    sched.total_tokens, time.perf_counter() - start - draft_time
+                    sched.total_tokens,
+                    time.perf_counter() - start - draft_time,
+                    drafted=any(sched.num_draft.values()),
                 )
             for n, t, catch_up in result.draft_pass_times:
                 if catch_up:

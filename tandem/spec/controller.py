@@ -229,6 +229,10 @@ class SpecGate:
             other[1] *= self.stale_decay
 
 
+# Weight of the past in the running mean of `spec_overhead`, per drafting step.
+OVERHEAD_DECAY = 0.9
+
+
 class AdaptiveSpeculation:
     def __init__(
         self,
@@ -249,6 +253,8 @@ class AdaptiveSpeculation:
         self._acc: dict[str, tuple[float, float]] = {}
         self.gate = SpecGate()
         self.seeded = False
+        # Seconds a step that drafts costs beyond T(t) and its draft passes (learned; see observe_step).
+        self.spec_overhead = 0.0
         # The last pure-decode step's (decoding requests, speculation on), for `observe_outcome`.
         self.pending: tuple[int, bool] | None = None
 
@@ -266,8 +272,15 @@ class AdaptiveSpeculation:
         d = self.history_decay
         self._acc[request_id] = (d * a + num_accepted, d * r + (1.0 if num_accepted < num_draft else 0.0))
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.step_cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, drafted: bool = False) -> None:
+        """A pure-decode step's seconds (draft passes excluded). With a measured shape, steps that
+        verified drafts only teach `spec_overhead`, what speculating adds beyond the shape's tokens
+        (proposals, verification, rewinds: Python per step), and the rest rescale the shape."""
+        if drafted and self.step_cost.shape is not None:
+            residual = seconds - self.step_cost.predict(num_tokens)
+            self.spec_overhead = OVERHEAD_DECAY * self.spec_overhead + (1 - OVERHEAD_DECAY) * residual
+        else:
+            self.step_cost.observe(num_tokens, seconds)
 
     def observe_draft_pass(self, num_requests: int, seconds: float) -> None:
         self.draft_cost.observe(num_requests, seconds)
@@ -330,21 +343,18 @@ class AdaptiveSpeculation:
         if not self.seeded and self.step_cost.count < self.warmup_steps:
             return dict.fromkeys(request_ids, self.max_k)
         alphas = {rid: self.alpha(rid) for rid in request_ids}
-        if not draft_passes_cost:
-            k, _ = self._allocate(request_ids, alphas, other_tokens, self.max_k, 0)
-        else:
-            # A draft model's passes cost the same however few requests draft in them: a fixed cost
-            # that no single draft token pays for on its own, so growing the plan one token at a time
-            # would never start drafting. Price each pass count up front instead (1 pass first:
-            # later passes propose tokens less likely to be accepted, so once one more pass does not
-            # pay, none does) and keep the best plan, or none.
-            k = dict.fromkeys(request_ids, 0)
-            best = len(request_ids) / max(self.step_cost.predict(other_tokens + len(request_ids)), 1e-9)
-            for passes in range(1, self.max_k + 1):
-                plan_p, rate = self._allocate(request_ids, alphas, other_tokens, passes, passes)
-                if rate <= best:
-                    break
-                k, best = plan_p, rate
+        # A step that drafts at all pays fixed costs no single draft token pays for on its own: the
+        # speculation overhead, and a draft model's passes (the same however few requests draft in
+        # them). So each plan is priced with them paid up front, against not drafting: n-gram one
+        # plan, a draft model one per pass count (1 pass first: later passes propose tokens less
+        # likely to be accepted, so once one more pass does not pay, none does).
+        k = dict.fromkeys(request_ids, 0)
+        best = len(request_ids) / max(self.step_cost.predict(other_tokens + len(request_ids)), 1e-9)
+        for passes in range(1, self.max_k + 1) if draft_passes_cost else (0,):
+            plan_p, rate = self._allocate(request_ids, alphas, other_tokens, passes or self.max_k, passes)
+            if rate <= best:
+                break
+            k, best = plan_p, rate
         # A request given no drafts produces no new acceptance evidence; let its history fade
         # toward the prior so one bad stretch does not shut it out for good.
         d = self.history_decay
@@ -360,9 +370,10 @@ class AdaptiveSpeculation:
         """Greedy: give one more draft token (up to `cap` each) to the request whose next one is most
         likely accepted, while that raises the step's expected tokens per second. With `passes`
         draft-model passes, their fixed cost is paid from the start and each drafting request adds
-        its share. Returns the draft lengths and the expected rate."""
+        its share; so is the speculation overhead. Returns the draft lengths and the expected rate."""
         a, b = self.step_cost.coefficients()  # once, not per candidate token
         c, d = self.draft_cost.coefficients() if passes else (0.0, 0.0)
+        a += max(0.0, self.spec_overhead)
         k = dict.fromkeys(request_ids, 0)
         expected = float(len(request_ids))
         tokens = other_tokens + len(request_ids)
