@@ -11,10 +11,13 @@ history: accepted / (accepted + rejections), with a prior); with `k` drafts it
 expects `1 + alpha + ... + alpha^k` tokens. Starting from `k = 0` everywhere,
 the controller repeatedly gives one more draft token to the request whose next
 token is most likely accepted (`alpha_r^(k_r+1)`) as long as that raises the
-step's expected tokens per second, `sum_r E_r / (T(t) + P * (c + d*n))`. For a
-draft model the pass count is fixed first (1, 2, ... up to `num_speculative_tokens`,
-while one more pass still raises the best rate) with its fixed cost paid up
-front: one token alone never pays for a pass that a whole batch's drafts share.
+step's expected tokens per second, `sum_r E_r / (T(t) + o + P * (c + d*n))`, where
+`o` is what a step that drafts at all costs beyond that (proposals, verification,
+rewinds; learned from drafting steps' residuals). `o` and, for a draft model, the
+passes are paid up front, and the plan is kept only if it beats not drafting: one
+token alone never pays for costs a whole batch's drafts share. A draft model's
+pass count is fixed first (1, 2, ... up to `num_speculative_tokens`, while one
+more pass still raises the best rate).
 
 At low load the fixed cost `a` dominates, so extra tokens are nearly free and
 requests get up to `num_speculative_tokens`; as the batch grows, `b*t`
