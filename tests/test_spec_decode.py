@@ -502,3 +502,21 @@ def test_draft_proposals_match_the_draft_model_run_from_scratch(monkeypatch) -> 
             wrong += ref[0, len(ids) :].tolist() != proposal
     # fp32 on different kernels may split a near-tie differently now and then; stale KV would not be rare.
     assert wrong <= 0.05 * len(records)
+
+
+def test_engine_seeds_the_adaptive_cost_model_at_load(target_dir) -> None:
+    """An adaptive engine times synthetic passes at load (target steps; draft passes with a draft
+    model); with a cache too small for them it learns online instead, and a fixed k never times."""
+    draft = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3}
+    ctl = LLM(
+        str(target_dir), max_num_seqs=4, num_threads=1, speculative_config=draft
+    ).engine.core.spec.controller
+    assert ctl.seeded and ctl.step_cost.shape is not None and ctl.draft_cost.shape is not None
+    assert ctl.step_cost.predict(16) >= ctl.step_cost.predict(4) > 0
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    small = LLM(str(target_dir), num_kv_blocks=4, block_size=4, num_threads=1, speculative_config=ngram)
+    assert not small.engine.core.spec.controller.seeded
+    fixed = LLM(str(target_dir), num_threads=1, speculative_config={**ngram, "adaptive": False})
+    assert not fixed.engine.core.spec.controller.seeded
+    out = small.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

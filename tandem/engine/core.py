@@ -209,20 +209,19 @@ class EngineCore:
         adaptive plan knows what speculation costs from its first step."""
         n = max(1, min(COST_SEED_MAX_REQUESTS, config.max_num_seqs, config.max_num_batched_tokens // (1 + k)))
         shapes = [(1, 1), (1, 1 + k), (n, 1), (n, 1 + k)]
+        draft_requests = [1, n] if self.runner.drafter is not None else []
         try:
             seconds = self.runner.time_passes(shapes, COST_SEED_CONTEXT)
-            draft = []
-            if self.runner.drafter is not None:
-                draft_shapes = [(1, 1), (n, 1)]
-                draft = list(
-                    zip(
-                        [r for r, _ in draft_shapes],
-                        self.runner.time_passes(draft_shapes, COST_SEED_CONTEXT, draft=True),
-                    )
-                )
+            draft_seconds = (
+                self.runner.time_passes([(r, 1) for r in draft_requests], COST_SEED_CONTEXT, draft=True)
+                if draft_requests
+                else []
+            )
         except ValueError:  # a cache too small to time a pass in: learn online instead
             return
-        self.spec.controller.seed([(r * q, s) for (r, q), s in zip(shapes, seconds)], draft)
+        self.spec.controller.seed(
+            [(r * q, s) for (r, q), s in zip(shapes, seconds)], list(zip(draft_requests, draft_seconds))
+        )
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self._groups:
