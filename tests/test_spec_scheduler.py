@@ -359,8 +359,12 @@ class SpecHarness:
                 for i, b in enumerate(before):
                     if r.block_ids[i] != b:
                         assert (b, r.block_ids[i]) in copies, "a block was swapped without a copy"
+        scheduled_ids = {id(r) for r in out.requests}
         for v in out.preempted:
-            assert v.block_ids == [] and v.num_computed_tokens == 0
+            # Its blocks went back to the pool; a victim readmitted in the same step holds new ones
+            # and starts over.
+            assert v.num_computed_tokens == 0
+            assert v.block_ids == [] or id(v) in scheduled_ids, "a preempted request kept its blocks"
         starts = {r.request_id: r.num_computed_tokens for r in out.requests}
         lengths = {r.request_id: r.num_tokens for r in out.requests}
         # -- the model
