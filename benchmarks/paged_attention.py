@@ -34,29 +34,21 @@ CASES = [
 
 
 def make_batch(reqs: int, q_len: int, ctx: int, block: int, num_blocks: int):
-    from tandem.model.forward_batch import ForwardBatch
+    """The engine's own flat batch (`build_batch`) for `reqs` requests of `ctx` tokens, each with its
+    last `q_len` to compute, in shuffled disjoint blocks of the cache."""
+    from tandem.core.request import Request
+    from tandem.sampling_params import SamplingParams
+    from tandem.worker.model_runner import build_batch
 
     per = -(-ctx // block)
-    rng = np.random.default_rng(0)
-    tables = rng.permutation(num_blocks)[: reqs * per].reshape(reqs, per).astype(np.int64)
-    q_lens = np.full(reqs, q_len, dtype=np.int64)
-    seq_lens = np.full(reqs, ctx, dtype=np.int64)
-    qsl = np.zeros(reqs + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=qsl[1:])
-    positions = np.concatenate([np.arange(ctx - q_len, ctx)] * reqs)
-    req = np.repeat(np.arange(reqs), q_len)
-    slots = tables[req, positions // block] * block + positions % block
-    return ForwardBatch(
-        input_ids=torch.zeros(reqs * q_len, dtype=torch.long),
-        positions=torch.from_numpy(positions),
-        slot_mapping=torch.from_numpy(slots),
-        logits_indices=torch.empty(0, dtype=torch.long),
-        query_start_loc=qsl,
-        query_lens=q_lens,
-        seq_lens=seq_lens,
-        block_tables=tables,
-        block_size=block,
-    )
+    tables = np.random.default_rng(0).permutation(num_blocks)[: reqs * per].reshape(reqs, per)
+    requests = []
+    for i in range(reqs):
+        r = Request(f"r{i}", [0] * ctx, SamplingParams(), max_tokens=1)
+        r.block_ids, r.num_computed_tokens = tables[i].tolist(), ctx - q_len
+        requests.append(r)
+    batch, _ = build_batch(requests, [q_len] * reqs, block, torch.device("cpu"))
+    return batch
 
 
 def main() -> None:

@@ -289,13 +289,14 @@ class EngineCore:
         pure = self.spec is not None and all(
             n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
         )
+        drafted = any(sched.num_draft.values())
         switch_cost = 0.0
         if self.spec is not None:
             if pure:
                 self.spec.controller.observe_step(
                     sched.total_tokens,
                     time.perf_counter() - start - draft_time,
-                    drafted=any(sched.num_draft.values()),
+                    drafted=drafted,
                 )
             for n, t, catch_up in result.draft_pass_times:
                 if catch_up:
@@ -340,9 +341,7 @@ class EngineCore:
         stats.forward_time_s += result.forward_time
         stats.draft_time_s += draft_time
         if self.spec is not None:
-            self.spec.controller.observe_outcome(
-                generated, elapsed - switch_cost, drafted=any(sched.num_draft.values()), pure=pure
-            )
+            self.spec.controller.observe_outcome(generated, elapsed - switch_cost, drafted=drafted, pure=pure)
         return out
 
     def snapshot(self) -> dict[str, Any]:

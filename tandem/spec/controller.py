@@ -255,7 +255,6 @@ class AdaptiveSpeculation:
         self.warmup_steps = warmup_steps
         self._acc: dict[str, tuple[float, float]] = {}
         self.gate = SpecGate()
-        self.seeded = False
         # Seconds a step that drafts costs beyond T(t) and its draft passes (learned; see observe_step).
         self.spec_overhead = 0.0
         # The last pure-decode step's (decoding requests, speculation on), for `observe_outcome`.
@@ -299,7 +298,11 @@ class AdaptiveSpeculation:
         self.step_cost.set_shape(step_points)
         if draft_points:
             self.draft_cost.set_shape(draft_points)
-        self.seeded = True
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the step cost was measured at load (`seed`)."""
+        return self.step_cost.shape is not None
 
     def observe_outcome(self, tokens: int, seconds: float, drafted: bool = True, pure: bool = True) -> None:
         """Output tokens and wall time of the step just planned (used when it was a pure-decode step).
@@ -381,7 +384,7 @@ class AdaptiveSpeculation:
         expected = float(len(request_ids))
         tokens = other_tokens + len(request_ids)
         num_spec = 0
-        drafting = passes * (c + d) if passes else 0.0  # the passes' cost, one request in them
+        drafting = passes * (c + d)  # the passes' cost, one request in them (0 without passes)
         rate = expected / max(a + b * tokens + drafting, 1e-9)
         heap = [(-alphas[rid], rid) for rid in request_ids]
         heapq.heapify(heap)
@@ -389,7 +392,7 @@ class AdaptiveSpeculation:
             neg_gain, rid = heapq.heappop(heap)
             new_spec = num_spec + (1 if k[rid] == 0 else 0)
             new_expected = expected - neg_gain
-            new_drafting = passes * (c + d * new_spec) if passes else 0.0
+            new_drafting = passes * (c + d * new_spec)
             new_rate = new_expected / max(a + b * (tokens + 1) + new_drafting, 1e-9)
             if new_rate <= rate:
                 continue  # this request's next draft token does not pay; others' might
