@@ -101,8 +101,9 @@ def test_gate_samples_are_taken_at_the_load_time_machine_speed():
 def test_speculation_overhead_is_learned_from_drafting_steps():
     """With a measured shape, drafting steps teach what speculating costs beyond the shape (their
     time does not rescale it), and the plan charges that once per drafting step: a request whose
-    drafts would pay at zero overhead does not draft when the overhead eats the gain."""
-    ctl = AdaptiveSpeculation(max_k=4)
+    drafts would pay at zero overhead does not draft when the overhead eats the gain (priced at the
+    mean acceptance: no optimism for exploring)."""
+    ctl = AdaptiveSpeculation(max_k=4, explore_z=0.0)
     ctl.seed([(1, 0.003), (5, 0.003)], [])
     ctl.observe_acceptance("a", 4, 0)  # alpha 1/3: drafting pays only while it costs nothing
     assert sum(ctl.plan(["a"], other_tokens=0, draft_passes_cost=False).values()) > 0
@@ -230,3 +231,102 @@ def test_draft_catch_up_is_spread_over_steps() -> None:
     reqs[0].token_ids.append(8)
     second = planner.plan(reqs, other_tokens=0, max_model_len=1000)
     assert sorted(second) == ["r0", "r1"]  # r0 is caught up (one token behind); r1 takes the budget
+
+
+def test_a_draft_further_behind_than_the_budget_still_catches_up() -> None:
+    """A request whose prompt alone exceeds the catch-up budget still drafts (the closest such
+    request, one per step): a draft catches up only by drafting, so skipping it would be for good."""
+    from fake_runner import make_group
+
+    from tandem.spec.config import SpeculativeConfig
+    from tandem.spec.planner import CATCH_UP_TOKENS_PER_STEP, SpecPlanner
+
+    planner = SpecPlanner(SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="d"))
+    reqs = []
+    for i, length in enumerate((3 * CATCH_UP_TOKENS_PER_STEP, 2 * CATCH_UP_TOKENS_PER_STEP)):
+        r, _ = make_group(f"r{i}", list(range(length)), max_tokens=50)
+        r.token_ids.append(7)
+        r.num_computed_tokens = r.num_prompt_tokens
+        reqs.append(r)
+    assert list(planner.plan(reqs, other_tokens=0, max_model_len=1000)) == ["r1"]  # the shorter one
+
+
+def test_a_new_request_drafts_to_measure_its_acceptance():
+    """Priced at the prior's mean (1/2), a draft pass here only breaks even, so a new request would
+    never draft and never learn that its drafts are accepted. The plan prices drafts at an
+    optimistic acceptance while evidence is thin: a new request drafts; one whose drafts keep being
+    rejected stops; once its history has faded, it tries again."""
+    ids = ["a"]
+
+    def controller(**kwargs: float) -> AdaptiveSpeculation:
+        ctl = AdaptiveSpeculation(max_k=4, **kwargs)
+        ctl.seed([(1, 0.004), (5, 0.004)], [(1, 0.002)])  # a draft pass: half a step
+        return ctl
+
+    assert sum(controller(explore_z=0.0).plan(ids, 0, draft_passes_cost=True).values()) == 0
+    ctl = controller()  # the default optimism
+    assert ctl.plan(ids, 0, draft_passes_cost=True)["a"] >= 1
+    for _ in range(6):
+        ctl.observe_acceptance("a", 2, 0)
+    assert ctl.optimistic_alpha("a") < 0.3
+    waits = 0
+    while sum(ctl.plan(ids, 0, draft_passes_cost=True).values()) == 0:
+        waits += 1
+        assert waits < 100, "a faded history must make the request draft again"
+    assert waits > 3  # but not at once
+
+
+def test_exploring_speculation_from_off_is_charged_its_switching_cost():
+    """Exploring "on" from "off" first feeds a draft model what it missed: the gate counts that
+    catch-up (in steps) into the exploration's cost, so it explores less often."""
+    gate = SpecGate(explore_every=8, explore_cost=0.01, max_explore=256)
+    assert gate.explore_interval(90.0, 100.0) == 34
+    for _ in range(50):
+        gate.observe_switch(1.0)  # a catch-up costs a whole step
+    assert abs(gate.switch_steps - 1.0) < 1e-4
+    assert gate.explore_interval(90.0, 100.0) == 134  # (3 * 1/9 + 1) / 1%
+    assert gate.explore_interval(100.0, 90.0) == 34  # exploring "off" switches nothing on
+
+
+def test_a_draft_catch_up_is_priced_over_the_requests_remaining_steps():
+    """A request whose draft must first catch up on its prompt pays that (per token, paid off over
+    its remaining steps) once it drafts: where drafting barely pays it does not start, where it
+    clearly pays it does; and while the gate explores "on", the catch-up it budgeted is not priced
+    again (else the exploration would draft nothing and measure nothing)."""
+
+    def controller(pass_cost: float) -> AdaptiveSpeculation:
+        ctl = AdaptiveSpeculation(max_k=4, explore_z=0.0)
+        ctl.seed([(1, 0.004), (5, 0.004)], [(1, pass_cost)], feed_cost=0.0001)  # 0.1 ms a token
+        for _ in range(3):
+            ctl.observe_acceptance("a", 4, 2)  # alpha about 0.63
+        return ctl
+
+    def backlog() -> dict[str, float]:
+        return {"a": 10.0}  # e.g. a 320-token prompt paid off over 32 steps: 1 ms a step
+
+    cheap, dear = controller(0.0005), controller(0.002)
+    for ctl in (cheap, dear):
+        ctl.gate.exploring = False
+        ctl.gate.choose = lambda n: True  # the gate has measured "on" as the better mode
+    assert cheap.plan(["a"], 0, True, backlog)["a"] >= 1
+    assert sum(dear.plan(["a"], 0, True, backlog).values()) == 0
+    assert dear.plan(["a"], 0, True, dict)["a"] >= 1  # caught up, the same request drafts
+    exploring = controller(0.002)
+    exploring.gate.choose = lambda n: True
+    exploring.gate.exploring = True  # "on" chosen to be measured
+    assert exploring.plan(["a"], 0, True, backlog)["a"] >= 1
+
+
+def test_the_gate_pays_prompt_catch_up_as_a_running_mean():
+    """A new request's prompt fed to the draft is a cost of speculating, so "on" samples pay it, but
+    as a running mean per drafting step, not all in the one step the request arrived in."""
+    ctl = AdaptiveSpeculation(max_k=4)
+    ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(3, 0.004 + 0.010, drafted=True, feed_seconds=0.010)  # a 10 ms prompt feed
+    tokens, seconds, _ = ctl.gate._stats[1][True]
+    assert tokens == 3 and abs(seconds - (0.004 + 0.05 * 0.010)) < 1e-12  # the step, plus 1/20 of the feed
+    assert abs(ctl.feed_mean - 0.0005) < 1e-12
+    ctl.observe_feed(100, 0.008)
+    assert abs(ctl.feed_cost - 0.00008) < 1e-12  # the first sample sets it
+    ctl.observe_feed(100, 0.010)
+    assert 0.00008 < ctl.feed_cost < 0.0001

@@ -520,3 +520,33 @@ def test_engine_seeds_the_adaptive_cost_model_at_load(target_dir) -> None:
     assert not fixed.engine.core.spec.controller.seeded
     out = small.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_draft_catch_up_is_split_into_prompt_and_missed_tokens(target_dir, monkeypatch) -> None:
+    """A draft model's first pass reports what it fed beyond a proposal's one or two tokens: a new
+    request's prompt (a cost of speculating at all) and the tokens generated while speculation was
+    off (a cost of switching it back on, which the gate charges to exploring, not to the "on" rate)."""
+    spec = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 2}
+    llm = LLM(str(target_dir), speculative_config=spec, num_threads=1, enable_prefix_caching=False)
+    core = llm.engine.core
+    ctl = core.spec.controller
+    turns = itertools.count()
+    monkeypatch.setattr(ctl.gate, "choose", lambda n: next(turns) % 4 == 0)  # on, off, off, off, ...
+    monkeypatch.setattr(ctl, "warmup_steps", 10**9)
+    monkeypatch.setattr(ctl.step_cost, "shape", None)  # unseeded: the warmup drafts the full k
+    drafter = core.runner.drafter
+    propose = drafter.propose
+    passes: list[tuple[int, int]] = []
+
+    def recording(todo):
+        tokens, probs, times = propose(todo)
+        passes.append(times[0][2:])
+        return tokens, probs, times
+
+    monkeypatch.setattr(drafter, "propose", recording)
+    prompt = list(range(5, 25))
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert passes[0] == (len(prompt) - 1, 0)  # the prompt and the first token, less the two fed anyway
+    later = passes[1:]
+    assert later and all(behind == missed and behind >= 2 for behind, missed in later), passes

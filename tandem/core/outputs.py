@@ -53,8 +53,8 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     accepted: dict[str, list[int]] = field(default_factory=dict)
-    # (requests in the pass, seconds, whether it also fed the draft tokens it had missed) for each
-    # draft-model proposal pass, for the cost model.
-    draft_pass_times: list[tuple[int, float, bool]] = field(default_factory=list)
+    # (requests in the pass, seconds, tokens it fed to catch the draft up, how many of those were
+    # generated while speculation was off) for each draft-model proposal pass, for the cost model.
+    draft_pass_times: list[tuple[int, float, int, int]] = field(default_factory=list)
     # Seconds in the target model itself (layers and logits), to tell engine overhead from compute.
     forward_time: float = 0.0

@@ -210,17 +210,20 @@ class EngineCore:
         n = max(1, min(COST_SEED_MAX_REQUESTS, config.max_num_seqs, config.max_num_batched_tokens // (1 + k)))
         shapes = [(1, 1), (1, 1 + k), (n, 1), (n, 1 + k)]
         draft_requests = [1, n] if self.runner.drafter is not None else []
+        feed = 0.0
         try:
             seconds = self.runner.time_passes(shapes, COST_SEED_CONTEXT)
-            draft_seconds = (
-                self.runner.time_passes([(r, 1) for r in draft_requests], COST_SEED_CONTEXT, draft=True)
-                if draft_requests
-                else []
-            )
+            draft_seconds = []
+            if draft_requests:
+                # Plus one request's catch-up on a context's worth of tokens: the per-token feed cost.
+                *draft_seconds, catch_up = self.runner.time_passes(
+                    [(r, 1) for r in draft_requests] + [(1, COST_SEED_CONTEXT)], COST_SEED_CONTEXT, draft=True
+                )
+                feed = max(0.0, catch_up - draft_seconds[0]) / (COST_SEED_CONTEXT - 1)
         except ValueError:  # a cache too small to time a pass in: learn online instead
             return
         self.spec.controller.seed(
-            [(r * q, s) for (r, q), s in zip(shapes, seconds)], list(zip(draft_requests, draft_seconds))
+            [(r * q, s) for (r, q), s in zip(shapes, seconds)], list(zip(draft_requests, draft_seconds)), feed
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -282,7 +285,7 @@ class EngineCore:
         stats.num_steps += 1
         stats.num_batched_tokens += sched.total_tokens
         stats.iteration_tokens.append(sched.total_tokens)
-        draft_time = sum(t for _, t, _ in result.draft_pass_times)
+        draft_time = sum(p[1] for p in result.draft_pass_times)
         # A pure-decode step computes each request's one known token plus its drafts. Only those
         # are samples of what speculation decides: a mode's rate for the gate, and the step-cost
         # fit for the planner, which a prompt's many cheap-per-token rows would skew.
@@ -290,7 +293,7 @@ class EngineCore:
             n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
         )
         drafted = any(sched.num_draft.values())
-        switch_cost = 0.0
+        switch_cost = feed_cost = 0.0
         if self.spec is not None:
             if pure:
                 self.spec.controller.observe_step(
@@ -298,13 +301,18 @@ class EngineCore:
                     time.perf_counter() - start - draft_time,
                     drafted=drafted,
                 )
-            for n, t, catch_up in result.draft_pass_times:
-                if catch_up:
-                    # Feeding the draft what it missed while speculation was off is the price of
-                    # switching on, paid once, not of running on: the gate compares the modes'
-                    # steady rates, so it does not see it (else every exploration would pay it
-                    # and look worse than speculation running).
-                    switch_cost += max(0.0, t - self.spec.controller.draft_cost.predict(n))
+            for n, t, behind, missed in result.draft_pass_times:
+                if behind:
+                    # Feeding the draft the tokens it missed while speculation was off is the price
+                    # of switching on, paid once, not of running on: the gate compares the modes'
+                    # steady rates without it (else every exploration would pay it and look worse
+                    # than speculation running) and charges it to how often it explores instead.
+                    # A new request's prompt is fed once whenever speculation runs: that share stays
+                    # in the step's time, so the "on" rate pays for the prompts of new requests.
+                    excess = max(0.0, t - self.spec.controller.draft_cost.predict(n))
+                    switch_cost += excess * missed / behind
+                    feed_cost += excess * (behind - missed) / behind
+                    self.spec.controller.observe_feed(behind, excess)
                 else:
                     self.spec.controller.observe_draft_pass(n, t)
         out = []
@@ -341,7 +349,14 @@ class EngineCore:
         stats.forward_time_s += result.forward_time
         stats.draft_time_s += draft_time
         if self.spec is not None:
-            self.spec.controller.observe_outcome(generated, elapsed - switch_cost, drafted=drafted, pure=pure)
+            self.spec.controller.observe_outcome(
+                generated,
+                elapsed - switch_cost,
+                drafted=drafted,
+                pure=pure,
+                switch_seconds=switch_cost,
+                feed_seconds=feed_cost,
+            )
         return out
 
     def snapshot(self) -> dict[str, Any]:

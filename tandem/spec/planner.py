@@ -12,6 +12,9 @@ from tandem.spec.controller import AdaptiveSpeculation
 # in one step, which the adaptive gate then (rightly) measures as a very slow "on" step. Only the
 # adaptive mode caps it: a fixed `k` (adaptive=False) always drafts.
 CATCH_UP_TOKENS_PER_STEP = 128
+# A draft model's catch-up is priced as paid off over at most this many of the request's steps: a
+# request about to end, or drafting in only a few steps, pays for it over fewer.
+FEED_HORIZON_STEPS = 32
 
 
 class SpecPlanner:
@@ -38,7 +41,10 @@ class SpecPlanner:
 
     def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> dict[str, int]:
         """Draft length for each decoding request (capped where the request is about to end)."""
-        ks = self.controller.plan([r.request_id for r in decoding], other_tokens, self.proposes_in_runner)
+        backlog = (lambda: self._backlog(decoding)) if self.proposes_in_runner else None
+        ks = self.controller.plan(
+            [r.request_id for r in decoding], other_tokens, self.proposes_in_runner, backlog
+        )
         out = {}
         for r in decoding:
             # Drafts past max_tokens or max_model_len could never be kept.
@@ -51,19 +57,36 @@ class SpecPlanner:
         self._planned = {r.request_id: r.num_tokens for r in decoding if r.request_id in out}
         return out
 
+    def _behind(self, r: Request) -> int:
+        """Tokens the request's draft must catch up on before proposing, beyond the one or two
+        every proposal feeds."""
+        fed = min(self._fed.get(r.request_id, 0), r.num_computed_tokens)
+        return max(0, r.num_tokens - fed - 2)
+
+    def _backlog(self, decoding: list[Request]) -> dict[str, float]:
+        """Catch-up tokens per step over which drafting would pay them off: the request's remaining
+        tokens (halved: a speculating step emits more than one), at most FEED_HORIZON_STEPS."""
+        out = {}
+        for r in decoding:
+            behind = self._behind(r)
+            if behind:
+                steps = min(FEED_HORIZON_STEPS, (r.max_tokens - r.num_output_tokens) / 2)
+                out[r.request_id] = behind / max(1.0, steps)
+        return out
+
     def _cap_catch_up(self, decoding: list[Request], ks: dict[str, int]) -> dict[str, int]:
         """Drop drafts of requests whose draft would first have to catch up on more than the budget
-        allows this step (the closest to caught up go first; the rest catch up in later steps)."""
-        behind = []
-        for r in decoding:
-            if r.request_id in ks:
-                fed = min(self._fed.get(r.request_id, 0), r.num_computed_tokens)
-                behind.append((max(0, r.num_tokens - fed - 2), r.request_id))
+        allows this step (the closest to caught up go first; the rest catch up in later steps).
+
+        The closest one is always kept, whatever its backlog: a draft catches up only by drafting,
+        so a request further behind than the budget would otherwise never draft again (one whose
+        prompt alone exceeds it, never at all)."""
+        behind = [(self._behind(r), r.request_id) for r in decoding if r.request_id in ks]
         behind.sort()
         budget = CATCH_UP_TOKENS_PER_STEP
         out = {}
         for extra, rid in behind:
-            if extra <= budget:
+            if extra <= budget or not out:
                 budget -= extra
                 out[rid] = ks[rid]
         return out

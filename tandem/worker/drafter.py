@@ -70,7 +70,7 @@ class Drafter:
 
     def propose(
         self, todo: list[tuple[Request, int]]
-    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[tuple[int, float, bool]]]:
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[tuple[int, float, int, int]]]:
         """Propose `k` tokens for each decoding request: k batched single-token draft passes."""
         from tandem.worker.model_runner import SampleRow, build_batch
 
@@ -80,7 +80,7 @@ class Drafter:
         first = [min(self.valid[r.request_id], r.num_tokens - 1) for r, _ in todo]
         tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in todo}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in todo}
-        times: list[tuple[int, float, bool]] = []
+        times: list[tuple[int, float, int, int]] = []
         # Plain greedy rows (no penalties, no min_tokens masking) draft by argmax of the raw logits,
         # and greedy verification never reads a draft distribution: skip building either.
         plain = all(
@@ -95,10 +95,18 @@ class Drafter:
             start = time.perf_counter()
             active = [r for r, k in todo if k > j]
             n = len(active)
+            behind = missed = 0
             if j == 0:  # every position the draft has not seen, up to the last known token
                 starts = first
                 q_lens = [r.num_tokens - s for r, s in zip(active, starts)]
                 extra = None
+                # Beyond the one or two tokens every proposal feeds: the prompt, fed once per
+                # request (a cost of drafting at all), and generated tokens missed while
+                # speculation was off (a cost of switching it back on).
+                for r, s, q in zip(active, starts, q_lens):
+                    over = max(0, q - 2)
+                    behind += over
+                    missed += over - min(over, max(0, r.num_prompt_tokens - s))
             else:  # the previous proposal
                 starts = [r.num_tokens - 1 + j for r in active]
                 q_lens = [1] * n
@@ -109,12 +117,10 @@ class Drafter:
             if len(ends) != hidden.shape[0]:
                 hidden = hidden[torch.from_numpy(ends - 1)]
             logits = self.model.compute_logits(hidden)
-            # A first pass that also catches up on a prompt or a stretch without speculation.
-            catch_up = batch.input_ids.shape[0] > 2 * n
             if plain:
                 for r, t in zip(active, logits.argmax(dim=-1).tolist()):
                     tokens[r.request_id].append(t)
-                times.append((n, time.perf_counter() - start, catch_up))
+                times.append((n, time.perf_counter() - start, behind, missed))
                 continue
             logits = logits.float()
             sb = runner.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
@@ -124,7 +130,7 @@ class Drafter:
             for i, (r, t) in enumerate(zip(active, picked.tolist())):
                 tokens[r.request_id].append(t)
                 probs[r.request_id].append(dist[i])
-            times.append((n, time.perf_counter() - start, catch_up))
+            times.append((n, time.perf_counter() - start, behind, missed))
         return tokens, {rid: torch.stack(p) for rid, p in probs.items() if p}, times
 
     def _generator(self, req: Request) -> torch.Generator | None:
