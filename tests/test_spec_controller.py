@@ -249,6 +249,12 @@ def test_a_draft_further_behind_than_the_budget_still_catches_up() -> None:
         r.num_computed_tokens = r.num_prompt_tokens
         reqs.append(r)
     assert list(planner.plan(reqs, other_tokens=0, max_model_len=1000)) == ["r1"]  # the shorter one
+    # Up to a bound on what one step may add for everyone in it (the engine's step budget).
+    config = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="d")
+    bounded = SpecPlanner(
+        config, max_catch_up=2 * CATCH_UP_TOKENS_PER_STEP - 8
+    )  # r1 is 2 * budget - 1 behind
+    assert bounded.plan(reqs, other_tokens=0, max_model_len=1000) == {}
 
 
 def test_a_new_request_drafts_to_measure_its_acceptance():

@@ -182,7 +182,11 @@ class EngineCore:
         k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
         self.runner.warm(min(WARM_MAX_ROWS, config.max_num_seqs * (1 + k)))
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.spec = SpecPlanner(self.spec_config) if self.spec_config is not None else None
+        self.spec = (
+            SpecPlanner(self.spec_config, max_catch_up=config.max_num_batched_tokens)
+            if self.spec_config is not None
+            else None
+        )
         if self.spec is not None and self.spec_config.adaptive:
             self._seed_costs(config, k)
         self.scheduler = Scheduler(

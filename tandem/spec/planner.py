@@ -20,8 +20,11 @@ FEED_HORIZON_STEPS = 32
 class SpecPlanner:
     """Pure Python: the scheduler calls `plan`; the engine feeds back timings and acceptance."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, max_catch_up: int | None = None) -> None:
         self.config = config
+        # The most catch-up one request may feed its draft in a step (the engine passes its step
+        # token budget, which bounds a prompt chunk of the target's too); None: unbounded.
+        self.max_catch_up = max_catch_up
         # Draft model: tokens each request's draft has been fed (mirrors the runner's drafter, which
         # feeds num_tokens - 1 + k positions per proposal), and the step just planned. After a
         # preemption the mirror can overstate it (the drafter starts over); it only sizes the
@@ -78,15 +81,16 @@ class SpecPlanner:
         """Drop drafts of requests whose draft would first have to catch up on more than the budget
         allows this step (the closest to caught up go first; the rest catch up in later steps).
 
-        The closest one is always kept, whatever its backlog: a draft catches up only by drafting,
-        so a request further behind than the budget would otherwise never draft again (one whose
-        prompt alone exceeds it, never at all)."""
+        The closest one is kept even over the budget, up to `max_catch_up`: a draft catches up only
+        by drafting, so a request further behind than the budget would otherwise never draft again
+        (one whose prompt alone exceeds it, never at all). `max_catch_up` bounds the latency that
+        adds to the step for everyone in it; a request behind by more stays without drafts."""
         behind = [(self._behind(r), r.request_id) for r in decoding if r.request_id in ks]
         behind.sort()
         budget = CATCH_UP_TOKENS_PER_STEP
         out = {}
         for extra, rid in behind:
-            if extra <= budget or not out:
+            if extra <= budget or (not out and (self.max_catch_up is None or extra <= self.max_catch_up)):
                 budget -= extra
                 out[rid] = ks[rid]
         return out
