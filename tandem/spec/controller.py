@@ -17,8 +17,11 @@ the controller repeatedly gives one more draft token to the request whose next
 token is most likely accepted (`alpha_r^(k_r+1)`) as long as that raises the
 step's expected tokens per second, `sum_r E_r / (T(t) + o + P * (c + d*n))`, where
 `o` is what a step that drafts at all costs beyond that (proposals, verification,
-rewinds; learned from drafting steps' residuals). `o` and, for a draft model, the
-passes are paid up front, and the plan is kept only if it beats not drafting: one
+rewinds; learned from drafting steps' residuals). A draft model that must first
+catch up on a request's tokens (its prompt, or what it missed while speculation
+was off) adds, when that request starts drafting, the catch-up's cost (timed at
+load per token) paid off over the request's remaining steps. `o` and, for a draft
+model, the passes are paid up front, and the plan is kept only if it beats not drafting: one
 token alone never pays for costs a whole batch's drafts share. A draft model's
 pass count is fixed first (1, 2, ... up to `num_speculative_tokens`, while one
 more pass still raises the best rate).
@@ -154,6 +157,7 @@ class SpecGate:
         self._burst: dict[int, tuple[bool, int]] = {}
         # Running mean of what switching a draft model on costs (its catch-up), in steps.
         self.switch_steps = 0.0
+        # Whether the last `choose` picked "on" to measure it rather than as the measured winner.
         self.exploring = False
 
     @staticmethod
@@ -420,10 +424,11 @@ class AdaptiveSpeculation:
     ) -> dict[str, int]:
         """Draft length per decoding request; `other_tokens` are the step's non-speculative tokens.
 
-        `backlog` (called only when the plan is priced): per request, the tokens a draft model must first catch up on (a new request's
-        prompt, or what it missed while speculation was off) per step of the request's remaining
-        life; each costs `feed_cost` once the request drafts, the catch-up paid off over those
-        steps (so it keeps a request from starting to draft only where drafting barely pays)."""
+        `backlog` (called only when the plan is priced): per request, the tokens a draft model must
+        first catch up on (a new request's prompt, or what it missed while speculation was off) per
+        step of the request's remaining life; each costs `feed_cost` once the request drafts, the
+        catch-up paid off over those steps (so it keeps a request from starting to draft only where
+        drafting barely pays)."""
         self.pending = None
         if not request_ids:
             return {}
