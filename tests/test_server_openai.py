@@ -1,10 +1,12 @@
 """`tandem serve` through the official openai client: results equal the offline LLM's; streaming, n, stop,
-logprobs, usage; tokenize endpoints; a dropped stream frees its KV blocks; metrics."""
+echo, logprobs, usage; tokenize endpoints; a dropped stream frees its KV blocks; metrics (speculative
+decoding counters at zero without speculation; with it, see test_server_fidelity.py)."""
 
 from __future__ import annotations
 
 import time
 
+import openai
 import pytest
 from server_utils import FAST_ARGS, RemoteServer
 
@@ -117,6 +119,35 @@ def test_prompt_lists_and_token_ids(client, offline):
     assert [c.text for c in by_ids.choices] == [c.text for c in resp.choices]
     one = client.completions.create(model=MODEL, prompt=ids[0], **GREEDY, extra_body=IGNORE_EOS)
     assert one.choices[0].text == resp.choices[0].text
+
+
+def test_completion_echo(client, offline):
+    """echo=true: each choice's text is its prompt followed by the completion; streamed, the prompt is the
+    first chunk of each choice. A prompt given as token ids is echoed as their decoded text."""
+    kw = dict(model=MODEL, **GREEDY, extra_body=IGNORE_EOS)
+    plain = client.completions.create(prompt=PROMPTS[:2], **kw)
+    resp = client.completions.create(prompt=PROMPTS[:2], echo=True, **kw)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert [c.text for c in resp.choices] == [p + c.text for p, c in zip(PROMPTS, plain.choices)]
+    assert resp.usage == plain.usage  # the echoed prompt is not counted as completion tokens
+
+    chunks = list(client.completions.create(prompt=PROMPTS[:2], echo=True, stream=True, **kw))
+    texts: dict[int, list[str]] = {0: [], 1: []}
+    for c in chunks:
+        texts[c.choices[0].index].append(c.choices[0].text)
+    for i in (0, 1):
+        assert texts[i][0] == PROMPTS[i]
+        assert "".join(texts[i]) == PROMPTS[i] + plain.choices[i].text
+
+    hf = offline.get_tokenizer()
+    ids = hf.encode(PROMPTS[2])
+    by_ids = client.completions.create(prompt=ids, echo=True, **kw).choices[0].text
+    ref = offline_one(offline, ids, **GREEDY, ignore_eos=True).outputs[0].text
+    assert by_ids == hf.decode(ids) + ref
+    assert by_ids.endswith(PROMPTS[2] + ref)
+
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(prompt=PROMPTS[0], echo=True, logprobs=1, **kw)
 
 
 def test_stop_strings(client, offline):
@@ -242,3 +273,12 @@ def test_metrics_exposed(server, client):
     assert m['tandem:tenant_requests_total{outcome="finished",tenant="default"}'] >= 1
     assert "tandem:num_preemptions_total" in m
     assert "tandem:num_requests_waiting" in m
+
+
+def test_spec_decode_counters_stay_zero_without_speculation(server, client):
+    client.completions.create(
+        model=MODEL, prompt="x = 1\nx = 1\nx = 1\n", max_tokens=4, extra_body=IGNORE_EOS
+    )
+    m = server.metrics()
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert m[f"tandem:spec_decode_{name}_total"] == 0, name

@@ -1,15 +1,21 @@
 """Speculative verification (`rejection_sample`): greedy matching, edge cases, seeded reproducibility, and
 the losslessness of the rejection rule checked statistically (chi-square goodness of fit, seeded so every
-run draws the same numbers), with a deliberately wrong rule failing the same check to show it has power."""
+run draws the same numbers), with a deliberately wrong rule failing the same check to show it has power.
+Then losslessness through the runner's `_verify_sampled`, whose target distribution carries temperature,
+top-k, top-p, min-p, the penalties and min_tokens (with the drafts before a position counted as output),
+against the plain sampler's distribution, again with wrong targets failing the same check."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chi2, chisquare
 
+from tandem.core.request import Request
+from tandem.sampling_params import SamplingParams
 from tandem.spec.rejection import rejection_sample
+from tandem.worker.model_runner import ModelRunner, SampleRow
 from tandem.worker.sampler import Sampler, SamplingBatch
 
 ALPHA = 1e-3  # significance of every goodness-of-fit test below
@@ -359,3 +365,232 @@ def test_wrong_rules_fail_the_same_check(mode, variant):
     pvalues = position_pvalues(tokens, num_accepted, p)
     print(mode, variant, "p-values per position:", pvalues)
     assert pvalues[0] < ALPHA and pvalues[1] < ALPHA, pvalues
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Losslessness through the runner, for every sampling parameter
+# ---------------------------------------------------------------------------------------------------------
+#
+# The checks above feed `rejection_sample` a given p. Here p comes from where the engine takes it:
+# `ModelRunner._verify_sampled` builds it with `Sampler.distribution` from the logits rows and the
+# `SamplingBatch` of `SampleRow(request, drafts before the row)` (as `execute` builds them), so
+# temperature, top-k, top-p, min-p, the penalties (which count the drafts before a row as output) and
+# `min_tokens` masking all act on it. The emitted token at position i, over the trials whose drafts d_<i
+# were accepted, must then follow the distribution the plain (non-speculative) sampler uses for a request
+# whose output already ends in d_<i, computed here through a second runner for a request holding d_<i as
+# real output tokens and no drafts. The logits depend on the context's last token (a bigram "model"), so p_i
+# depends on the drafts even without penalties, as with a real model.
+
+R_TRIALS, R_VOCAB, R_K = 12000, 6, 3
+PROMPT = [0, 1]
+EARLIER = [3, 3]  # output tokens sampled before this step: penalized like the accepted drafts
+STOP = 4  # the stop token of the min_tokens modes, which the proposal favours at position 0
+
+
+def bigram_logits() -> torch.Tensor:
+    """Next-token logits [V, V] given the last token: both signs (repetition divides positive logits and
+    multiplies negative ones), spread enough for min-p, top-k and top-p to cut."""
+    return torch.randn(R_VOCAB, R_VOCAB, generator=torch.Generator().manual_seed(20))
+
+
+def proposal_table() -> torch.Tensor:
+    """The drafter's next-token distribution [V, V] given the last token: the target's logits with noise,
+    close enough that both acceptance and rejection are common."""
+    noise = torch.randn(R_VOCAB, R_VOCAB, generator=torch.Generator().manual_seed(24))
+    return torch.softmax(bigram_logits() + 1.5 * noise, dim=-1)
+
+
+# name: (sampling parameters, verification mode); each mode's rule is checked on its own above, so most
+# parameters are run under one of them.
+RUNNER_CASES = {
+    "temperature 0.5": (dict(temperature=0.5), "q"),
+    "temperature 1.7": (dict(temperature=1.7), "onehot"),
+    "min_p=0.2": (dict(min_p=0.2), "onehot"),
+    "min_p=0.15, temperature 1.3": (dict(min_p=0.15, temperature=1.3), "q"),
+    "presence": (dict(presence_penalty=1.5), "q"),
+    "frequency": (dict(frequency_penalty=0.7), "onehot"),
+    "repetition 1.8": (dict(repetition_penalty=1.8), "q"),
+    "repetition 0.6": (dict(repetition_penalty=0.6), "onehot"),
+    # STOP is blocked at positions 0 and 1, allowed from position 2 on.
+    "min_tokens": (dict(min_tokens=len(EARLIER) + 2, stop_token_ids=[STOP]), "q"),
+    **{
+        f"everything, {mode}": (
+            dict(
+                temperature=0.8,
+                top_k=5,
+                top_p=0.95,
+                min_p=0.05,
+                presence_penalty=0.5,
+                frequency_penalty=0.3,
+                repetition_penalty=1.3,
+                min_tokens=len(EARLIER) + 1,
+                stop_token_ids=[STOP],
+            ),
+            mode,
+        )
+        for mode in ("q", "onehot")
+    },
+}
+
+
+# Parameters through which the drafts before a row change its distribution.
+DRAFT_DEPENDENT = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+
+
+def bare_runner() -> ModelRunner:
+    """A ModelRunner without a model: only what `sampling_batch` and `_verify_sampled` read."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("cpu")
+    runner.vocab_size = R_VOCAB
+    runner.sampler = Sampler(torch.Generator().manual_seed(21))
+    runner.generators = {}
+    return runner
+
+
+def make_request(rid: str, sampling: dict, output: list[int], seed: int | None = None) -> Request:
+    sp = SamplingParams(max_tokens=64, ignore_eos=True, seed=seed, **sampling)
+    return Request(rid, list(PROMPT), sp, 64, token_ids=[*PROMPT, *output], seed=seed)
+
+
+def verify_through_runner(runner, sampling, mode, history=True):
+    """R_TRIALS trials of one verification step of R_K drafts, drawn one after the other from the
+    proposal given the last token, passed to the verifier as the draft's q in mode "q" and hidden from it
+    in mode "onehot"; a quarter of the trials seeded. Trials with the same drafts share one request (one
+    set of logits rows). `history=False` builds the rows without the drafts before them (a bug)."""
+    table, proposal = bigram_logits(), proposal_table()
+    first = proposal[EARLIER[-1]].clone()
+    first[STOP] += 0.3  # drafts of the stop token are common where min_tokens blocks it
+    first /= first.sum()
+    gen = torch.Generator().manual_seed(23)
+    drafts = torch.empty(R_TRIALS, R_K, dtype=torch.long)
+    for i in range(R_K):
+        drafts[:, i] = draw(first.expand(R_TRIALS, R_VOCAB) if i == 0 else proposal[drafts[:, i - 1]], gen)
+    seeded = torch.arange(R_TRIALS) % 4 == 0
+    unique, inverse = torch.unique(torch.cat([drafts, seeded[:, None].long()], 1), dim=0, return_inverse=True)
+    reqs, rows, logits, draft_lists, q = [], [], [], {}, {}
+    for u, key in enumerate(unique.tolist()):
+        d, is_seeded = key[:R_K], key[R_K]
+        req = make_request(f"r{u}", sampling, EARLIER, seed=1000 + u if is_seeded else None)
+        reqs.append(req)
+        draft_lists[req.request_id] = d
+        q[req.request_id] = torch.stack([first, *(proposal[t] for t in d[:-1])])
+        last = [EARLIER[-1], *d]  # the context's last token at each verify position
+        for j in range(R_K + 1):
+            rows.append(SampleRow(req, d[:j] if history else []))
+            logits.append(table[last[j]])
+    spans = [(reqs[u], u * (R_K + 1), R_K) for u in inverse.tolist()]
+    sb = runner.sampling_batch(rows)
+    tokens, accepted = runner._verify_sampled(
+        torch.stack(logits), sb, spans, draft_lists, q if mode == "q" else {}
+    )
+    tokens, accepted = torch.tensor(tokens), torch.tensor(accepted)
+    check_structure(tokens, accepted, drafts, torch.full((R_TRIALS,), R_K))
+    return tokens, accepted, drafts
+
+
+def plain_distribution(runner, sampling, prefix: tuple[int, ...]) -> torch.Tensor:
+    """What the non-speculative sampler samples from once `prefix` has been emitted after EARLIER."""
+    output = [*EARLIER, *prefix]
+    req = make_request("plain", sampling, output)
+    sb = runner.sampling_batch([SampleRow(req, [])])
+    return runner.sampler.distribution(bigram_logits()[output[-1]][None], sb)[0]
+
+
+def pooled_cells(expected: np.ndarray, observed: np.ndarray) -> tuple[list[float], list[int]]:
+    """Cells merged, smallest expected first, until each expects at least 5 (the leftover joins the last)."""
+    exp_cells, obs_cells, e_acc, o_acc = [], [], 0.0, 0
+    for c in np.argsort(expected, kind="stable"):
+        e_acc, o_acc = e_acc + expected[c], o_acc + observed[c]
+        if e_acc >= 5:
+            exp_cells.append(e_acc)
+            obs_cells.append(o_acc)
+            e_acc, o_acc = 0.0, 0
+    if exp_cells:
+        exp_cells[-1] += e_acc
+        obs_cells[-1] += o_acc
+    return exp_cells, obs_cells
+
+
+def grouped_pvalues(tokens, num_accepted, drafts, dist) -> list[tuple[float, int]]:
+    """Per position i: (p-value, degrees of freedom) of the emitted tokens against dist(d_<i), summing the
+    chi-square statistics of the groups of trials with the same accepted prefix d_<i (each group with its
+    cells pooled to at least 5 expected; groups too small for two cells are left out). A token of
+    probability zero gives p-value 0."""
+    out = []
+    for i in range(R_K + 1):
+        reached = (num_accepted >= i).nonzero().squeeze(1)
+        if i:
+            prefixes, group = torch.unique(drafts[reached, :i], dim=0, return_inverse=True)
+        else:  # torch.unique cannot group by an empty prefix
+            prefixes, group = drafts[:1, :0], torch.zeros(len(reached), dtype=torch.long)
+        stat, dof, impossible = 0.0, 0, False
+        for g, prefix in enumerate(prefixes.tolist()):
+            emitted = tokens[reached[group == g], i]
+            p = dist(tuple(prefix)).double().numpy()
+            counts = np.bincount(emitted.numpy(), minlength=R_VOCAB)
+            impossible |= bool(counts[p == 0].any())
+            exp_cells, obs_cells = pooled_cells(p[p > 0] * len(emitted), counts[p > 0])
+            if len(exp_cells) >= 2:
+                e, o = np.array(exp_cells), np.array(obs_cells)
+                stat += float(((o - e) ** 2 / e).sum())
+                dof += len(exp_cells) - 1
+        out.append((0.0 if impossible else float(chi2.sf(stat, dof)) if dof else 1.0, dof))
+    return out
+
+
+def runner_pvalues(name, broken=None):
+    sampling, mode = RUNNER_CASES[name]
+    runner, plain_runner = bare_runner(), bare_runner()  # the second one computes the expected
+    dists: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def dist(prefix):
+        if prefix not in dists:
+            dists[prefix] = plain_distribution(plain_runner, sampling, prefix)
+        return dists[prefix]
+
+    # Every case changes the distribution from the plain softmax, at position 0 and (penalties and
+    # min_tokens) through the drafts before a row: a parameter the check does not see would make it vacuous.
+    table = bigram_logits()
+    assert (dist(()) - torch.softmax(table[EARLIER[-1]], -1)).abs().max() > 0.02
+    if any(sampling.get(k) for k in DRAFT_DEPENDENT):
+        assert max((dist((t,)) - dist(())).abs().max() for t in range(R_VOCAB) if t != EARLIER[-1]) > 0.02
+    if sampling.get("min_p"):  # min-p cuts tokens
+        assert any((dist((t,)) == 0).any() for t in range(R_VOCAB))
+
+    if broken == "unprocessed":  # the target taken as the plain softmax of the logits
+        runner.sampler.distribution = lambda logits, sb: torch.softmax(logits.float(), dim=-1)
+    tokens, accepted, drafts = verify_through_runner(runner, sampling, mode, history=broken != "history")
+    result = grouped_pvalues(tokens, accepted, drafts, dist)
+    print(name, broken, "p-values (dof) per position:", result)
+    return result, accepted
+
+
+@pytest.mark.parametrize("name", list(RUNNER_CASES))
+def test_verification_through_the_runner_is_lossless(name):
+    result, accepted = runner_pvalues(name)
+    # Positions 0 to 2 are tested, and both outcomes of the acceptance test are common at the first two.
+    assert all(dof >= 2 for _, dof in result[:3]), result
+    assert all(pv > ALPHA for pv, _ in result), result
+    for i in (0, 1):
+        reached, passed = int((accepted >= i).sum()), int((accepted > i).sum())
+        assert 0.1 * reached < passed < 0.9 * reached, (i, reached, passed)
+
+
+@pytest.mark.parametrize(
+    "broken, name",
+    [
+        ("unprocessed", "temperature 0.5"),
+        ("unprocessed", "min_p=0.2"),
+        ("history", "presence"),
+        ("history", "repetition 1.8"),
+        ("history", "min_tokens"),
+    ],
+)
+def test_wrong_targets_fail_the_runner_check(broken, name):
+    """The same check fails on a verifier whose target ignores the sampling parameters, or whose penalties
+    and min_tokens ignore the drafts before a row (position 0, which has none, is then still right)."""
+    result, _ = runner_pvalues(name, broken)
+    if broken == "unprocessed":
+        assert all(pv < ALPHA for pv, _ in result[:2]), result
+    else:
+        assert result[0][0] > ALPHA and min(pv for pv, _ in result[1:]) < ALPHA, result
