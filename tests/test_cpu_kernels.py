@@ -99,8 +99,9 @@ def test_kernels_reject_bad_input():
 def test_env_switch_disables_kernels(monkeypatch):
     monkeypatch.setenv(kernels.ENV_SWITCH, "0")
     assert not kernels.load() and not kernels.has("gemv_bf16")
-    if onednn_available():
+    if onednn_available(torch.bfloat16):
         assert PackedLinear(torch.randn(8, 16).to(torch.bfloat16), None).plain is None
+    if onednn_available():
         assert PackedLinear(torch.randn(8, 16), None).plain_max_rows == 2  # MKL's sgemv only
     assert Int8Linear(torch.randn(8, 16), None).row_sum is None
 
@@ -113,7 +114,7 @@ def test_layers_agree_with_and_without_kernels(rows, monkeypatch):
     b = torch.randn(72, generator=g)
     x = torch.randn(rows, 48, generator=g)
     on_q = Int8Linear(w, b)
-    on_b = PackedLinear(w.to(torch.bfloat16), b.to(torch.bfloat16)) if onednn_available() else None
+    on_b = PackedLinear(w.to(torch.bfloat16), b.to(torch.bfloat16)) if onednn_available(torch.bfloat16) else None
     on_f = PackedLinear(w, b) if onednn_available() else None
     monkeypatch.setenv(kernels.ENV_SWITCH, "0")
     off_q = Int8Linear(w, b)

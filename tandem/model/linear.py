@@ -13,6 +13,7 @@ rows and 1-4 bfloat16 rows. So layers keep both forms where a few-row path exist
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +31,21 @@ _KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
 _PACK_HINT_ROWS = 8
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Can oneDNN pack and run linear weights of `dtype` on this CPU? (bfloat16 needs AVX-512 or
+    AVX-NE-CONVERT; on an AVX2-only CPU its reorder raises, so those layers stay on `F.linear`.)"""
+    return _onednn_packs(dtype)
+
+
+@cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 16, dtype=dtype), _PACK_HINT_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -82,7 +96,11 @@ def warm_row_counts(model: nn.Module, rows: range) -> None:
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and onednn_available(weight.dtype)
+    )
 
 
 LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module | None]
