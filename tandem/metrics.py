@@ -32,6 +32,7 @@ _ENGINE_COUNTERS = {
     "spec_num_drafts": "spec_decode_num_drafts",
     "spec_num_draft_tokens": "spec_decode_num_draft_tokens",
     "spec_num_accepted_tokens": "spec_decode_num_accepted_tokens",
+    "num_request_faults": "num_request_faults",
 }
 
 
@@ -70,6 +71,10 @@ class ServerMetrics:
         )
         self.spec_decode_num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens_total", "Speculative tokens accepted."
+        )
+        self.num_request_faults = counter(
+            "num_request_faults_total",
+            "Requests the engine failed alone (a fault in their part of a step); the rest went on.",
         )
         self.request_success = Counter(
             "tandem:request_success_total",
@@ -140,6 +145,23 @@ class ServerMetrics:
         self.request_success.labels(self.model_name, "abort").inc()
         self.tenant_requests.labels(self.model_name, tenant, "aborted").inc()
         self.observe_tokens(tenant, num_prompt_tokens, num_generated)
+
+    def observe_failed(self, tenant: str) -> None:
+        """A request that ended with an error (the engine's or the front end's, for it alone)."""
+        self.request_success.labels(self.model_name, "error").inc()
+        self.tenant_requests.labels(self.model_name, tenant, "failed").inc()
+
+    def track_admission(self, inflight: Any, waiting: Any, connections: Any) -> None:
+        """Gauges read at scrape time from the API process's own tables (callables returning ints)."""
+        from prometheus_client import Gauge
+
+        m = ["model_name"]
+        for name, doc, fn in (
+            ("api_requests_inflight", "Requests the API process has sent to the engine, not yet ended.", inflight),
+            ("api_requests_waiting", "Of those, requests with no output yet (the admission bound).", waiting),
+            ("http_connections", "Open HTTP connections.", connections),
+        ):
+            Gauge(f"tandem:{name}", doc, m, registry=self.registry).labels(self.model_name).set_function(fn)
 
     def observe_rejected(self, tenant: str) -> None:
         self.tenant_requests.labels(self.model_name, tenant, "rejected").inc()

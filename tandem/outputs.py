@@ -20,7 +20,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # One dict per generated token: the sampled token and the top-k alternatives.
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -47,3 +47,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # Why the request failed (its samples finish with reason "error"); None when it did not.
+    error: str | None = None

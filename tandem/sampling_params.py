@@ -7,6 +7,13 @@ from dataclasses import dataclass
 # Below this a temperature is treated as greedy decoding, as in vLLM.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Bounds on what one request may ask of the per-token stop checks (stop strings are searched in the
+# API process's event loop after every token; stop token ids are matched in the engine's step).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
+# Counts (n, top_k, max_tokens, min_tokens) are 32-bit; seeds 64-bit.
+INT32_MAX = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -60,7 +67,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+            return ValueError(f"SamplingParams.{name} {why}, got {_short(getattr(self, name))}")
 
         def check_int(name: str) -> None:
             value = getattr(self, name)
@@ -74,6 +81,8 @@ class SamplingParams:
 
         for name in ("n", "top_k", "min_tokens"):
             check_int(name)
+            if getattr(self, name) > INT32_MAX:
+                raise bad(name, "must be below 2**31")
         for name in (
             "temperature",
             "top_p",
@@ -106,8 +115,8 @@ class SamplingParams:
                 raise bad("seed", "must fit in a signed 64-bit integer")
         if self.max_tokens is not None:
             check_int("max_tokens")
-            if self.max_tokens < 1:
-                raise bad("max_tokens", "must be at least 1")
+            if not 1 <= self.max_tokens <= INT32_MAX:
+                raise bad("max_tokens", "must be in [1, 2**31)")
         if self.min_tokens < 0:
             raise bad("min_tokens", "must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -116,13 +125,31 @@ class SamplingParams:
             check_int("logprobs")
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop holds {len(self.stop)} strings, more than {MAX_STOP_STRINGS}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
-        for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {_short(self.stop)}")
+            if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(
-                    f"SamplingParams.stop_token_ids must hold non-negative integers, got {self.stop_token_ids!r}"
+                    f"SamplingParams.stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {len(s)}"
+                )
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"SamplingParams.stop strings must be valid Unicode (no lone surrogates), got {s!r}"
+                ) from None
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids holds {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}"
+            )
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX:
+                raise ValueError(
+                    f"SamplingParams.stop_token_ids must hold non-negative 32-bit integers, "
+                    f"got {_short(self.stop_token_ids)}"
                 )
 
     def clone(self, **changes: object) -> SamplingParams:
@@ -131,3 +158,9 @@ class SamplingParams:
         values["stop_token_ids"] = list(self.stop_token_ids)
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _short(value: object, limit: int = 200) -> str:
+    """repr() cut to `limit` characters: error messages must not echo megabytes of input back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -65,7 +65,16 @@ class RemoteServer:
 
     @property
     def engine_pid(self) -> int:
-        return self.health["engine_pid"]
+        """The engine-core process: the server's child (health does not say it)."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in children:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmdline:  # not the resource tracker, the other child
+                return int(pid)
+        raise RuntimeError(f"no engine process among the server's children {children}")
 
     def client(self, api_key: str = "unused", **kw):
         import openai
@@ -75,9 +84,12 @@ class RemoteServer:
     def http(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, key: str | None = None) -> dict[str, float]:
         """'name{label="v",...}' (labels sorted, model_name dropped) -> value, from /metrics."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        resp = httpx.get(self.url + "/metrics", timeout=10, headers=headers)
+        resp.raise_for_status()
+        text = resp.text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):

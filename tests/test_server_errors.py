@@ -73,6 +73,8 @@ BAD = [
 def server(llama_dir):
     args = ["--num-kv-blocks", "64", "--max-num-seqs", "2", "--num-threads", "1"]
     args += ["--served-model-name", "tiny", "--max-waiting-requests", str(MAX_WAITING)]
+    # The queue bound is what this module tests: no per-client connection bound in front of it.
+    args += ["--max-connections-per-client", "0"]
     with RemoteServer(llama_dir, *args) as s:
         yield s
 

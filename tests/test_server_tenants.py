@@ -20,6 +20,7 @@ KEYS = {
     "key-d": {"tenant": "d", "max_concurrent": 1},
 }
 BODY = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 4, "ignore_eos": True}
+METRICS_KEY = "metrics-secret"
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,14 @@ def server(llama_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
     with RemoteServer(
-        llama_dir, *FAST_ARGS, "--served-model-name", "tiny", "--api-keys-file", str(keys)
+        llama_dir,
+        *FAST_ARGS,
+        "--served-model-name",
+        "tiny",
+        "--api-keys-file",
+        str(keys),
+        "--metrics-api-key",
+        METRICS_KEY,
     ) as s:
         yield s
 
@@ -46,9 +54,12 @@ def test_missing_or_wrong_key_is_401(server):
         assert http.post("/v1/completions", json={"x": 1}).status_code == 401
         assert http.get("/v1/models").status_code == 401
         assert http.get("/v1/models", headers=auth("key-b")).status_code == 200
-        # Health and metrics are open.
+        # Health is open; metrics (tenant names and counts) need the metrics key, not a tenant's.
         assert http.get("/health").status_code == 200
-        assert http.get("/metrics").status_code == 200
+        for headers in ({}, auth("key-a"), auth("wrong")):
+            resp = http.get("/metrics", headers=headers)
+            assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+        assert http.get("/metrics", headers=auth(METRICS_KEY)).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").completions.create(model="tiny", prompt="x", max_tokens=1)
     ok = server.client(api_key="key-a").completions.create(model="tiny", prompt="x", max_tokens=2)
@@ -99,9 +110,9 @@ def test_tenants_never_share_prefix_cache(server):
     def send(key: str) -> float:
         with server.http(headers=auth(key)) as http:
             assert http.post("/v1/completions", json=body).status_code == 200
-        return server.metrics()["tandem:prefix_cache_hits_total"]
+        return server.metrics(METRICS_KEY)["tandem:prefix_cache_hits_total"]
 
-    start = server.metrics()["tandem:prefix_cache_hits_total"]
+    start = server.metrics(METRICS_KEY)["tandem:prefix_cache_hits_total"]
     after_a = send("key-a")
     assert after_a == start  # first sight of this prompt
     after_b = send("key-b")
@@ -110,7 +121,7 @@ def test_tenants_never_share_prefix_cache(server):
     assert after_a2 >= after_a + 16  # tenant a reuses its own
     after_b2 = send("key-b")
     assert after_b2 >= after_a2 + 16  # and so does tenant b
-    m = server.metrics()
+    m = server.metrics(METRICS_KEY)
     assert m['tandem:tenant_requests_total{outcome="finished",tenant="a"}'] >= 2
     assert m['tandem:tenant_prompt_tokens_total{tenant="b"}'] > 0
 

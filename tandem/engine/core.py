@@ -8,6 +8,7 @@ or detokenization. Messages in and out are plain dataclasses.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import EngineLimits
-from tandem.core.outputs import TokenLogprobs
+from tandem.core.outputs import SchedulerOutput, TokenLogprobs
 from tandem.core.policy import SchedulingConfig, TenantQuota
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
@@ -30,6 +31,11 @@ WARM_MAX_ROWS = 64
 # of up to this many requests, each with this many tokens of context.
 COST_SEED_MAX_REQUESTS = 64
 COST_SEED_CONTEXT = 128
+# Failed steps in a row after which a fault is taken as the engine's, not a request's: each failed
+# step fails its culprit requests, so a fault that outlives this many of them is not theirs.
+MAX_FAULTED_STEPS = 8
+
+logger = logging.getLogger("tandem.engine")
 
 
 @dataclass(slots=True)
@@ -62,6 +68,8 @@ class SampleOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Set (with finish_reason "error") when the engine failed this request alone.
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -77,6 +85,8 @@ class EngineStats:
     step_time_s: float = 0.0
     forward_time_s: float = 0.0
     draft_time_s: float = 0.0
+    # Requests failed alone by a fault in a step (the engine and the rest of the batch went on).
+    num_request_faults: int = 0
 
     @property
     def overhead_fraction(self) -> float:
@@ -207,6 +217,8 @@ class EngineCore:
         self.stats = EngineStats()
         # user request id -> ids of its samples' Requests
         self._groups: dict[str, list[str]] = {}
+        # Steps in a row that failed (see `_isolate_fault`); a successful step resets it.
+        self._faulted_steps = 0
 
     def _seed_costs(self, config: EngineConfig, k: int) -> None:
         """Time verification steps and draft passes of one request and of a full batch now, so the
@@ -269,10 +281,27 @@ class EngineCore:
     def stop_sample(self, request_id: str, index: int, reason: str) -> None:
         """End one sample because the front end found a stop string in its text."""
         ids = self._groups.get(request_id)
-        if ids is not None:
-            self.scheduler.finish_requests([ids[index]], RequestStatus.FINISHED_STOPPED, reason)
-            if self.spec is not None:
-                self.spec.forget(ids[index])
+        if ids is None or not 0 <= index < len(ids):
+            return
+        self.scheduler.finish_requests([ids[index]], RequestStatus.FINISHED_STOPPED, reason)
+        if self.spec is not None:
+            self.spec.forget(ids[index])
+        self._forget_group(request_id)
+
+    def fail_requests(self, request_ids: list[str], message: str) -> list[SampleOutput]:
+        """End user requests with an error (every sample): the outputs that tell the front end."""
+        out = []
+        for rid in request_ids:
+            ids = self._groups.pop(rid, None)
+            if ids is None:
+                continue
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR, message)
+            self.stats.num_request_faults += 1
+            for i, sid in enumerate(ids):
+                if self.spec is not None:
+                    self.spec.forget(sid)
+                out.append(SampleOutput(rid, i, [], None, "error", None, error=message))
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -281,7 +310,11 @@ class EngineCore:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         before = {r.request_id: r.num_tokens for r in sched.requests}
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:
+            return self._isolate_fault(sched, exc)
+        self._faulted_steps = 0
         if sched.is_empty:
             return []
         changed = self.scheduler.update(sched, result)
@@ -380,6 +413,7 @@ class EngineCore:
             "forward_time_s": stats.forward_time_s,
             "draft_time_s": stats.draft_time_s,
             "engine_overhead_fraction": stats.overhead_fraction,
+            "num_request_faults": stats.num_request_faults,
         }
         if self.spec is not None:
             s = self.spec
@@ -394,6 +428,63 @@ class EngineCore:
         return out
 
     def _forget(self, req: Request) -> None:
-        ids = self._groups.get(req.group_id)
+        self._forget_group(req.group_id)
+
+    def _forget_group(self, group_id: str) -> None:
+        """Drop a user request's entry once none of its samples is left in the scheduler."""
+        ids = self._groups.get(group_id)
         if ids is not None and all(self.scheduler.requests.get(i) is None for i in ids):
-            del self._groups[req.group_id]
+            del self._groups[group_id]
+
+    # -- faults ----------------------------------------------------------------
+
+    def _isolate_fault(self, sched: SchedulerOutput, exc: Exception) -> list[SampleOutput]:
+        """A step raised: find the request(s) whose computation fails on their own, fail those alone,
+        and leave the rest to be computed again by the next step (the failed step changed no token
+        count, and rewriting the same KV slots is harmless). A fault no single request carries
+        (every one passes alone), or that every request in a batch carries, or one that keeps
+        recurring, is the engine's own: it is raised."""
+        self._faulted_steps += 1
+        if sched.is_empty or self._faulted_steps > MAX_FAULTED_STEPS:
+            raise exc
+        everyone = list(range(len(sched.requests)))
+        culprits = {0: exc} if len(everyone) == 1 else self._bisect(sched, everyone)
+        if not culprits or (len(culprits) == len(everyone) > 1):
+            raise exc
+        self.runner.forget_drafts([r.request_id for r in sched.requests])
+        out = []
+        for i, err in culprits.items():
+            group = sched.requests[i].group_id
+            logger.error("request %s failed in the engine: %s: %s", group, type(err).__name__, err)
+            out += self.fail_requests([group], f"{type(err).__name__}: {err}")
+        return out
+
+    def _bisect(self, sched: SchedulerOutput, rows: list[int]) -> dict[int, Exception]:
+        """The requests among `rows` (indices into the step) whose part of the step fails, with the
+        error each raised: halves that fail are split again, down to single requests."""
+        if len(rows) == 1:
+            err = self._probe(sched, rows)
+            return {} if err is None else {rows[0]: err}
+        mid = len(rows) // 2
+        out: dict[int, Exception] = {}
+        for half in (rows[:mid], rows[mid:]):
+            if len(half) == 1 or self._probe(sched, half) is not None:
+                out.update(self._bisect(sched, half))
+        return out
+
+    def _probe(self, sched: SchedulerOutput, rows: list[int]) -> Exception | None:
+        """Run the step's work for a subset of its requests; the error it raises, or None."""
+        reqs = [sched.requests[i] for i in rows]
+        ids = {r.request_id for r in reqs}
+        sub = SchedulerOutput(
+            requests=reqs,
+            num_tokens=[sched.num_tokens[i] for i in rows],
+            block_copies=sched.block_copies,
+            num_draft={k: v for k, v in sched.num_draft.items() if k in ids},
+            draft_tokens={k: v for k, v in sched.draft_tokens.items() if k in ids},
+        )
+        try:
+            self.runner.execute(sub)
+        except Exception as exc:
+            return exc
+        return None

@@ -41,6 +41,10 @@ class RequestAbortedError(RuntimeError):
     """The server ended the request (shutdown drain timed out)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine or the front end failed this request alone; the others go on."""
+
+
 class RequestStream:
     __slots__ = ("_latest", "error", "finished", "notify", "on_finish", "request_id", "started")
 
@@ -212,11 +216,14 @@ class AsyncEngineClient:
         if req.request_id in self.streams:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         stream = RequestStream(req.request_id, notify, on_finish)
-        self.outputs.add(req, prompt_text)
+        # Registered and sent as one step: whatever fails in between (an unencodable field, a dead
+        # engine) unregisters the request, so no error path leaves a stream behind.
         self.streams[req.request_id] = stream
         try:
-            self._send(m.Add(req))
-        except EngineDeadError:
+            self.outputs.add(req, prompt_text)
+            payload = self._encode(m.Add(req))
+            self._send_bytes(payload)
+        except BaseException:
             self.streams.pop(req.request_id, None)
             self.outputs.abort([req.request_id])
             raise
@@ -238,11 +245,20 @@ class AsyncEngineClient:
         for s in streams:
             s.fail(RequestAbortedError(reason))
 
+    def _encode(self, msg: object) -> bytes:
+        try:
+            return self._enc.encode(msg)
+        except (OverflowError, UnicodeError, TypeError) as exc:  # a field msgpack cannot carry
+            raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
+
     def _send(self, msg: object) -> None:
+        self._send_bytes(self._encode(msg))
+
+    def _send_bytes(self, payload: bytes) -> None:
         import zmq
 
         try:
-            self._in.send(self._enc.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            self._in.send(payload, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again as exc:  # no engine connected any more
             raise EngineDeadError("the engine process is not reachable") from exc
 
@@ -266,14 +282,19 @@ class AsyncEngineClient:
                 self.on_stats(msg.stats)
             if not msg.outputs:
                 return
-            outs, stops = self.outputs.process(msg.outputs)
+            outs, stops, failed = self.outputs.process(msg.outputs)
             for request_id, index, reason in stops:
                 self._send(m.StopSample(request_id, index, reason))
+            if failed:
+                self._send(m.Abort(failed))
             for out in outs:
                 stream = self.streams.get(out.request_id)
                 if stream is None:
                     continue
-                stream.put(out)
+                if out.error is not None:
+                    stream.fail(RequestFailedError(out.error))
+                else:
+                    stream.put(out)
                 if out.finished:
                     del self.streams[out.request_id]
         elif isinstance(msg, m.Rejected):

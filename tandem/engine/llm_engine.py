@@ -77,7 +77,8 @@ class LLMEngine:
         With `emit_unfinished=False` only finished requests are returned (the
         offline path), sparing a per-step copy of every running output.
         """
-        outputs, stops = self.outputs.process(self.core.step(), emit_unfinished)
+        outputs, stops, failed = self.outputs.process(self.core.step(), emit_unfinished)
         for request_id, index, reason in stops:
             self.core.stop_sample(request_id, index, reason)
+        self.core.abort_requests(failed)
         return outputs

@@ -68,6 +68,8 @@ class Stats(msgspec.Struct):
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Requests the engine failed alone (a fault in their own part of a step).
+    num_request_faults: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

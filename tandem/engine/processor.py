@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,17 +11,26 @@ from tandem.core.limits import EngineLimits
 from tandem.core.outputs import TokenLogprobs
 from tandem.engine.core import EngineCoreRequest, SampleOutput
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.tokenizer import Tokenizer, check_text
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A prompt text longer than this many characters per token of max_model_len cannot fit whatever
+# it tokenizes to (times the longest token's length: normalization may shorten text a little).
+PROMPT_CHARS_SLACK = 2
+
+logger = logging.getLogger("tandem.engine")
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, limits: EngineLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        # Prompt texts longer than this are refused by length, before any tokenization.
+        self.max_prompt_chars = PROMPT_CHARS_SLACK * tokenizer.max_token_chars * limits.max_model_len
 
     def process(
         self,
@@ -43,8 +53,8 @@ class InputProcessor:
         for name, value in (("cache_salt", cache_salt), ("tenant", tenant)):
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{name} must be a string, got {type(value).__name__}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be a signed 64-bit integer, got {priority!r}")
         if not ids:
             raise ValueError("the prompt is empty")
         max_tokens = self.limits.max_tokens_for(len(ids), params.max_tokens)
@@ -61,8 +71,19 @@ class InputProcessor:
         )
         return req, text
 
+    def check_prompt_text(self, text: str) -> None:
+        """Refuse a prompt text that cannot fit the context whatever it tokenizes to, or that is
+        not valid Unicode, before spending time on tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt ({len(text)} characters) cannot fit in max_model_len "
+                f"({self.limits.max_model_len} tokens)"
+            )
+        check_text(text, "the prompt")
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            self.check_prompt_text(prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -110,10 +131,19 @@ class _Group:
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
     finished_time: float | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    def fail(self, message: str, when: float) -> None:
+        """End every sample that is still running with finish reason "error"."""
+        self.error = message
+        self.finished_time = when
+        for s in self.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "error"
 
 
 class OutputProcessor:
@@ -144,47 +174,34 @@ class OutputProcessor:
 
     def process(
         self, updates: list[SampleOutput], emit_unfinished: bool = True
-    ) -> tuple[list[RequestOutput], list[tuple[str, int, str]]]:
-        """Apply a step's deltas. Returns the outputs to emit and the samples to stop (id, index, stop string)."""
+    ) -> tuple[list[RequestOutput], list[tuple[str, int, str]], list[str]]:
+        """Apply a step's deltas. Returns the outputs to emit, the samples to stop (id, index, stop
+        string), and the requests this front end failed (the core must abort them).
+
+        A request whose text processing raises fails alone (its output carries the error); the
+        other requests of the step are processed as usual."""
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         stops: list[tuple[str, int, str]] = []
+        failed: list[str] = []
         for up in updates:
             group = self.groups.get(up.request_id)
             if group is None:
+                continue
+            if up.error is not None:
+                group.fail(up.error, up.finished_time or now)
+                touched[group.request_id] = group
                 continue
             sample = group.samples[up.index]
             if sample.finish_reason is not None:
                 continue  # the front end already ended it (stop string); the core may lag a step
             touched[group.request_id] = group
-            if up.first_scheduled_time is not None and group.first_scheduled_time is None:
-                group.first_scheduled_time = up.first_scheduled_time
-                group.num_cached_tokens = up.num_cached_tokens
-            for k, token in enumerate(up.new_token_ids):
-                last = k == len(up.new_token_ids) - 1
-                finishing = last and up.finish_reason is not None
-                sample.token_ids.append(token)
-                sample.token_times.append(now)
-                if sample.first_token_time is None:
-                    sample.first_token_time = up.first_token_time or now
-                if sample.logprobs is not None and up.new_logprobs:
-                    self._add_logprobs(sample, token, up.new_logprobs[k])
-                # A stop token (EOS or one of stop_token_ids) ends the text without being part of it.
-                by_stop_token = (
-                    finishing and up.finish_reason == "stop" and not isinstance(up.stop_reason, str)
-                )
-                hit = sample.detok.update(token, decode=not by_stop_token)
-                if hit is not None:
-                    sample.finish_reason, sample.stop_reason = "stop", hit
-                    if not finishing:
-                        stops.append((group.request_id, up.index, hit))
-                    break
-                if finishing:
-                    sample.detok.flush()
-                    sample.finish_reason, sample.stop_reason = up.finish_reason, up.stop_reason
-            if sample.finish_reason is not None:
-                sample.num_preemptions = up.num_preemptions
-                group.finished_time = up.finished_time or now
+            try:
+                self._apply(group, sample, up, now, stops)
+            except Exception as exc:
+                logger.exception("request %s failed in the front end", group.request_id)
+                group.fail(f"{type(exc).__name__}: {exc}", now)
+                failed.append(group.request_id)
         outputs = []
         for g in touched.values():
             finished = g.finished
@@ -192,7 +209,37 @@ class OutputProcessor:
                 outputs.append(self._output(g, finished))
             if finished:
                 del self.groups[g.request_id]
-        return outputs, stops
+        return outputs, stops, failed
+
+    def _apply(
+        self, group: _Group, sample: _Sample, up: SampleOutput, now: float, stops: list[tuple[str, int, str]]
+    ) -> None:
+        if up.first_scheduled_time is not None and group.first_scheduled_time is None:
+            group.first_scheduled_time = up.first_scheduled_time
+            group.num_cached_tokens = up.num_cached_tokens
+        for k, token in enumerate(up.new_token_ids):
+            last = k == len(up.new_token_ids) - 1
+            finishing = last and up.finish_reason is not None
+            sample.token_ids.append(token)
+            sample.token_times.append(now)
+            if sample.first_token_time is None:
+                sample.first_token_time = up.first_token_time or now
+            if sample.logprobs is not None and up.new_logprobs:
+                self._add_logprobs(sample, token, up.new_logprobs[k])
+            # A stop token (EOS or one of stop_token_ids) ends the text without being part of it.
+            by_stop_token = finishing and up.finish_reason == "stop" and not isinstance(up.stop_reason, str)
+            hit = sample.detok.update(token, decode=not by_stop_token)
+            if hit is not None:
+                sample.finish_reason, sample.stop_reason = "stop", hit
+                if not finishing:
+                    stops.append((group.request_id, up.index, hit))
+                break
+            if finishing:
+                sample.detok.flush()
+                sample.finish_reason, sample.stop_reason = up.finish_reason, up.stop_reason
+        if sample.finish_reason is not None:
+            sample.num_preemptions = up.num_preemptions
+            group.finished_time = up.finished_time or now
 
     def _add_logprobs(self, sample: _Sample, token: int, lp: TokenLogprobs) -> None:
         decode = self.tokenizer.decode_token
@@ -236,4 +283,5 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             metrics=metrics,
+            error=group.error,
         )

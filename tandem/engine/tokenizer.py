@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 
@@ -21,8 +22,19 @@ class Tokenizer:
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (an upper bound): the longest
+        vocabulary entry or added token, as written in the vocabulary (a byte-level or metaspace
+        entry is at least as long as the text it decodes to)."""
+        return max(1, max(len(t) for t in self.backend.get_vocab(with_added_tokens=True)))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, UnicodeError) as exc:  # lone surrogates cannot be encoded as UTF-8
+            check_text(text, "the prompt")
+            raise ValueError(f"cannot tokenize the prompt: {exc}") from exc
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -51,3 +63,13 @@ class Tokenizer:
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
         # The template already holds the special tokens (BOS and role markers).
         return self.encode(text, add_special_tokens=False)
+
+
+def check_text(text: str, what: str) -> None:
+    """Raise ValueError if `text` is not valid Unicode (a lone surrogate, which UTF-8 cannot hold)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} is not valid Unicode: a lone surrogate {text[exc.start]!r} at position {exc.start}"
+        ) from None

@@ -142,7 +142,11 @@ def add_serve_parser(sub: Any) -> None:
     g = srv.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: MODEL's folder name; MODEL as given is accepted too)",
+    )
     g.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -157,6 +161,38 @@ def add_serve_parser(sub: Any) -> None:
     )
     g.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests"
+    )
+    g.add_argument(
+        "--metrics-api-key",
+        default=None,
+        help="require this key for /metrics (with --api-key/--api-keys-file, /metrics needs it or --metrics-port)",
+    )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port (same host, no key) instead of the API port",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open HTTP connections in all, beyond which new ones get 503 (default: 2 x (waiting + seqs))",
+    )
+    g.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=None,
+        help="open connections from one client address (default: waiting + seqs; 0: unbounded)",
+    )
+    g.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds for a request's headers to arrive"
+    )
+    g.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds for a request's body to arrive"
+    )
+    g.add_argument(
+        "--max-request-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413"
     )
     g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

@@ -162,6 +162,13 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return model_config.kv_elements_per_token * block_size * itemsize
 
+    def forget_drafts(self, request_ids: list[str]) -> None:
+        """The draft KV of these requests is no longer trusted (a step over them failed part-way):
+        their next proposal feeds the draft from the start."""
+        if self.drafter is not None:
+            for rid in request_ids:
+                self.drafter.valid.pop(rid, None)
+
     # -- one step --------------------------------------------------------
 
     @torch.inference_mode()
@@ -321,7 +328,7 @@ class ModelRunner:
         vocab = self.vocab_size
         top_k = top_p = min_p = None
         if any(p.top_k for p in params):
-            top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)
+            top_k = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in params], device=dev)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=dev)
         if any(p.min_p > 0.0 for p in params):

@@ -12,6 +12,7 @@ import logging
 import signal
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -19,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from tandem import __version__
 from tandem.config import EngineConfig
 from tandem.engine.core_client import AsyncEngineClient
 from tandem.entrypoints.openai import protocol as p
@@ -30,7 +32,6 @@ from tandem.entrypoints.openai.tenants import Tenant
 
 logger = logging.getLogger("tandem.server")
 
-MAX_BODY_BYTES = 32 << 20
 
 
 def build_app(state: ServerState, config: EngineConfig) -> Any:
@@ -39,6 +40,11 @@ def build_app(state: ServerState, config: EngineConfig) -> Any:
         state.loop = asyncio.get_running_loop()
         state.client = AsyncEngineClient(
             config, on_stats=state.metrics.observe_stats, on_dead=state.engine_died
+        )
+        state.metrics.track_admission(
+            lambda: state.client.num_inflight if state.client else 0,
+            lambda: state.client.num_waiting if state.client else 0,
+            lambda: state.connections.total,
         )
         try:
             await state.client.start()
@@ -51,7 +57,7 @@ def build_app(state: ServerState, config: EngineConfig) -> Any:
         finally:
             await state.client.shutdown()
 
-    app = FastAPI(title="tandem", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tandem", version=__version__, lifespan=lifespan, redoc_url=None)
 
     def error_response(exc: OpenAIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -87,33 +93,36 @@ def build_app(state: ServerState, config: EngineConfig) -> Any:
 
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request, t: TenantDep) -> Any:
-        return respond(await create_completion(state, body, t, request.is_disconnected))
+        return respond(await create_completion(state, body, t, request.receive))
 
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatCompletionRequest, request: Request, t: TenantDep) -> Any:
-        return respond(await create_chat_completion(state, body, t, request.is_disconnected))
+        return respond(await create_chat_completion(state, body, t, request.receive))
 
     @app.get("/v1/models")
     async def models(t: TenantDep) -> Any:
         limits = state.client.limits if state.client is not None else None
+        # `root` is the served name, never the checkpoint's path: no filesystem path leaves the server.
         card = p.ModelCard(
-            id=state.model_name, root=state.model_path, max_model_len=limits.max_model_len if limits else None
+            id=state.model_name, root=state.model_name, max_model_len=limits.max_model_len if limits else None
         )
         return p.ModelList(data=[card]).model_dump()
 
     @app.get("/health")
     async def health() -> Any:
+        # What a load balancer needs, no more: no pid, no reason beyond one word.
         client = state.client
-        pid = client.engine_pid if client is not None else None
-        if client is None or client.dead is not None:
-            reason = client.dead if client is not None else "starting"
-            return JSONResponse({"status": "error", "reason": reason, "engine_pid": pid}, status_code=503)
+        if client is None or client.inputs is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        if client.dead is not None:
+            return JSONResponse({"status": "error"}, status_code=503)
         if state.draining:
-            return JSONResponse({"status": "draining", "engine_pid": pid}, status_code=503)
-        return {"status": "ok", "engine_pid": pid}
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics() -> Any:
+    async def metrics(request: Request) -> Any:
+        state.authorize_metrics(request.headers.get("authorization"))
         content, media_type = state.metrics.render()
         return Response(content, media_type=media_type)
 
@@ -124,9 +133,15 @@ def build_app(state: ServerState, config: EngineConfig) -> Any:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         if body.messages is not None:
-            ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+            ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt)
         else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            try:
+                engine.inputs.check_prompt_text(body.prompt)
+                ids = await state.offload(
+                    len(body.prompt), engine.tokenizer.encode, body.prompt, body.add_special_tokens
+                )
+            except ValueError as exc:
+                raise bad_request(exc, "prompt") from exc
         return p.TokenizeResponse(
             count=len(ids), max_model_len=engine.limits.max_model_len, tokens=ids
         ).model_dump()
@@ -139,33 +154,85 @@ def build_app(state: ServerState, config: EngineConfig) -> Any:
         bad = [x for x in body.tokens if not 0 <= x < vocab]
         if bad:
             raise bad_request(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        return p.DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, False)).model_dump()
+        text = await state.offload(len(body.tokens), engine.tokenizer.decode, body.tokens, False)
+        return p.DetokenizeResponse(prompt=text).model_dump()
 
     return GuardMiddleware(app, state)
 
 
+class BodyError(Exception):
+    def __init__(self, error: OpenAIError) -> None:
+        self.error = error
+
+
 class GuardMiddleware:
-    """ASGI guard in front of the app: oversized bodies get 413, generation while draining gets 503."""
+    """ASGI guard in front of the app.
+
+    Generation while draining gets 503. A request body is read here, whole, before the app sees it:
+    past `max_body_bytes` (counted as read, so a chunked upload cannot pass it) it gets 413, and one
+    that has not arrived within `body_timeout_s` gets 408. The app then reads the buffered body, and
+    afterwards the connection's own messages (a disconnect).
+    """
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app = app
         self.state = state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            err = None
-            if self.state.draining and scope["method"] == "POST":
-                err = OpenAIError(503, "the server is shutting down", headers={"Retry-After": "5"})
-            else:
-                for name, value in scope.get("headers", ()):
-                    if name == b"content-length" and value.isdigit() and int(value) > MAX_BODY_BYTES:
-                        err = OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-            if err is not None:
-                await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(
-                    scope, receive, send
-                )
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        try:
+            if state.draining and scope["method"] == "POST":
+                raise BodyError(OpenAIError(503, "the server is shutting down", headers={"Retry-After": "5"}))
+            for name, value in scope.get("headers", ()):
+                if name == b"content-length" and (not value.isdigit() or int(value) > state.max_body_bytes):
+                    raise BodyError(self._too_large())
+            body = await asyncio.wait_for(self._read_body(receive), state.body_timeout_s)
+        except BodyError as exc:
+            await self._reject(exc.error, scope, receive, send)
+            return
+        except asyncio.TimeoutError:
+            err = OpenAIError(408, "the request body took too long to arrive", code="timeout")
+            await self._reject(err, scope, receive, send)
+            return
+        if body is None:  # the client left while sending
+            return
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, receive: Any) -> bytes | None:
+        chunks = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.state.max_body_bytes:
+                raise BodyError(self._too_large())
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(413, f"the request body is larger than {self.state.max_body_bytes} bytes")
+
+    @staticmethod
+    async def _reject(err: OpenAIError, scope: Any, receive: Any, send: Any) -> None:
+        # The rest of the body is not read: the connection closes after the answer.
+        headers = {**(err.headers or {}), "Connection": "close"}
+        await JSONResponse(err.body(), status_code=err.status, headers=headers)(scope, receive, send)
 
 
 def _make_server(config: Any, state: ServerState) -> Any:
@@ -210,6 +277,7 @@ async def drain(server: Any, state: ServerState) -> None:
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
+    from tandem.entrypoints.openai.connections import ConnectionLimits, ConnectionTable, guarded_protocol
     from tandem.entrypoints.openai.tenants import Tenants
     from tandem.metrics import ServerMetrics
 
@@ -218,15 +286,37 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError(f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}")
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be non-negative, got {args.drain_timeout}")
-    name = args.served_model_name or config.model
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}")
+    if not args.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be positive, got {args.body_timeout}")
+    # One client may usefully hold as many connections as the server queues and runs requests.
+    useful = args.max_waiting_requests + config.max_num_seqs
+    limits = ConnectionLimits(
+        max_connections=args.max_connections or max(256, 2 * useful),
+        max_per_client=useful if args.max_connections_per_client is None else args.max_connections_per_client,
+        header_timeout_s=args.header_timeout,
+    )
+    _raise_open_files_limit(limits.max_connections + 256)
+    tenants = Tenants.from_args(args.api_key, args.api_keys_file)
+    name = args.served_model_name or Path(config.model).name
     state = ServerState(
         model_name=name,
-        model_path=config.model,
+        model_aliases=frozenset({config.model}),
         metrics=ServerMetrics(name),
-        tenants=Tenants.from_args(args.api_key, args.api_keys_file),
+        tenants=tenants,
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout=args.drain_timeout,
+        max_body_bytes=args.max_request_body_bytes,
+        body_timeout_s=args.body_timeout,
+        connections=ConnectionTable(limits),
+        metrics_api_key=args.metrics_api_key,
+        metrics_on_api_port=args.metrics_port is None,
     )
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.host, registry=state.metrics.registry)
     app = build_app(state, config)
     uv_config = uvicorn.Config(
         app,
@@ -234,9 +324,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=5,
-        # Connections beyond this get uvicorn's own 503: a hard bound on memory under any burst.
-        limit_concurrency=max(256, 2 * (args.max_waiting_requests + config.max_num_seqs)),
         timeout_keep_alive=5,
+        http=guarded_protocol(state.connections),
     )
     server = _make_server(uv_config, state)
 
@@ -248,3 +337,15 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     if not server.started:
         return 1
     return state.exit_code
+
+
+def _raise_open_files_limit(wanted: int) -> None:
+    """Let the process hold `wanted` descriptors (one per connection), up to the hard limit."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

@@ -9,9 +9,26 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from tandem.sampling_params import INT32_MAX, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: a lone surrogate at position {exc.start}") from None
+    return text
+
+
+# Every integer a request carries has a range (they cross a process boundary as 64-bit values),
+# and every text is valid Unicode (UTF-8 cannot hold a lone surrogate, which JSON can spell).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 def random_id(prefix: str) -> str:
@@ -30,10 +47,10 @@ class StreamOptions(Strict):
 class SamplingFields(Strict):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
-    model: str | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    model: Text | None = None
+    n: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
+    seed: Int64 | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -41,46 +58,46 @@ class SamplingFields(Strict):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    max_tokens: Count | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Count | None = None
+    suffix: Text | None = None
 
 
 class TextPart(Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     # Messages may carry fields this server does not use (name, tool_call_id, ...).
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -92,15 +109,15 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(Strict):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(Strict):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.core import EngineCoreRequest
-from tandem.engine.core_client import AsyncEngineClient, EngineDeadError, RequestAbortedError, RequestStream
+from tandem.engine.core_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+    RequestStream,
+)
+from tandem.entrypoints.openai.connections import ConnectionLimits, ConnectionTable
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
 from tandem.entrypoints.openai.protocol import SamplingFields
 from tandem.entrypoints.openai.tenants import Tenant, Tenants
@@ -16,7 +25,9 @@ from tandem.metrics import ServerMetrics
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
 
-DISCONNECT_POLL_S = 0.5
+# Prompts bigger than this (characters, or token ids) are tokenized and validated off the event
+# loop, so one large request never stalls the server's other requests.
+INLINE_PROMPT_SIZE = 16 << 10
 
 
 @dataclass
@@ -24,16 +35,33 @@ class ServerState:
     """Everything one server instance holds (no module-level state)."""
 
     model_name: str
-    model_path: str
     metrics: ServerMetrics
     tenants: Tenants
     max_waiting_requests: int
     drain_timeout: float
+    # Other names clients may send for the model (the checkpoint path it was started with).
+    model_aliases: frozenset[str] = frozenset()
+    max_body_bytes: int = 32 << 20
+    body_timeout_s: float = 30.0
+    connections: ConnectionTable = field(default_factory=lambda: ConnectionTable(ConnectionLimits()))
+    # /metrics: the key it needs, and whether the API port serves it at all (not with --metrics-port).
+    metrics_api_key: str | None = None
+    metrics_on_api_port: bool = True
     client: AsyncEngineClient | None = None
     draining: bool = False
     exit_code: int = 0
     request_exit: Callable[[], None] | None = None
     loop: asyncio.AbstractEventLoop | None = None
+    # Tokenization and detokenization of large inputs run here, off the event loop.
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tandem-tokenize")
+    )
+
+    async def offload(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), in the tokenizer threads when `size` (characters or tokens) is large."""
+        if size <= INLINE_PROMPT_SIZE:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     @property
     def engine(self) -> AsyncEngineClient:
@@ -45,8 +73,24 @@ class ServerState:
             raise OpenAIError(500, f"the engine is not running: {self.client.dead}", code="engine_dead")
         return self.client
 
+    def authorize_metrics(self, authorization: str | None) -> None:
+        """/metrics shows every tenant's name and counts: under API keys it needs its own key."""
+        if not self.metrics_on_api_port:
+            raise OpenAIError(404, "metrics are served on the metrics port")
+        if self.metrics_api_key is None:
+            if self.tenants.enabled:
+                raise OpenAIError(
+                    401,
+                    "/metrics needs --metrics-api-key (or --metrics-port) on a server with API keys",
+                    "authentication_error",
+                )
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.metrics_api_key.encode()):
+            raise OpenAIError(401, "invalid or missing metrics key", "authentication_error")
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.model_aliases:
             raise OpenAIError(
                 404,
                 f"the model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -92,7 +136,14 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
         raise bad_request(exc) from exc
 
 
-def prepare(
+def prompt_size(prompt: Any) -> int:
+    """Characters or token ids in a prompt (a string, a list of ids, or a dict holding either)."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids", prompt.get("prompt", ""))
+    return len(prompt) if isinstance(prompt, (str, list)) else 0
+
+
+async def prepare(
     state: ServerState,
     base_id: str,
     prompts: list[Any],
@@ -103,7 +154,8 @@ def prepare(
     """Tokenize and validate every prompt (400 on any problem) before anything is queued.
 
     The queue bound is checked first, so an overloaded server turns requests away before spending
-    time on them. Nothing awaits between this and `EngineCall.start`, so the check still holds there.
+    time on them; the caller starts the `EngineCall` right after (the bound may be passed by the
+    requests tokenized meanwhile, by at most their number).
     """
     engine = state.engine
     if state.draining:
@@ -113,6 +165,33 @@ def prepare(
         raise bad_request(
             f"{n} prompts is more than this server queues ({state.max_waiting_requests})", "prompt"
         )
+    check_queue(state, tenant, n)
+    priority = tenant.priority if tenant is not None and tenant.priority is not None else body.priority
+
+    def process_all() -> list[tuple[EngineCoreRequest, str | None]]:
+        out = []
+        for i, prompt in enumerate(prompts):
+            try:
+                out.append(
+                    engine.inputs.process(
+                        f"{base_id}-{i}",
+                        prompt,
+                        params,
+                        priority=priority,
+                        tenant=None if tenant is None else tenant.name,
+                        cache_salt=None if tenant is None else tenant.cache_salt,
+                    )
+                )
+            except ValueError as exc:
+                raise bad_request(exc, "prompt" if len(prompts) > 1 and "prompt" in str(exc) else None) from exc
+        return out
+
+    return await state.offload(sum(prompt_size(p) for p in prompts), process_all)
+
+
+def check_queue(state: ServerState, tenant: Tenant | None, n: int) -> None:
+    """503 when `n` more requests would take the accepted-but-not-started count past the bound."""
+    engine = state.engine
     if engine.num_waiting + n > state.max_waiting_requests:
         state.metrics.observe_rejected(tenant_label(tenant))
         raise OpenAIError(
@@ -121,23 +200,6 @@ def prepare(
             code="overloaded",
             headers={"Retry-After": "1"},
         )
-    priority = tenant.priority if tenant is not None and tenant.priority is not None else body.priority
-    out = []
-    for i, prompt in enumerate(prompts):
-        try:
-            out.append(
-                engine.inputs.process(
-                    f"{base_id}-{i}",
-                    prompt,
-                    params,
-                    priority=priority,
-                    tenant=None if tenant is None else tenant.name,
-                    cache_salt=None if tenant is None else tenant.cache_salt,
-                )
-            )
-        except ValueError as exc:
-            raise bad_request(exc, "prompt" if len(prompts) > 1 and "prompt" in str(exc) else None) from exc
-    return out
 
 
 class ClientDisconnected(Exception):
@@ -145,7 +207,13 @@ class ClientDisconnected(Exception):
 
 
 class EngineCall:
-    """The engine requests of one HTTP request: admitted together, followed together, aborted together."""
+    """The engine requests of one HTTP request: admitted together, followed together, ended together.
+
+    Use it as a context manager around everything after `prepare`: leaving the block by any path
+    (an error, a return, a cancelled task) ends the engine requests and gives back the admission
+    slot and the tenant's reservation, unless the call was handed to a streaming response with
+    `stream_to`, which then ends it when the stream ends.
+    """
 
     def __init__(
         self, state: ServerState, tenant: Tenant | None, prepared: list[tuple[EngineCoreRequest, str | None]]
@@ -161,6 +229,22 @@ class EngineCall:
         self.final: list[RequestOutput | None] = [None] * len(prepared)
         self.admitted = False
         self.closed = False
+        self.handed_off = False
+        self.client_gone = False
+        self._watcher: asyncio.Task | None = None
+
+    def __enter__(self) -> EngineCall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.handed_off:
+            self.close()
+
+    def stream_to(self, make_response: Callable[[EngineCall], Any]) -> Any:
+        """Hand the call to a streaming response (built by `make_response(self)`), which closes it."""
+        response = make_response(self)
+        self.handed_off = True
+        return response
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,10 +253,10 @@ class EngineCall:
     def start(self) -> None:
         """Admit (tenant limits: 429) and queue; the caller has `prepare`d (queue bound: 503) just before."""
         state, engine = self.state, self.state.engine
-        n = len(self.prepared)
+        check_queue(state, self.tenant, len(self.prepared))
         if self.tenant is not None:
             try:
-                state.tenants.admit(self.tenant, n, self.num_prompt_tokens)
+                state.tenants.admit(self.tenant, len(self.prepared), self.num_prompt_tokens)
             except OpenAIError:
                 state.metrics.observe_rejected(self.label)
                 raise
@@ -181,11 +265,22 @@ class EngineCall:
             for i, (req, text) in enumerate(self.prepared):
                 self.streams.append(engine.add(req, text, self.notify, self._finisher(i)))
         except EngineDeadError as exc:
-            self.close()
             raise OpenAIError(500, f"the engine is not running: {exc}", code="engine_dead") from exc
         except ValueError as exc:
-            self.close()
             raise bad_request(exc) from exc
+
+    def watch(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        """Follow the HTTP connection: a disconnect wakes `updates` at once (it then raises)."""
+
+        async def watcher() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self.client_gone = True
+                    self.notify.set()
+                    return
+
+        self._watcher = asyncio.ensure_future(watcher())
 
     def _finisher(self, i: int) -> Callable[[RequestOutput], None]:
         def on_finish(out: RequestOutput) -> None:
@@ -194,26 +289,18 @@ class EngineCall:
 
         return on_finish
 
-    async def updates(
-        self, disconnected: Callable[[], Awaitable[bool]] | None = None
-    ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    async def updates(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """Yield batches of (prompt index, newest cumulative output) until every request has finished.
 
-        Raises EngineDeadError, RequestAbortedError or ValueError (the core refused a request),
-        or ClientDisconnected when `disconnected` says the client has gone.
+        Raises EngineDeadError, RequestAbortedError, RequestFailedError or ValueError (the core
+        refused a request), or ClientDisconnected once `watch` has seen the client go.
         """
         done = [False] * len(self.streams)
         while not all(done):
-            if disconnected is None:
-                await self.notify.wait()
-            else:
-                try:
-                    await asyncio.wait_for(self.notify.wait(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await disconnected():
-                        raise ClientDisconnected() from None
-                    continue
+            await self.notify.wait()
             self.notify.clear()
+            if self.client_gone:
+                raise ClientDisconnected()
             batch = []
             for i, stream in enumerate(self.streams):
                 if done[i]:
@@ -232,29 +319,34 @@ class EngineCall:
         if self.closed:
             return
         self.closed = True
+        if self._watcher is not None:
+            self._watcher.cancel()
         state = self.state
         generated = 0
-        unfinished = []
-        for i, stream in enumerate(self.streams):
-            out = self.final[i] or self.last[i]
-            tokens = 0 if out is None else sum(len(c.token_ids) for c in out.outputs)
-            generated += tokens
-            if stream.error is not None:
-                state.metrics.tenant_requests.labels(state.metrics.model_name, self.label, "failed").inc()
-            elif not stream.finished:
-                unfinished.append(stream.request_id)
-                prompt_len = len(self.prepared[i][0].prompt_token_ids)
-                state.metrics.observe_aborted(self.label, prompt_len, tokens)
-        if unfinished and state.client is not None:
-            state.client.abort(unfinished)
-        if self.admitted and self.tenant is not None:
-            state.tenants.release(self.tenant, len(self.prepared), generated)
+        try:
+            for i, stream in enumerate(self.streams):
+                out = self.final[i] or self.last[i]
+                tokens = 0 if out is None else sum(len(c.token_ids) for c in out.outputs)
+                generated += tokens
+                if stream.error is not None:
+                    state.metrics.observe_failed(self.label)
+                elif not stream.finished:
+                    prompt_len = len(self.prepared[i][0].prompt_token_ids)
+                    state.metrics.observe_aborted(self.label, prompt_len, tokens)
+        finally:
+            if state.client is not None:
+                # Every stream, finished or not: a failed or aborted one may still be registered.
+                state.client.abort([s.request_id for s in self.streams])
+            if self.admitted and self.tenant is not None:
+                state.tenants.release(self.tenant, len(self.prepared), generated)
 
 
 def error_for(exc: BaseException) -> OpenAIError:
     """The HTTP error for what `EngineCall.updates` raised."""
     if isinstance(exc, EngineDeadError):
-        return OpenAIError(500, f"the engine failed: {exc}", code="engine_dead")
+        return OpenAIError(500, str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(500, f"the request failed in the engine: {exc}", code="request_failed")
     if isinstance(exc, RequestAbortedError):
         return OpenAIError(503, str(exc), code="aborted")
     if isinstance(exc, ValueError):

@@ -50,11 +50,20 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt_ids(
+async def chat_prompt_ids(
     state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
 ) -> list[int]:
+    """The prompt token ids of a conversation (large ones are rendered and tokenized off the loop)."""
+    engine = state.engine
+    convo = conversation(messages)
+    size = sum(len(m["content"]) for m in convo)
+    if size > engine.inputs.max_prompt_chars:
+        raise bad_request(
+            f"the messages ({size} characters) cannot fit in max_model_len ({engine.limits.max_model_len} tokens)",
+            "messages",
+        )
     try:
-        return state.engine.tokenizer.apply_chat_template(conversation(messages), add_generation_prompt)
+        return await state.offload(size, engine.tokenizer.apply_chat_template, convo, add_generation_prompt)
     except ValueError as exc:
         raise bad_request(exc, "messages") from exc
 
@@ -76,7 +85,7 @@ def _logprobs(c: CompletionOutput, start: int, end: int, k: int, decode: Any) ->
 
 
 async def create_chat_completion(
-    state: ServerState, body: ChatCompletionRequest, tenant: Tenant | None, disconnected: Any
+    state: ServerState, body: ChatCompletionRequest, tenant: Tenant | None, receive: Any
 ) -> Any:
     state.check_model(body.model)
     if body.tools:
@@ -90,25 +99,27 @@ async def create_chat_completion(
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
-    ids = chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt)
     request_id = random_id("chatcmpl")
-    prepared = prepare(state, request_id, [{"prompt_token_ids": ids}], params, body, tenant)
+    prepared = await prepare(state, request_id, [{"prompt_token_ids": ids}], params, body, tenant)
     decode = state.engine.tokenizer.decode_token
-    call = EngineCall(state, tenant, prepared)
-    call.start()
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _stream(state, call, request_id, params.n, logprobs, include_usage, decode)
-        return SSEResponse(gen, call.close)
-    try:
-        async for _ in call.updates(disconnected):
-            pass
-    except ClientDisconnected:
-        return None
-    except (RuntimeError, ValueError) as exc:
-        raise error_for(exc) from exc
-    finally:
-        call.close()
+    with EngineCall(state, tenant, prepared) as call:
+        call.start()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return call.stream_to(
+                lambda c: SSEResponse(
+                    _stream(state, c, request_id, params.n, logprobs, include_usage, decode), c.close
+                )
+            )
+        call.watch(receive)
+        try:
+            async for _ in call.updates():
+                pass
+        except ClientDisconnected:
+            return None
+        except (RuntimeError, ValueError) as exc:
+            raise error_for(exc) from exc
     out = call.last[0]
     choices = [
         ChatChoice(

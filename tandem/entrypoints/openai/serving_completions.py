@@ -57,7 +57,7 @@ def _logprobs(c: CompletionOutput, start: int, end: int, offset: int, decode: An
 
 
 async def create_completion(
-    state: ServerState, body: CompletionRequest, tenant: Tenant | None, disconnected: Any
+    state: ServerState, body: CompletionRequest, tenant: Tenant | None, receive: Any
 ) -> Any:
     state.check_model(body.model)
     if body.suffix:
@@ -70,30 +70,34 @@ async def create_completion(
         raise bad_request("echo together with logprobs is not supported", "echo")
     params = sampling_params(body, body.max_tokens, body.logprobs)
     request_id = random_id("cmpl")
-    prepared = prepare(state, request_id, _prompts(body.prompt), params, body, tenant)
+    prepared = await prepare(state, request_id, _prompts(body.prompt), params, body, tenant)
     tokenizer = state.engine.tokenizer
     decode = tokenizer.decode_token
-    echo = None
-    if body.echo:
-        echo = [
-            tokenizer.decode(req.prompt_token_ids, False) if text is None else text for req, text in prepared
-        ]
     n = params.n
-    call = EngineCall(state, tenant, prepared)
-    call.start()
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _stream(state, call, request_id, n, echo, body.logprobs is not None, include_usage, decode)
-        return SSEResponse(gen, call.close)
-    try:
-        async for _ in call.updates(disconnected):
-            pass
-    except ClientDisconnected:
-        return None
-    except (RuntimeError, ValueError) as exc:
-        raise error_for(exc) from exc
-    finally:
-        call.close()
+    with EngineCall(state, tenant, prepared) as call:
+        echo = None
+        if body.echo:
+            echo = [
+                tokenizer.decode(req.prompt_token_ids, False) if text is None else text
+                for req, text in prepared
+            ]
+        call.start()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return call.stream_to(
+                lambda c: SSEResponse(
+                    _stream(state, c, request_id, n, echo, body.logprobs is not None, include_usage, decode),
+                    c.close,
+                )
+            )
+        call.watch(receive)
+        try:
+            async for _ in call.updates():
+                pass
+        except ClientDisconnected:
+            return None
+        except (RuntimeError, ValueError) as exc:
+            raise error_for(exc) from exc
     choices = []
     completion_tokens = 0
     for i, out in enumerate(call.last):
