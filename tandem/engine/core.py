@@ -16,11 +16,11 @@ from typing import Any
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import EngineLimits
-from tandem.core.outputs import SchedulerOutput, TokenLogprobs
+from tandem.core.outputs import SchedulerOutput
 from tandem.core.policy import SchedulingConfig, TenantQuota
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
-from tandem.sampling_params import SamplingParams
+from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.planner import SpecPlanner
 
@@ -36,40 +36,6 @@ COST_SEED_CONTEXT = 128
 MAX_FAULTED_STEPS = 8
 
 logger = logging.getLogger("tandem.engine")
-
-
-@dataclass(slots=True)
-class EngineCoreRequest:
-    """A tokenized, validated request (one user request; the core fans out its `n` samples)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    arrival_time: float
-    priority: int = 0
-    tenant: str | None = None
-    cache_salt: str | None = None
-
-
-@dataclass(slots=True)
-class SampleOutput:
-    """What one sample of one request gained in a step."""
-
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # Filled when the sample finishes.
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    # Set (with finish_reason "error") when the engine failed this request alone.
-    error: str | None = None
 
 
 @dataclass(slots=True)

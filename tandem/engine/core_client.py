@@ -23,7 +23,7 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.core.limits import EngineLimits
 from tandem.engine import messages as m
-from tandem.engine.core import EngineCoreRequest
+from tandem.engine.messages import EngineCoreRequest
 from tandem.engine.processor import InputProcessor, OutputProcessor
 from tandem.engine.tokenizer import Tokenizer
 from tandem.outputs import RequestOutput

@@ -1,7 +1,8 @@
 """What crosses the process boundary between the API process and the engine-core process.
 
 Every message is a msgspec struct, encoded as MessagePack and sent over a ZeroMQ PUSH/PULL pair.
-The payload types (`EngineCoreRequest`, `SampleOutput`, `EngineLimits`) are the core's own dataclasses.
+The payloads are plain dataclasses defined here (`EngineCoreRequest` in, `SampleOutput` out) or in
+`core` (`EngineLimits`): whoever sends or receives them imports data, never the engine.
 
 API -> engine: Init (once), Add, Abort, StopSample, Shutdown.
 Engine -> API: Hello (once, process up), Ready (once, core built), Outputs (a step's deltas plus,
@@ -10,10 +11,50 @@ periodically, Stats), Rejected (an Add the core refused), Failed (fatal error, t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
 from tandem.core.limits import EngineLimits
-from tandem.engine.core import EngineCoreRequest, SampleOutput
+from tandem.core.outputs import TokenLogprobs
+from tandem.sampling_params import SamplingParams
+
+# -- payloads ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """A tokenized, validated request (one user request; the core fans out its `n` samples)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    priority: int = 0
+    tenant: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """What one sample of one request gained in a step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Filled when the sample finishes.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Set (with finish_reason "error") when the engine failed this request alone.
+    error: str | None = None
+
 
 # -- API process -> engine ---------------------------------------------------
 

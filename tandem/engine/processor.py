@@ -9,8 +9,8 @@ from typing import Any
 
 from tandem.core.limits import EngineLimits
 from tandem.core.outputs import TokenLogprobs
-from tandem.engine.core import EngineCoreRequest, SampleOutput
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.engine.tokenizer import Tokenizer, check_text
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams

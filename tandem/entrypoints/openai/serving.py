@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.core import EngineCoreRequest
 from tandem.engine.core_client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -17,6 +16,7 @@ from tandem.engine.core_client import (
     RequestFailedError,
     RequestStream,
 )
+from tandem.engine.messages import EngineCoreRequest
 from tandem.entrypoints.openai.connections import ConnectionLimits, ConnectionTable
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
 from tandem.entrypoints.openai.protocol import SamplingFields
