@@ -32,12 +32,14 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, model: Path | str, *args: str, startup_timeout: float = 180.0) -> None:
+    def __init__(
+        self, model: Path | str, *args: str, startup_timeout: float = 180.0, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix="tandem-serve-", suffix=".log")
         self.log = os.fdopen(fd, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         cmd = [sys.executable, "-m", "tandem.entrypoints.cli", "serve", str(model), "--port", str(self.port)]
         self.proc = subprocess.Popen(
             [*cmd, *args], stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tandem.sampling_params import INT32_MAX, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
@@ -86,10 +86,25 @@ class TextPart(Strict):
 
 
 class ChatMessage(BaseModel):
-    # Messages may carry fields this server does not use (name, tool_call_id, ...).
+    # Messages may carry fields this server does not use (name, tool_call_id, ...); a chat template
+    # may still render them, so their texts are checked too.
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _extra_texts_are_unicode(self) -> ChatMessage:
+        stack = list((self.model_extra or {}).values())
+        while stack:
+            value = stack.pop()
+            if isinstance(value, str):
+                _valid_unicode(value)
+            elif isinstance(value, dict):
+                stack.extend(value.keys())
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
