@@ -19,6 +19,8 @@ def modules_after_import(*names: str) -> set[str]:
     [
         # The scheduler, KV pool, prefix cache and policies: pure Python.
         ("tandem.core.scheduler", "tandem.core.kv_cache_manager", "tandem.core.prefix_cache", "tandem.core.policy"),
+        # The speculation planner and its adaptive controller: pure Python too.
+        ("tandem.spec.planner",),
         # The API process: HTTP, validation, tokenization, the engine client and its messages.
         (
             "tandem.entrypoints.openai.api_server",

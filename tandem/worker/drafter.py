@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.core.outputs import DraftPass
 from tandem.core.request import Request
 from tandem.model.loader import load_model
 from tandem.worker.batch import SampleRow, build_batch
@@ -93,7 +94,7 @@ class Drafter:
 
     def propose(
         self, todo: list[tuple[Request, int]]
-    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[tuple[int, float, int, int]]]:
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[DraftPass]]:
         """Propose `k` tokens for each decoding request: k batched single-token draft passes."""
         host = self.host
         bs = host.block_size
@@ -101,7 +102,7 @@ class Drafter:
         first = [min(self.valid[r.request_id], r.num_tokens - 1) for r, _ in todo]
         tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in todo}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in todo}
-        times: list[tuple[int, float, int, int]] = []
+        passes: list[DraftPass] = []
         # Plain greedy rows (no penalties, no min_tokens masking) draft by argmax of the raw logits,
         # and greedy verification never reads a draft distribution: skip building either.
         plain = all(
@@ -141,7 +142,8 @@ class Drafter:
             if plain:
                 for r, t in zip(active, logits.argmax(dim=-1).tolist()):
                     tokens[r.request_id].append(t)
-                times.append((n, time.perf_counter() - start, behind, missed))
+                seconds = time.perf_counter() - start
+                passes.append(DraftPass(n, seconds, catch_up_tokens=behind, missed_tokens=missed))
                 continue
             logits = logits.float()
             sb = host.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
@@ -151,8 +153,9 @@ class Drafter:
             for i, (r, t) in enumerate(zip(active, picked.tolist())):
                 tokens[r.request_id].append(t)
                 probs[r.request_id].append(dist[i])
-            times.append((n, time.perf_counter() - start, behind, missed))
-        return tokens, {rid: torch.stack(p) for rid, p in probs.items() if p}, times
+            seconds = time.perf_counter() - start
+            passes.append(DraftPass(n, seconds, catch_up_tokens=behind, missed_tokens=missed))
+        return tokens, {rid: torch.stack(p) for rid, p in probs.items() if p}, passes
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """Draft draws use their own stream, so a seeded request's target stream is not disturbed."""

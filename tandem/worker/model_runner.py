@@ -133,7 +133,7 @@ class ModelRunner:
                 for r in sched.requests
                 if sched.num_draft.get(r.request_id)
             ]
-            proposed, draft_probs, out.draft_pass_times = self.drafter.propose(todo)
+            proposed, draft_probs, out.draft_passes = self.drafter.propose(todo)
             drafts.update(proposed)
 
         batch, ends = build_batch(sched.requests, sched.num_tokens, self.block_size, self.device, drafts)
