@@ -38,7 +38,7 @@ def make_batch(reqs: int, q_len: int, ctx: int, block: int, num_blocks: int):
     last `q_len` to compute, in shuffled disjoint blocks of the cache."""
     from tandem.core.request import Request
     from tandem.sampling_params import SamplingParams
-    from tandem.worker.model_runner import build_batch
+    from tandem.worker.batch import build_batch
 
     per = -(-ctx // block)
     tables = np.random.default_rng(0).permutation(num_blocks)[: reqs * per].reshape(reqs, per)

@@ -181,7 +181,8 @@ class EngineConfig:
     # tenant -> {"weight": float, "max_running": int, "max_blocks": int}
     tenant_quotas: dict[str, dict[str, Any]] | None = None
     # As vLLM: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-    # "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}.
+    # "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": k};
+    # plus "adaptive": true, false or a dict of tandem.spec.config.AdaptiveConfig's settings.
     speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

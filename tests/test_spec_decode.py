@@ -19,6 +19,7 @@ import itertools
 import random
 import shutil
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from scipy.stats import chisquare
 
 import tandem.spec.rejection as rejection
 from tandem import LLM, SamplingParams
+from tandem.spec.gate import GateChoice
 
 # Greedy tiny models with a small initializer range fall into loops, which n-gram lookup predicts.
 TARGET = dict(initializer_range=0.05)
@@ -476,8 +478,9 @@ def test_draft_proposals_match_the_draft_model_run_from_scratch(monkeypatch) -> 
     core = llm.engine.core
     ctl = core.spec.controller
     turns = itertools.count()
-    monkeypatch.setattr(ctl.gate, "choose", lambda n: next(turns) % 3 == 0)  # on, off, off, ...
-    monkeypatch.setattr(ctl, "warmup_steps", 10**9)  # every "on" step drafts the full k
+    # On, off, off, ...; every "on" step drafts the full k.
+    monkeypatch.setattr(ctl.gate, "choose", lambda n: GateChoice(on=next(turns) % 3 == 0))
+    monkeypatch.setattr(ctl, "config", replace(ctl.config, warmup_steps=10**9))
     drafter = core.runner.drafter
     propose = drafter.propose
     records: list[tuple[list[int], list[int]]] = []
@@ -531,8 +534,9 @@ def test_draft_catch_up_is_split_into_prompt_and_missed_tokens(target_dir, monke
     core = llm.engine.core
     ctl = core.spec.controller
     turns = itertools.count()
-    monkeypatch.setattr(ctl.gate, "choose", lambda n: next(turns) % 4 == 0)  # on, off, off, off, ...
-    monkeypatch.setattr(ctl, "warmup_steps", 10**9)
+    # On, off, off, off, ...
+    monkeypatch.setattr(ctl.gate, "choose", lambda n: GateChoice(on=next(turns) % 4 == 0))
+    monkeypatch.setattr(ctl, "config", replace(ctl.config, warmup_steps=10**9))
     monkeypatch.setattr(ctl.step_cost, "shape", None)  # unseeded: the warmup drafts the full k
     drafter = core.runner.drafter
     propose = drafter.propose
@@ -540,7 +544,7 @@ def test_draft_catch_up_is_split_into_prompt_and_missed_tokens(target_dir, monke
 
     def recording(todo):
         tokens, probs, times = propose(todo)
-        passes.append(times[0][2:])
+        passes.append((times[0].catch_up_tokens, times[0].missed_tokens))
         return tokens, probs, times
 
     monkeypatch.setattr(drafter, "propose", recording)

@@ -15,7 +15,8 @@ from scipy.stats import chi2, chisquare
 from tandem.core.request import Request
 from tandem.sampling_params import SamplingParams
 from tandem.spec.rejection import rejection_sample
-from tandem.worker.model_runner import ModelRunner, SampleRow
+from tandem.worker.batch import SampleRow
+from tandem.worker.model_runner import ModelRunner
 from tandem.worker.sampler import Sampler, SamplingBatch
 
 ALPHA = 1e-3  # significance of every goodness-of-fit test below

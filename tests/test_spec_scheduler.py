@@ -37,6 +37,7 @@ from tandem.core.policy import SchedulingConfig
 from tandem.core.prefix_cache import Node
 from tandem.core.request import Request, RequestStatus
 from tandem.spec.config import SpeculativeConfig
+from tandem.spec.controller import Plan
 from tandem.spec.planner import SpecPlanner
 
 
@@ -97,20 +98,20 @@ class RandomDrafts:
         self.rng = rng
         self.target = target
 
-    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> dict[str, int]:
+    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> Plan:
         ks = {}
         for r in decoding:
             k = min(self.rng.randint(0, self.max_k), room(r, max_model_len))
             if k > 0:
                 ks[r.request_id] = k
-        return ks
+        return Plan(ks)
 
     def propose(self, req: Request, k: int) -> list[int] | None:
         if self.mode == "runner":
             return None
         return guess(self.target, req, self.rng.randint(0, k), self.rng)
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+    def observe(self, req: Request, num_draft: int, num_accepted: int) -> None:
         pass
 
 
@@ -283,14 +284,14 @@ class SpecHarness:
         """Wrap the hook to record (and check) what the scheduler asks of it and tells it."""
         plan, propose, observe = spec.plan, spec.propose, spec.observe
 
-        def recorded_plan(decoding: list[Request], other_tokens: int, max_model_len: int) -> dict[str, int]:
+        def recorded_plan(decoding: list[Request], other_tokens: int, max_model_len: int) -> Plan:
             for r in decoding:
                 assert r.status == RequestStatus.RUNNING and not r.pending_children
                 assert r.num_tokens - r.num_computed_tokens == 1, "drafts planned for a request not decoding"
             assert 0 <= other_tokens <= self.max_num_batched_tokens
-            ks = plan(decoding, other_tokens, max_model_len)
-            self.planned, self.proposed = dict(ks), {}
-            return ks
+            p = plan(decoding, other_tokens, max_model_len)
+            self.planned, self.proposed = dict(p.num_draft), {}
+            return p
 
         def recorded_propose(req: Request, k: int) -> list[int] | None:
             assert k == self.planned[req.request_id] > 0
@@ -300,9 +301,9 @@ class SpecHarness:
                 self.proposed[req.request_id] = list(drafts)
             return drafts
 
-        def recorded_observe(request_id: str, num_draft: int, num_accepted: int) -> None:
-            self.observed.append((request_id, num_draft, num_accepted))
-            observe(request_id, num_draft, num_accepted)
+        def recorded_observe(req: Request, num_draft: int, num_accepted: int) -> None:
+            self.observed.append((req.request_id, num_draft, num_accepted))
+            observe(req, num_draft, num_accepted)
 
         spec.plan, spec.propose, spec.observe = recorded_plan, recorded_propose, recorded_observe
 
@@ -723,7 +724,9 @@ def test_stop_inside_accepted_drafts_caches_only_kept_tokens() -> None:
 
     class AlwaysSix(RandomDrafts):
         def plan(self, decoding, other_tokens, max_model_len):
-            return {r.request_id: min(6, room(r, max_model_len)) for r in decoding if room(r, max_model_len)}
+            return Plan(
+                {r.request_id: min(6, room(r, max_model_len)) for r in decoding if room(r, max_model_len)}
+            )
 
     h = SpecHarness(
         num_blocks=16,
@@ -755,7 +758,7 @@ class MaxDrafts(RandomDrafts):
 
     def plan(self, decoding, other_tokens, max_model_len):
         ks = {r.request_id: min(self.max_k, room(r, max_model_len)) for r in decoding}
-        return {rid: k for rid, k in ks.items() if k > 0}
+        return Plan({rid: k for rid, k in ks.items() if k > 0})
 
 
 def test_drafts_are_dropped_rather_than_preempting() -> None:
@@ -792,7 +795,7 @@ class OtherTokens(RandomDrafts):
         super().__init__(*args)
         self.seen: list[int] = []
 
-    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> dict[str, int]:
+    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> Plan:
         self.seen.append(other_tokens)
         return super().plan(decoding, other_tokens, max_model_len)
 
@@ -877,3 +880,31 @@ def test_speculative_config_takes_vllm_keys() -> None:
     for bad in ({**ngram, "num_speculative_tokens": 0}, {**ngram, "method": "eagle"}, {**ngram, "typo": 1}):
         with pytest.raises(ValueError):
             SpeculativeConfig.from_dict(bad)
+
+
+def test_adaptive_settings_come_from_speculative_config() -> None:
+    """`adaptive` is true, false or a dict of the controller's settings (adaptive, with those set);
+    a bad setting is a ValueError naming it."""
+    from tandem.spec.config import AdaptiveConfig
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    for flag in (True, False):
+        cfg = SpeculativeConfig.from_dict({**ngram, "adaptive": flag})
+        assert cfg.adaptive is flag and cfg.adaptive_config == AdaptiveConfig()
+    cfg = SpeculativeConfig.from_dict({**ngram, "adaptive": {"explore_z": 1.0, "min_samples": 5}})
+    assert cfg.adaptive and (cfg.adaptive_config.explore_z, cfg.adaptive_config.min_samples) == (1.0, 5)
+    assert SpecPlanner(cfg).controller.gate.config.min_samples == 5
+    for bad, field_name in (
+        ({"explore_z": -1}, "explore_z"),
+        ({"gate_decay": 1.5}, "gate_decay"),
+        ({"min_samples": 0}, "min_samples"),
+        ({"warmup_steps": 2.5}, "warmup_steps"),
+        ({"history_decay": True}, "history_decay"),
+        ({"explore_every": 300}, "max_explore"),
+        ({"seed_context": 1}, "seed_context"),
+        ({"typo": 1}, "typo"),
+    ):
+        with pytest.raises(ValueError, match=field_name):
+            SpeculativeConfig.from_dict({**ngram, "adaptive": bad})
+    with pytest.raises(ValueError, match=r"speculative_config\.adaptive must be"):
+        SpeculativeConfig.from_dict({**ngram, "adaptive": "yes"})

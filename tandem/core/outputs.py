@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tandem.core.request import Request
+
+
+class SpecPlan(Protocol):
+    """A step's speculation plan (tandem.spec.controller.Plan) as the scheduler reads it: the draft
+    length per decoding request. The rest is the planner's, handed back to it with the step's feedback."""
+
+    @property
+    def num_draft(self) -> dict[str, int]: ...
 
 
 @dataclass(slots=True)
@@ -22,6 +31,8 @@ class SchedulerOutput:
     num_draft: dict[str, int] = field(default_factory=dict)
     # Draft tokens already proposed by the scheduler (n-gram); a draft model proposes in the runner.
     draft_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The plan the drafts came from, for the speculation planner's feedback after the step.
+    spec_plan: SpecPlan | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -42,6 +53,18 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+@dataclass(frozen=True, slots=True)
+class DraftPass:
+    """One draft-model proposal pass, as the adaptive controller's cost model sees it."""
+
+    num_requests: int
+    seconds: float
+    # Tokens the pass fed to catch drafts up, beyond the one or two every proposal feeds...
+    catch_up_tokens: int = 0
+    # ...of which generated while speculation was off (the rest are new requests' prompts).
+    missed_tokens: int = 0
+
+
 @dataclass(slots=True)
 class RunnerOutput:
     """Tokens sampled this step, keyed by request id (forked children included).
@@ -53,8 +76,11 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     accepted: dict[str, list[int]] = field(default_factory=dict)
-    # (requests in the pass, seconds, tokens it fed to catch the draft up, how many of those were
-    # generated while speculation was off) for each draft-model proposal pass, for the cost model.
-    draft_pass_times: list[tuple[int, float, int, int]] = field(default_factory=list)
+    draft_passes: list[DraftPass] = field(default_factory=list)
     # Seconds in the target model itself (layers and logits), to tell engine overhead from compute.
     forward_time: float = 0.0
+
+    @property
+    def draft_time(self) -> float:
+        """Seconds in draft-model proposal passes."""
+        return sum(p.seconds for p in self.draft_passes)

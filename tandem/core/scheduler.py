@@ -38,7 +38,7 @@ from typing import Protocol
 
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import check_fits
-from tandem.core.outputs import RunnerOutput, SchedulerOutput
+from tandem.core.outputs import RunnerOutput, SchedulerOutput, SpecPlan
 from tandem.core.policy import SchedulingConfig, TenantLedger, admission_key, order_waiting
 from tandem.core.request import Request, RequestStatus
 
@@ -46,11 +46,12 @@ from tandem.core.request import Request, RequestStatus
 class SpecHook(Protocol):
     """What the scheduler needs from speculative decoding (tandem.spec.planner.SpecPlanner)."""
 
-    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> dict[str, int]: ...
+    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> SpecPlan: ...
 
     def propose(self, req: Request, k: int) -> list[int] | None: ...
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None: ...
+    # Called for each request that verified drafts, before its new tokens are appended.
+    def observe(self, req: Request, num_draft: int, num_accepted: int) -> None: ...
 
 
 class Scheduler:
@@ -234,7 +235,8 @@ class Scheduler:
         ]
         other = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - len(decoding)
         other += self._expected_admissions(order)
-        ks = self.spec.plan(decoding, min(other, budget), self.max_model_len)
+        out.spec_plan = plan = self.spec.plan(decoding, min(other, budget), self.max_model_len)
+        ks = dict(plan.num_draft)  # n-gram may propose fewer; the plan stays as made
         for r in decoding:
             k = ks.get(r.request_id, 0)
             if not k:
@@ -353,7 +355,7 @@ class Scheduler:
                 accepted = len(result.accepted.get(req.request_id, ()))
                 n -= k - accepted
                 if self.spec is not None:
-                    self.spec.observe(req.request_id, k, accepted)
+                    self.spec.observe(req, k, accepted)
             req.num_computed_tokens += n
         changed: list[Request] = []
         for req in sched.requests:

@@ -16,21 +16,17 @@ from typing import Any
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import EngineLimits
-from tandem.core.outputs import SchedulerOutput
+from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.policy import SchedulingConfig, TenantQuota
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
-from tandem.spec.config import SpeculativeConfig
+from tandem.spec.config import AdaptiveConfig, SpeculativeConfig
 from tandem.spec.planner import SpecPlanner
 
 # Batches (decode rows plus drafts) up to this many rows get their GEMM primitives built at load:
 # oneDNN's first use of a row count costs ms, which would land in a timed step.
 WARM_MAX_ROWS = 64
-# The adaptive speculation plan's costs are seeded at load by timing passes over synthetic batches
-# of up to this many requests, each with this many tokens of context.
-COST_SEED_MAX_REQUESTS = 64
-COST_SEED_CONTEXT = 128
 # Failed steps in a row after which a fault is taken as the engine's, not a request's: each failed
 # step fails its culprit requests, so a fault that outlives this many of them is not theirs.
 MAX_FAULTED_STEPS = 8
@@ -164,7 +160,7 @@ class EngineCore:
             else None
         )
         if self.spec is not None and self.spec_config.adaptive:
-            self._seed_costs(config, k)
+            self._seed_costs(config, k, self.spec_config.adaptive_config)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -186,25 +182,28 @@ class EngineCore:
         # Steps in a row that failed (see `_isolate_fault`); a successful step resets it.
         self._faulted_steps = 0
 
-    def _seed_costs(self, config: EngineConfig, k: int) -> None:
+    def _seed_costs(self, config: EngineConfig, k: int, adaptive: AdaptiveConfig) -> None:
         """Time verification steps and draft passes of one request and of a full batch now, so the
         adaptive plan knows what speculation costs from its first step."""
-        n = max(1, min(COST_SEED_MAX_REQUESTS, config.max_num_seqs, config.max_num_batched_tokens // (1 + k)))
+        context = adaptive.seed_context
+        n = max(
+            1, min(adaptive.seed_max_requests, config.max_num_seqs, config.max_num_batched_tokens // (1 + k))
+        )
         shapes = [(1, 1), (1, 1 + k), (n, 1), (n, 1 + k)]
         draft_requests = [1, n] if self.runner.drafter is not None else []
         feed = 0.0
         try:
-            seconds = self.runner.time_passes(shapes, COST_SEED_CONTEXT)
+            seconds = self.runner.time_passes(shapes, context)
             draft_seconds = []
             if draft_requests:
                 # Plus one request's catch-up on a context's worth of tokens: the per-token feed cost.
                 *draft_seconds, catch_up = self.runner.time_passes(
-                    [(r, 1) for r in draft_requests] + [(1, COST_SEED_CONTEXT)], COST_SEED_CONTEXT, draft=True
+                    [(r, 1) for r in draft_requests] + [(1, context)], context, draft=True
                 )
-                feed = max(0.0, catch_up - draft_seconds[0]) / (COST_SEED_CONTEXT - 1)
+                feed = max(0.0, catch_up - draft_seconds[0]) / (context - 1)
         except ValueError:  # a cache too small to time a pass in: learn online instead
             return
-        self.spec.controller.seed(
+        self.spec.seed_costs(
             [(r * q, s) for (r, q), s in zip(shapes, seconds)], list(zip(draft_requests, draft_seconds)), feed
         )
 
@@ -284,83 +283,53 @@ class EngineCore:
         if sched.is_empty:
             return []
         changed = self.scheduler.update(sched, result)
+        update_seconds = time.perf_counter() - start
+        out = [self._sample_output(req, before, result) for req in changed]
+        elapsed = time.perf_counter() - start
+        generated = sum(len(so.new_token_ids) for so in out)
+        self._count_step(sched, result, generated, elapsed)
+        if self.spec is not None:
+            self.spec.observe_step(sched, result, generated, elapsed, update_seconds)
+        return out
+
+    def _sample_output(self, req: Request, before: dict[str, int], result: RunnerOutput) -> SampleOutput:
+        """The tokens a request gained this step; a finished request's outcome, and its state dropped."""
+        new = req.token_ids[before.get(req.request_id, req.num_prompt_tokens) :]
+        lps = result.logprobs.get(req.request_id)
+        so = SampleOutput(
+            request_id=req.group_id,
+            index=req.sample_index,
+            new_token_ids=new,
+            new_logprobs=None if lps is None else lps[: len(new)],
+        )
+        if req.is_finished:
+            so.finish_reason = req.status.finish_reason
+            so.stop_reason = req.stop_reason
+            so.num_cached_tokens = req.num_cached_tokens
+            so.num_preemptions = req.num_preemptions
+            so.first_scheduled_time = req.first_scheduled_time
+            so.first_token_time = req.first_token_time
+            so.finished_time = req.finished_time
+            self._forget(req)
+            if self.spec is not None:
+                self.spec.forget(req.request_id)
+        elif req.num_output_tokens == len(new):
+            so.num_cached_tokens = req.num_cached_tokens
+            so.first_scheduled_time = req.first_scheduled_time
+            so.first_token_time = req.first_token_time
+        return so
+
+    def _count_step(
+        self, sched: SchedulerOutput, result: RunnerOutput, generated: int, seconds: float
+    ) -> None:
         stats = self.stats
         stats.num_steps += 1
         stats.num_batched_tokens += sched.total_tokens
         stats.iteration_tokens.append(sched.total_tokens)
-        draft_time = sum(p[1] for p in result.draft_pass_times)
-        # A pure-decode step computes each request's one known token plus its drafts. Only those
-        # are samples of what speculation decides: a mode's rate for the gate, and the step-cost
-        # fit for the planner, which a prompt's many cheap-per-token rows would skew.
-        pure = self.spec is not None and all(
-            n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
-        )
-        drafted = any(sched.num_draft.values())
-        switch_cost = feed_cost = 0.0
-        if self.spec is not None:
-            if pure:
-                self.spec.controller.observe_step(
-                    sched.total_tokens,
-                    time.perf_counter() - start - draft_time,
-                    drafted=drafted,
-                )
-            for n, t, behind, missed in result.draft_pass_times:
-                if behind:
-                    # Feeding the draft the tokens it missed while speculation was off is the price
-                    # of switching on, paid once, not of running on: the gate compares the modes'
-                    # steady rates without it (else every exploration would pay it and look worse
-                    # than speculation running) and charges it to how often it explores instead.
-                    # A new request's prompt is fed once whenever speculation runs: that share stays
-                    # in the step's time, so the "on" rate pays for the prompts of new requests.
-                    excess = max(0.0, t - self.spec.controller.draft_cost.predict(n))
-                    switch_cost += excess * missed / behind
-                    feed_cost += excess * (behind - missed) / behind
-                    self.spec.controller.observe_feed(behind, excess)
-                else:
-                    self.spec.controller.observe_draft_pass(n, t)
-        out = []
-        generated = 0
-        for req in changed:
-            new = req.token_ids[before.get(req.request_id, req.num_prompt_tokens) :]
-            generated += len(new)
-            stats.num_generation_tokens += len(new)
-            lps = result.logprobs.get(req.request_id)
-            so = SampleOutput(
-                request_id=req.group_id,
-                index=req.sample_index,
-                new_token_ids=new,
-                new_logprobs=None if lps is None else lps[: len(new)],
-            )
-            if req.is_finished:
-                so.finish_reason = req.status.finish_reason
-                so.stop_reason = req.stop_reason
-                so.num_cached_tokens = req.num_cached_tokens
-                so.num_preemptions = req.num_preemptions
-                so.first_scheduled_time = req.first_scheduled_time
-                so.first_token_time = req.first_token_time
-                so.finished_time = req.finished_time
-                self._forget(req)
-                if self.spec is not None:
-                    self.spec.forget(req.request_id)
-            elif req.num_output_tokens == len(new):
-                so.num_cached_tokens = req.num_cached_tokens
-                so.first_scheduled_time = req.first_scheduled_time
-                so.first_token_time = req.first_token_time
-            out.append(so)
-        elapsed = time.perf_counter() - start
-        stats.step_time_s += elapsed
+        stats.num_generation_tokens += generated
+        stats.step_time_s += seconds
         stats.forward_time_s += result.forward_time
-        stats.draft_time_s += draft_time
-        if self.spec is not None:
-            self.spec.controller.observe_outcome(
-                generated,
-                elapsed - switch_cost,
-                drafted=drafted,
-                pure=pure,
-                switch_seconds=switch_cost,
-                feed_seconds=feed_cost,
-            )
-        return out
+        stats.draft_time_s += result.draft_time
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and gauges for metrics and offline reports."""

@@ -1,11 +1,91 @@
-"""`speculative_config`, as vLLM spells it."""
+"""`speculative_config`, as vLLM spells it, and the adaptive controller's settings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveConfig:
+    """The adaptive controller's tuning, set as `speculative_config["adaptive"] = {...}`. The defaults
+    are the values the benchmarks justify; docs/speculative_decoding.md explains each knob's role in
+    the controller and the measurements behind it."""
+
+    # -- acceptance: each request's per-token acceptance has a Beta(prior_accepted, prior_rejected)
+    # prior; its history fades by `history_decay` per drafting step, and per step it does not draft.
+    prior_accepted: float = 1.0
+    prior_rejected: float = 1.0
+    history_decay: float = 0.9
+    # Drafts are priced at the posterior mean plus this many standard deviations, so a request with
+    # little history drafts and gets measured.
+    explore_z: float = 0.5
+    # -- costs: without costs timed at load, the first `warmup_steps` steps draft the maximum while
+    # the step-cost line is fitted online. Weights of the past per sample: the step and draft-pass
+    # cost lines, the per-step speculation overhead, and a draft model's catch-up costs.
+    warmup_steps: int = 8
+    cost_decay: float = 0.98
+    overhead_decay: float = 0.9
+    feed_decay: float = 0.95
+    # Costs are timed at load over synthetic batches of up to this many requests, each with
+    # `seed_context` tokens of context.
+    seed_max_requests: int = 64
+    seed_context: int = 128
+    # -- the gate, per batch-size bucket: measured on/off rates with `gate_decay` per sample, the
+    # mode not run aging by `stale_decay` per step of the other; explorations of `min_samples`
+    # steps, spaced so that exploring costs about `explore_cost` of the time, every
+    # `explore_every` to `max_explore` steps.
+    gate_decay: float = 0.8
+    stale_decay: float = 0.97
+    min_samples: int = 3
+    explore_cost: float = 0.01
+    explore_every: int = 8
+    max_explore: int = 256
+    # -- draft-model catch-up: tokens one step may feed drafts beyond what proposals feed anyway
+    # (the closest request goes through even over it), and the most steps a request's catch-up is
+    # priced as paid off over.
+    catch_up_tokens_per_step: int = 128
+    feed_horizon_steps: int = 32
+
+    @staticmethod
+    def from_dict(values: dict[str, Any]) -> AdaptiveConfig:
+        known = [f.name for f in fields(AdaptiveConfig)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config.adaptive has unknown keys {unknown}; known: {known}")
+        cfg = AdaptiveConfig(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        decays = ("history_decay", "cost_decay", "overhead_decay", "feed_decay", "gate_decay", "stale_decay")
+        for name in decays:
+            self._check(name, float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+        for name in ("prior_accepted", "prior_rejected"):
+            self._check(name, float, lambda v: 0.0 < v < math.inf, "a positive number")
+        self._check("explore_z", float, lambda v: 0.0 <= v < math.inf, "a number >= 0")
+        self._check("explore_cost", float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+        for name, low in (
+            ("warmup_steps", 0),
+            ("catch_up_tokens_per_step", 0),
+            ("min_samples", 1),
+            ("explore_every", 1),
+            ("feed_horizon_steps", 1),
+            ("seed_max_requests", 1),
+            ("seed_context", 2),  # the catch-up cost per token is timed over seed_context - 1 tokens
+        ):
+            self._check(name, int, lambda v, low=low: v >= low, f"an integer >= {low}")
+        self._check("max_explore", int, lambda v: v >= self.explore_every, "an integer >= explore_every")
+
+    def _check(self, name: str, kind: type, ok: Callable[[Any], bool], what: str) -> None:
+        value = getattr(self, name)
+        kinds = (int, float) if kind is float else (int,)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not ok(value):
+            raise ValueError(f"speculative_config.adaptive.{name} must be {what}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,9 +98,12 @@ class SpeculativeConfig:
     # Choose each request's draft length per step from measured costs and acceptance (0 allowed);
     # num_speculative_tokens is the upper bound. False: always propose the maximum.
     adaptive: bool = True
+    # How the adaptive choice is made (unused when `adaptive` is False).
+    adaptive_config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
     @staticmethod
     def from_dict(spec: dict[str, Any] | None) -> SpeculativeConfig | None:
+        """`adaptive` may be true, false, or a dict of `AdaptiveConfig` fields (adaptive, so tuned)."""
         if spec is None:
             return None
         if isinstance(spec, SpeculativeConfig):
@@ -51,13 +134,24 @@ class SpeculativeConfig:
             lo = hi
         elif hi is None:
             hi = lo
+        adaptive = spec.get("adaptive", True)
+        if isinstance(adaptive, dict):
+            adaptive, adaptive_config = True, AdaptiveConfig.from_dict(adaptive)
+        elif isinstance(adaptive, bool):
+            adaptive_config = AdaptiveConfig()
+        else:
+            raise ValueError(
+                "speculative_config.adaptive must be true, false or a dict of the adaptive "
+                f"controller's settings, got {adaptive!r}"
+            )
         cfg = SpeculativeConfig(
             method=str(method),
             num_speculative_tokens=spec.get("num_speculative_tokens", 0),
             prompt_lookup_min=lo,
             prompt_lookup_max=hi,
             model=spec.get("model"),
-            adaptive=spec.get("adaptive", True),
+            adaptive=adaptive,
+            adaptive_config=adaptive_config,
         )
         cfg.validate()
         return cfg
@@ -79,3 +173,4 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config with method 'draft_model' needs 'model' (a checkpoint folder)"
             )
+        self.adaptive_config.validate()

@@ -1,24 +1,19 @@
-"""What the scheduler asks about speculation each step: draft lengths, and n-gram proposals."""
+"""What the scheduler asks about speculation each step (draft lengths, n-gram proposals), and where
+the engine hands back what the step cost and produced."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.request import Request
 from tandem.spec.config import SpeculativeConfig
-from tandem.spec.controller import AdaptiveSpeculation
-
-# Draft-model tokens per step spent catching a request's draft KV up (its prompt, or what it
-# missed while speculation was off) beyond the one or two every proposal feeds. Without a cap,
-# switching speculation on at high concurrency costs a draft prefill of every running request
-# in one step, which the adaptive gate then (rightly) measures as a very slow "on" step. Only the
-# adaptive mode caps it: a fixed `k` (adaptive=False) always drafts.
-CATCH_UP_TOKENS_PER_STEP = 128
-# A draft model's catch-up is priced as paid off over at most this many of the request's steps: a
-# request about to end, or drafting in only a few steps, pays for it over fewer.
-FEED_HORIZON_STEPS = 32
+from tandem.spec.controller import AdaptiveSpeculation, Plan
 
 
 class SpecPlanner:
-    """Pure Python: the scheduler calls `plan`; the engine feeds back timings and acceptance."""
+    """Pure Python: the scheduler calls `plan`, `propose` and `observe` (acceptance); the engine
+    calls `observe_step` once per step with its plan, timings and output."""
 
     def __init__(self, config: SpeculativeConfig, max_catch_up: int | None = None) -> None:
         self.config = config
@@ -26,12 +21,13 @@ class SpecPlanner:
         # token budget, which bounds a prompt chunk of the target's too); None: unbounded.
         self.max_catch_up = max_catch_up
         # Draft model: tokens each request's draft has been fed (mirrors the runner's drafter, which
-        # feeds num_tokens - 1 + k positions per proposal), and the step just planned. After a
-        # preemption the mirror can overstate it (the drafter starts over); it only sizes the
-        # catch-up budget, and what is emitted never depends on it.
+        # feeds num_tokens - 1 + k positions per proposal). After a preemption the mirror can
+        # overstate it (the drafter starts over); it only sizes the catch-up budget, and what is
+        # emitted never depends on it.
         self._fed: dict[str, int] = {}
-        self._planned: dict[str, int] = {}
-        self.controller = AdaptiveSpeculation(config.num_speculative_tokens, adaptive=config.adaptive)
+        self.controller = AdaptiveSpeculation(
+            config.num_speculative_tokens, adaptive=config.adaptive, config=config.adaptive_config
+        )
         # Totals for metrics.
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -42,23 +38,22 @@ class SpecPlanner:
     def proposes_in_runner(self) -> bool:
         return self.config.method == "draft_model"
 
-    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> dict[str, int]:
+    def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> Plan:
         """Draft length for each decoding request (capped where the request is about to end)."""
         backlog = (lambda: self._backlog(decoding)) if self.proposes_in_runner else None
-        ks = self.controller.plan(
+        plan = self.controller.plan(
             [r.request_id for r in decoding], other_tokens, self.proposes_in_runner, backlog
         )
         out = {}
         for r in decoding:
             # Drafts past max_tokens or max_model_len could never be kept.
             room = min(r.max_tokens - r.num_output_tokens - 1, max_model_len - r.num_tokens)
-            k = max(0, min(ks.get(r.request_id, 0), room))
+            k = max(0, min(plan.num_draft.get(r.request_id, 0), room))
             if k:
                 out[r.request_id] = k
         if self.proposes_in_runner and self.config.adaptive and out:
             out = self._cap_catch_up(decoding, out)
-        self._planned = {r.request_id: r.num_tokens for r in decoding if r.request_id in out}
-        return out
+        return replace(plan, num_draft=out)
 
     def _behind(self, r: Request) -> int:
         """Tokens the request's draft must catch up on before proposing, beyond the one or two
@@ -68,18 +63,22 @@ class SpecPlanner:
 
     def _backlog(self, decoding: list[Request]) -> dict[str, float]:
         """Catch-up tokens per step over which drafting would pay them off: the request's remaining
-        tokens (halved: a speculating step emits more than one), at most FEED_HORIZON_STEPS."""
+        tokens (halved: a speculating step emits more than one), at most `feed_horizon_steps`."""
+        horizon = self.config.adaptive_config.feed_horizon_steps
         out = {}
         for r in decoding:
             behind = self._behind(r)
             if behind:
-                steps = min(FEED_HORIZON_STEPS, (r.max_tokens - r.num_output_tokens) / 2)
+                steps = min(horizon, (r.max_tokens - r.num_output_tokens) / 2)
                 out[r.request_id] = behind / max(1.0, steps)
         return out
 
     def _cap_catch_up(self, decoding: list[Request], ks: dict[str, int]) -> dict[str, int]:
-        """Drop drafts of requests whose draft would first have to catch up on more than the budget
-        allows this step (the closest to caught up go first; the rest catch up in later steps).
+        """Drop drafts of requests whose draft would first have to catch up on more than the step's
+        catch-up budget allows (the closest to caught up go first; the rest catch up in later
+        steps). Without a cap, switching speculation on at high concurrency would cost a draft
+        prefill of every running request in one step, which the gate then (rightly) measures as a
+        very slow "on" step. Only the adaptive mode caps: a fixed `k` always drafts.
 
         The closest one is kept even over the budget, up to `max_catch_up`: a draft catches up only
         by drafting, so a request further behind than the budget would otherwise never draft again
@@ -87,7 +86,7 @@ class SpecPlanner:
         adds to the step for everyone in it; a request behind by more stays without drafts."""
         behind = [(self._behind(r), r.request_id) for r in decoding if r.request_id in ks]
         behind.sort()
-        budget = CATCH_UP_TOKENS_PER_STEP
+        budget = self.config.adaptive_config.catch_up_tokens_per_step
         out = {}
         for extra, rid in behind:
             if extra <= budget or (not out and (self.max_catch_up is None or extra <= self.max_catch_up)):
@@ -103,20 +102,68 @@ class SpecPlanner:
 
         return propose_ngram(req.token_ids, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+    def observe(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        """A request's verified drafts, before its new tokens are appended."""
         if num_draft <= 0:
             return
-        num_tokens = self._planned.get(request_id)
-        if num_tokens is not None:
-            self._fed[request_id] = num_tokens - 1 + num_draft
-        self.controller.observe_acceptance(request_id, num_draft, num_accepted)
+        rid = req.request_id
+        self._fed[rid] = req.num_tokens - 1 + num_draft
+        self.controller.observe_acceptance(rid, num_draft, num_accepted)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    def seed_costs(
+        self, step_points: list[tuple[int, float]], draft_points: list[tuple[int, float]], feed_cost: float
+    ) -> None:
+        """Costs timed at load (`AdaptiveSpeculation.seed`)."""
+        self.controller.seed(step_points, draft_points, feed_cost)
+
+    def observe_step(
+        self,
+        sched: SchedulerOutput,
+        result: RunnerOutput,
+        generated: int,
+        seconds: float,
+        update_seconds: float,
+    ) -> None:
+        """A step's feedback: `generated` output tokens in `seconds` of wall time; the step-cost line
+        learns from `update_seconds`, the part up to the end of the scheduler's update (before the
+        outputs are built).
+
+        Only pure-decode steps, in which each request computed exactly its next token plus its
+        drafts, are samples of what speculation decides: a mode's rate for the gate, and the
+        step-cost line, which a prompt's many cheap-per-token rows would skew. Draft catch-up
+        (`observe_draft_pass`) is split out of the step: tokens missed while speculation was off
+        are the price of switching on, paid once, which the gate charges to how often it explores
+        (else every exploration would pay it and look worse than speculation running); a new
+        request's prompt is fed whenever speculation runs, so the "on" rate pays for it."""
+        ctl = self.controller
+        pure = all(
+            n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
+        )
+        drafted = any(sched.num_draft.values())
+        if pure:
+            ctl.observe_step(sched.total_tokens, update_seconds - result.draft_time, drafted=drafted)
+        switch = feed = 0.0
+        for p in result.draft_passes:
+            s, f = ctl.observe_draft_pass(p)
+            switch += s
+            feed += f
+        # A step planned by no SpecPlanner (none was asked) is no sample of either mode.
+        plan = sched.spec_plan if isinstance(sched.spec_plan, Plan) else Plan({})
+        ctl.observe_outcome(
+            plan,
+            generated,
+            seconds - switch,
+            drafted=drafted,
+            pure=pure,
+            switch_seconds=switch,
+            feed_seconds=feed,
+        )
+
     def forget(self, request_id: str) -> None:
         self.controller.forget(request_id)
         self._fed.pop(request_id, None)
-        self._planned.pop(request_id, None)

@@ -20,34 +20,58 @@ feeds the draft its whole prompt.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.core.outputs import DraftPass
 from tandem.core.request import Request
 from tandem.model.loader import load_model
+from tandem.worker.batch import SampleRow, build_batch
+from tandem.worker.sampler import Sampler, SamplingBatch
+
+
+class DraftHost(Protocol):
+    """What the drafter uses of the target's runner (tandem.worker.model_runner.ModelRunner): its
+    KV layout, placement and vocabulary, and its sampling, so draft tokens are drawn as the target's."""
+
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    sampler: Sampler
+
+    def allocate_kv(self, mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]: ...
+
+    def sampling_batch(self, rows: list[SampleRow]) -> SamplingBatch: ...
 
 
 class Drafter:
     def __init__(
-        self, runner, mc: ModelConfig, engine_config: EngineConfig, num_blocks: int, max_model_len: int
+        self,
+        host: DraftHost,
+        mc: ModelConfig,
+        engine_config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
     ) -> None:
-        if mc.vocab_size != runner.model_config.vocab_size:
+        if mc.vocab_size != host.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({mc.vocab_size}) differs from the target's "
-                f"({runner.model_config.vocab_size})"
+                f"({host.vocab_size})"
             )
-        self.runner = runner
+        self.host = host
         self.model = load_model(
             mc,
-            runner.dtype,
-            runner.device,
+            host.dtype,
+            host.device,
             engine_config.attention_backend,
             max_model_len,
             engine_config.quantization,
         )
         self.backend = self.model.layers[0].self_attn.backend
-        self.kv_caches = runner.allocate_kv(mc, num_blocks)
+        self.kv_caches = host.allocate_kv(mc, num_blocks)
         self.generators: dict[str, torch.Generator] = {}
         # request id -> how many leading positions hold valid draft KV
         self.valid: dict[str, int] = {}
@@ -70,17 +94,15 @@ class Drafter:
 
     def propose(
         self, todo: list[tuple[Request, int]]
-    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[tuple[int, float, int, int]]]:
+    ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor], list[DraftPass]]:
         """Propose `k` tokens for each decoding request: k batched single-token draft passes."""
-        from tandem.worker.model_runner import SampleRow, build_batch
-
-        runner = self.runner
-        bs = runner.block_size
+        host = self.host
+        bs = host.block_size
         # Pass 0 starts where each request's valid draft KV ends (sync has set it).
         first = [min(self.valid[r.request_id], r.num_tokens - 1) for r, _ in todo]
         tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in todo}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in todo}
-        times: list[tuple[int, float, int, int]] = []
+        passes: list[DraftPass] = []
         # Plain greedy rows (no penalties, no min_tokens masking) draft by argmax of the raw logits,
         # and greedy verification never reads a draft distribution: skip building either.
         plain = all(
@@ -111,7 +133,7 @@ class Drafter:
                 starts = [r.num_tokens - 1 + j for r in active]
                 q_lens = [1] * n
                 extra = {r.request_id: tokens[r.request_id][-1:] for r in active}
-            batch, ends = build_batch(active, q_lens, bs, runner.device, extra, starts_l=starts)
+            batch, ends = build_batch(active, q_lens, bs, host.device, extra, starts_l=starts)
             self.backend.prepare(batch)
             hidden = self.model(batch, self.kv_caches)
             if len(ends) != hidden.shape[0]:
@@ -120,18 +142,20 @@ class Drafter:
             if plain:
                 for r, t in zip(active, logits.argmax(dim=-1).tolist()):
                     tokens[r.request_id].append(t)
-                times.append((n, time.perf_counter() - start, behind, missed))
+                seconds = time.perf_counter() - start
+                passes.append(DraftPass(n, seconds, catch_up_tokens=behind, missed_tokens=missed))
                 continue
             logits = logits.float()
-            sb = runner.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
+            sb = host.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
             sb.generators = [self._generator(r) for r in active]
-            dist = runner.sampler.distribution(logits, sb)
-            picked = dist.argmax(dim=-1) if sb.all_greedy else runner.sampler.draw(dist, sb)
+            dist = host.sampler.distribution(logits, sb)
+            picked = dist.argmax(dim=-1) if sb.all_greedy else host.sampler.draw(dist, sb)
             for i, (r, t) in enumerate(zip(active, picked.tolist())):
                 tokens[r.request_id].append(t)
                 probs[r.request_id].append(dist[i])
-            times.append((n, time.perf_counter() - start, behind, missed))
-        return tokens, {rid: torch.stack(p) for rid, p in probs.items() if p}, times
+            seconds = time.perf_counter() - start
+            passes.append(DraftPass(n, seconds, catch_up_tokens=behind, missed_tokens=missed))
+        return tokens, {rid: torch.stack(p) for rid, p in probs.items() if p}, passes
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """Draft draws use their own stream, so a seeded request's target stream is not disturbed."""

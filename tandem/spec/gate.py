@@ -1,0 +1,135 @@
+"""The measured gate on top of the adaptive plan: speculation runs where it has been measured to pay.
+
+The plan's cost model cannot see everything verification costs (draft passes, the extra sampling
+rows, Python work per request), so per batch-size bucket the gate keeps the measured output tokens
+per second of pure-decode steps with speculation on and off, runs the better mode, and now and then
+spends a few steps on the other so both stay current (docs/speculative_decoding.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tandem.spec.config import AdaptiveConfig
+
+
+@dataclass(frozen=True, slots=True)
+class GateChoice:
+    """The mode for one pure-decode step. `exploring`: "on" was chosen to be measured, not as the
+    mode measured to be better (the plan then does not price a catch-up the exploration has paid for)."""
+
+    on: bool
+    exploring: bool = False
+
+
+class SpecGate:
+    """Per batch-size bucket: measured tokens/s with speculation on vs off; run the better one."""
+
+    def __init__(self, config: AdaptiveConfig | None = None) -> None:
+        self.config = config or AdaptiveConfig()
+        # bucket -> {mode: [weighted tokens, weighted seconds, samples]}
+        self._stats: dict[int, dict[bool, list[float]]] = {}
+        self._steps: dict[int, int] = {}
+        # bucket -> (mode, steps left) of an exploration in progress
+        self._burst: dict[int, tuple[bool, int]] = {}
+        # Running mean of what switching a draft model on costs (its catch-up), in steps.
+        self.switch_steps = 0.0
+
+    @staticmethod
+    def bucket(num_decoding: int) -> int:
+        return max(1, num_decoding).bit_length()
+
+    def rate(self, bucket: int, on: bool) -> float | None:
+        st = self._stats.get(bucket, {}).get(on)
+        if st is None or st[2] < self.config.min_samples or st[1] <= 0:
+            return None
+        return st[0] / st[1]
+
+    def explore_interval(self, on_rate: float, off_rate: float) -> int:
+        """Steps between explorations, each `min_samples` steps of the worse mode long. Exploring
+        "on" from "off" also pays `switch_steps`: a draft model first catches up on what it missed."""
+        cfg = self.config
+        loss = max(on_rate, off_rate) / max(min(on_rate, off_rate), 1e-12) - 1.0
+        switch = self.switch_steps if off_rate > on_rate else 0.0
+        steps = math.ceil((cfg.min_samples * loss + switch) / cfg.explore_cost)
+        return max(cfg.explore_every, min(cfg.max_explore, steps))
+
+    def observe_switch(self, steps: float) -> None:
+        """What a step's draft catch-up cost, in steps of that step's own time."""
+        d = self.config.gate_decay
+        self.switch_steps = d * self.switch_steps + (1.0 - d) * steps
+
+    def _explore(self, b: int, mode: bool) -> bool:
+        """Start an exploration of `mode`: `min_samples` consecutive steps, so the refreshed rate
+        is a mean over several steps and not one noisy one (a step's tokens vary with acceptance)."""
+        if self.config.min_samples > 1:
+            self._burst[b] = (mode, self.config.min_samples - 1)
+        return mode
+
+    def _measured(self, bucket: int) -> bool | None:
+        on_rate, off_rate = self.rate(bucket, True), self.rate(bucket, False)
+        return None if on_rate is None or off_rate is None else on_rate >= off_rate
+
+    def _borrowed(self, bucket: int) -> bool | None:
+        """The nearest informative neighbour's verdict: off from below, on from above."""
+        for other in sorted(self._stats, key=lambda o: abs(o - bucket)):
+            verdict = self._measured(other)
+            if verdict is False and other < bucket:
+                return False
+            if verdict is True and other > bucket:
+                return True
+        return None
+
+    def preferred(self, num_decoding: int) -> bool:
+        """The better mode so far, without counting a step or exploring."""
+        b = self.bucket(num_decoding)
+        verdict = self._measured(b)
+        if verdict is None:
+            verdict = self._borrowed(b)
+        if verdict is None:  # nothing known: try "on" first
+            return self.rate(b, True) is None
+        return verdict
+
+    def choose(self, num_decoding: int) -> GateChoice:
+        """The mode for a pure-decode step: the better one, or (now and then) the other."""
+        on = self._choose(num_decoding)
+        return GateChoice(on, exploring=on and self._measured(self.bucket(num_decoding)) is not True)
+
+    def _choose(self, num_decoding: int) -> bool:
+        b = self.bucket(num_decoding)
+        step = self._steps[b] = self._steps.get(b, 0) + 1
+        burst = self._burst.pop(b, None)
+        if burst is not None:
+            mode, left = burst
+            if left > 1:
+                self._burst[b] = (mode, left - 1)
+            return mode
+        on_rate, off_rate = self.rate(b, True), self.rate(b, False)
+        if on_rate is None or off_rate is None:
+            borrowed = self._borrowed(b)
+            if borrowed is None:  # try "on" first, then "off"
+                return on_rate is None
+            if self.rate(b, borrowed) is None:
+                return borrowed
+            # The borrowed mode is measured here; sample the other one on the slow schedule.
+            return self._explore(b, not borrowed) if step % self.config.max_explore == 0 else borrowed
+        best = on_rate >= off_rate
+        if step % self.explore_interval(on_rate, off_rate) == 0:
+            return self._explore(b, not best)
+        return best
+
+    def observe(self, num_decoding: int, on: bool, tokens: int, seconds: float) -> None:
+        d = self.config.gate_decay
+        modes = self._stats.setdefault(self.bucket(num_decoding), {})
+        st = modes.setdefault(on, [0.0, 0.0, 0])
+        st[0] = d * st[0] + tokens
+        st[1] = d * st[1] + seconds
+        st[2] += 1
+        # The mode not run ages with every step of the other: when it is next explored, that fresh
+        # sample outweighs old ones, so the two rates compare like with like as acceptance drifts.
+        other = modes.get(not on)
+        if other is not None:
+            stale = self.config.stale_decay
+            other[0] *= stale
+            other[1] *= stale
