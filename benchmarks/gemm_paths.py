@@ -53,7 +53,7 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
     if int8[0]._packed is not None:
         paths["int8 PyTorch linear_dynamic (W8A8)"] = (
             int8,
-            lambda x, m: torch.ops.quantized.linear_dynamic(x, m._packed, m.reduce_range),
+            lambda x, m: torch.ops.quantized.linear_dynamic(x, m._packed, False),
         )
     # Tandem's VNNI kernel for up to 8 rows where it built, PyTorch's operator above.
     paths["int8 Tandem Int8Linear (W8A8)"] = (int8, lambda x, m: m(x))

@@ -6,14 +6,17 @@ tensor at run time, inside PyTorch's x86 quantized GEMM (`quantized::linear_dyna
 oneDNN with VNNI), accumulated in int32 and scaled back to float. For up to eight rows (decoding
 a few streams) Tandem's own AVX512-VNNI kernel (tandem/kernels) does the same product with one
 scale per activation row, quantizing inside the call and streaming the weight at memory speed;
-PyTorch's operator spends a good part of each small call outside the product. Where neither is there,
-the same int8 weights are widened to float and multiplied in plain torch (weight-only: more
-exact, much slower). benchmarks/gemm_paths.py times the choices; docs/default_model.md reports the
+PyTorch's operator spends a good part of each small call outside the product. Both need a CPU with
+VNNI (AVX512-VNNI or AVX-VNNI): without it, fbgemm's 8-bit products can overflow 16-bit sums, and
+its 7-bit fallback costs too much accuracy (on the default model, greedy text parts from float's
+within a few tokens). There, and where PyTorch has no quantized engine, the same int8 weights are
+widened to float and multiplied in plain torch (weight-only: as exact, slower than float32). benchmarks/gemm_paths.py times the choices; docs/default_model.md reports the
 perplexity cost on the default model.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
@@ -24,6 +27,8 @@ from tandem import kernels
 from tandem.config import QUANTIZATION_METHODS
 from tandem.cpu import cpu_flags
 from tandem.model.linear import replace_linears
+
+logger = logging.getLogger("tandem.model")
 
 # Rows up to which Tandem's VNNI kernel beats PyTorch's (benchmarks/gemm_paths.py).
 _KERNEL_MAX_ROWS = 8
@@ -55,9 +60,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         # use_kernel=False forces the float reference path (tests); None takes what the host has.
         want = use_kernel is not False
-        # Without VNNI, fbgemm's u8 x s8 products can saturate 16-bit sums: keep activations to 7 bits.
-        self.reduce_range = not _cpu_has_vnni()
-        self._packed = self._prepack() if want and _has_dynamic_int8() else None
+        self._packed = self._prepack() if want and _has_dynamic_int8() and _cpu_has_vnni() else None
         # Tandem's few-row kernel wants each weight row's sum (it offsets activations by 128).
         self.row_sum = q.sum(1, dtype=torch.int32) if want and kernels.has("gemm_w8a8") else None
 
@@ -83,7 +86,7 @@ class Int8Linear(nn.Module):
         if self.row_sum is not None and 0 < x2.shape[0] <= _KERNEL_MAX_ROWS:
             return torch.ops.tandem.gemm_w8a8(x2, self.qweight, self.scale, self.row_sum, self.bias)
         if self._packed is not None and x2.shape[0] > 0:
-            return torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, self.reduce_range)
+            return torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, False)
         # Per-channel scales commute with the matmul: scale the output columns instead.
         y = F.linear(x2, self.qweight.float()) * self.scale
         return y if self.bias is None else y + self.bias
@@ -99,4 +102,6 @@ def quantize_model(model: nn.Module, method: str | None, use_kernel: bool | None
         return model
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
+    if use_kernel is not False and not _cpu_has_vnni():
+        logger.warning("this CPU has no VNNI: int8 runs weight-only, slower than float32")
     return replace_linears(model, lambda w, b: Int8Linear(w, b, use_kernel))
