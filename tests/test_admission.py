@@ -25,13 +25,18 @@ def request(rid: str, **kw) -> EngineCoreRequest:
     return EngineCoreRequest(rid, [1, 2, 3], SamplingParams(max_tokens=4), 4, 0.0, **kw)
 
 
+class NoConnection:
+    def send(self, payload: bytes) -> None:
+        raise AssertionError("nothing may be sent")
+
+
 @pytest.fixture
 def client(tokenizer_dir):
-    c = AsyncEngineClient.__new__(AsyncEngineClient)
-    AsyncEngineClient.__init__(c, config=None)
+    c = AsyncEngineClient(config=None, connections=[NoConnection()])
     c.tokenizer = Tokenizer(str(tokenizer_dir))
     c.outputs = OutputProcessor(c.tokenizer)
     c.limits = EngineLimits(512, 64, 16, 64, 4)
+    c._live = {0}
     return c
 
 
@@ -39,7 +44,7 @@ def test_an_unencodable_request_leaves_no_stream(client):
     """msgpack cannot carry 2**64: before, the stream stayed registered and held a waiting slot."""
     with pytest.raises(ValueError, match="cannot be sent"):
         client.add(request("r", priority=2**64), None, asyncio.Event())
-    assert client.streams == {} and client.outputs.groups == {}
+    assert client.streams == {} and client.routes == {} and client.outputs.groups == {}
     assert client.num_waiting == 0
 
 

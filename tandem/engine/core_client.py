@@ -1,12 +1,15 @@
-"""The API process's side of the engine: spawns the engine-core process and talks to it over ZeroMQ.
+"""The front end of one or more engine instances: text in and out, one stream per request.
 
 Text stays here: the client owns the tokenizer, the `InputProcessor` (validation against the
 limits the core sends back at start-up) and the `OutputProcessor` (detokenization, stop strings,
-logprobs). A stop string found here is sent to the core as `StopSample`.
+logprobs). A stop string found here is sent to the core as `StopSample`. Each engine instance is
+reached through an `EngineConnection` (engine/connection.py): by default one, a spawned process.
 
 Each request's outputs reach its caller through a `RequestStream`: a one-slot mailbox holding the
 latest cumulative `RequestOutput` (a newer one replaces an unread one, so a slow reader costs no
 memory), plus an `asyncio.Event` that the caller waits on (one event may serve several streams).
+A request is routed to one instance at a time; `move` hands it to another (its stream and text
+state stay where they are: they belong to the front end, not to an instance).
 """
 
 from __future__ import annotations
@@ -14,27 +17,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.core.limits import EngineLimits
 from tandem.engine import messages as m
+from tandem.engine.connection import EngineConnection, EngineDeadError, ProcessConnection
 from tandem.engine.messages import EngineCoreRequest
 from tandem.engine.processor import InputProcessor, OutputProcessor
 from tandem.engine.tokenizer import Tokenizer
 from tandem.outputs import RequestOutput
 
+__all__ = ["AsyncEngineClient", "EngineDeadError", "RequestAbortedError", "RequestFailedError", "RequestStream"]
+
 logger = logging.getLogger("tandem.client")
-
-LIVENESS_POLL_MS = 200
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process has exited; no request can make progress."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -91,106 +88,55 @@ class AsyncEngineClient:
         config: EngineConfig,
         on_stats: Callable[[m.Stats], None] | None = None,
         on_dead: Callable[[str], None] | None = None,
+        connections: list[EngineConnection] | None = None,
     ) -> None:
         self.config = config
         self.on_stats = on_stats
         self.on_dead = on_dead
+        self.connections = connections if connections is not None else [ProcessConnection(config)]
         self.dead: str | None = None
-        self.engine_pid: int | None = None
         self.limits: EngineLimits | None = None
         self.tokenizer: Tokenizer | None = None
         self.inputs: InputProcessor | None = None
         self.outputs: OutputProcessor | None = None
         self.streams: dict[str, RequestStream] = {}
+        # request id -> index of the connection (instance) that runs it now
+        self.routes: dict[str, int] = {}
+        self._live: set[int] = set()
         self._enc = m.encoder()
-        self._dec = m.client_decoder()
-        self._proc: Any = None
-        self._tmp: str | None = None
-        self._ctx: Any = None
-        self._actx: Any = None
-        self._in: Any = None
-        self._out: Any = None
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.connections[0].pid
 
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self, timeout: float = 600.0) -> None:
-        """Spawn the engine process, load the tokenizer meanwhile, and wait for the core's limits."""
-        import multiprocessing
-
-        import zmq
-        import zmq.asyncio
-
-        from tandem.engine.core_proc import run_engine_core
-
-        self._tmp = tempfile.mkdtemp(prefix="tandem-")
-        in_addr, out_addr = f"ipc://{self._tmp}/in", f"ipc://{self._tmp}/out"
-        self._ctx = zmq.Context()
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.setsockopt(zmq.SNDHWM, 0)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._in.bind(in_addr)
-        self._actx = zmq.asyncio.Context()
-        self._out = self._actx.socket(zmq.PULL)
-        self._out.setsockopt(zmq.RCVHWM, 0)
-        self._out.setsockopt(zmq.LINGER, 0)
-        self._out.bind(out_addr)
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(
-            target=run_engine_core,
-            args=(self.config, in_addr, out_addr, os.getpid()),
-            name="tandem-engine-core",
-            daemon=True,
-        )
-        self._proc.start()
-        self.engine_pid = self._proc.pid
+        """Start every instance's host, load the tokenizer meanwhile, and wait for the cores' limits."""
+        for conn in self.connections:
+            conn.launch()
         loop = asyncio.get_running_loop()
         tok_path = self.config.tokenizer or self.config.model
         self.tokenizer = await loop.run_in_executor(None, Tokenizer, tok_path)
         eos = self.tokenizer.eos_token_id
-        await asyncio.wait_for(self._expect(m.Hello), timeout)
-        self._send(m.Init([] if eos is None else [eos]))
-        ready = await asyncio.wait_for(self._expect(m.Ready), timeout)
-        self.limits = ready.limits
-        self.inputs = InputProcessor(self.tokenizer, ready.limits)
+        extra = [] if eos is None else [eos]
+        readies = await asyncio.gather(*(c.handshake(extra, timeout) for c in self.connections))
+        # Instances of one model share its limits but for their caches: validate against the smallest.
+        self.limits = min((r.limits for r in readies), key=lambda lim: lim.num_blocks)
+        self.inputs = InputProcessor(self.tokenizer, self.limits)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._task = asyncio.create_task(self._output_loop(), name="tandem-engine-outputs")
-
-    async def _expect(self, kind: type) -> Any:
-        while True:
-            msg = await self._recv()
-            if isinstance(msg, kind):
-                return msg
-            if isinstance(msg, m.Failed):
-                raise RuntimeError(f"the engine failed to start: {msg.message}")
-
-    async def _recv(self) -> Any:
-        """Next message; raises EngineDeadError once the process has exited and nothing is left."""
-        while not await self._out.poll(LIVENESS_POLL_MS):
-            if not self._proc.is_alive():
-                raise EngineDeadError(f"the engine process exited (code {self._proc.exitcode})")
-        return self._dec.decode(await self._out.recv(copy=False))
+        self._live = set(range(len(self.connections)))
+        self._tasks = [
+            asyncio.create_task(self._output_loop(i), name=f"tandem-engine-outputs-{i}")
+            for i in range(len(self.connections))
+        ]
 
     async def shutdown(self, timeout: float = 5.0) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        proc = self._proc
-        if proc is not None and proc.is_alive():
-            with contextlib.suppress(EngineDeadError):
-                self._send(m.Shutdown())
-            await asyncio.get_running_loop().run_in_executor(None, proc.join, timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1.0)
-        for sock in (self._in, self._out):
-            if sock is not None:
-                sock.close(linger=0)
-        for ctx in (self._ctx, self._actx):
-            if ctx is not None:
-                ctx.term()
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(c.shutdown(timeout) for c in self.connections), return_exceptions=True)
 
     # -- requests ------------------------------------------------------------
 
@@ -209,34 +155,46 @@ class AsyncEngineClient:
         prompt_text: str | None,
         notify: asyncio.Event,
         on_finish: Callable[[RequestOutput], None] | None = None,
+        instance: int = 0,
     ) -> RequestStream:
-        """Queue a request validated by `self.inputs.process`; outputs arrive on the returned stream."""
+        """Queue a request validated by `self.inputs.process` on an instance; outputs arrive on the
+        returned stream."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if instance not in self._live:
+            raise EngineDeadError(f"engine instance {instance} is not running")
         if req.request_id in self.streams:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         stream = RequestStream(req.request_id, notify, on_finish)
         # Registered and sent as one step: whatever fails in between (an unencodable field, a dead
         # engine) unregisters the request, so no error path leaves a stream behind.
         self.streams[req.request_id] = stream
+        self.routes[req.request_id] = instance
         try:
             self.outputs.add(req, prompt_text)
-            payload = self._encode(m.Add(req))
-            self._send_bytes(payload)
+            self.connections[instance].send(self._encode(m.Add(req)))
         except BaseException:
             self.streams.pop(req.request_id, None)
+            self.routes.pop(req.request_id, None)
             self.outputs.abort([req.request_id])
             raise
         return stream
+
+    def move(self, request_id: str, instance: int) -> None:
+        """Route a request's control messages (abort, stop) to another instance from now on."""
+        if request_id in self.streams:
+            self.routes[request_id] = instance
 
     def abort(self, request_ids: list[str]) -> None:
         ids = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
         if not ids:
             return
         self.outputs.abort(ids)
-        if self.dead is None:
-            with contextlib.suppress(EngineDeadError):
-                self._send(m.Abort(ids))
+        by_instance: dict[int, list[str]] = {}
+        for rid in ids:
+            by_instance.setdefault(self.routes.pop(rid, 0), []).append(rid)
+        for instance, group in by_instance.items():
+            self._send_to(instance, m.Abort(group))
 
     def abort_all(self, reason: str) -> None:
         """End every in-flight request with RequestAbortedError (server shutdown)."""
@@ -251,32 +209,27 @@ class AsyncEngineClient:
         except (OverflowError, UnicodeError, TypeError) as exc:  # a field msgpack cannot carry
             raise ValueError(f"the request cannot be sent to the engine: {exc}") from exc
 
-    def _send(self, msg: object) -> None:
-        self._send_bytes(self._encode(msg))
-
-    def _send_bytes(self, payload: bytes) -> None:
-        import zmq
-
-        try:
-            self._in.send(payload, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again as exc:  # no engine connected any more
-            raise EngineDeadError("the engine process is not reachable") from exc
+    def _send_to(self, instance: int, msg: object) -> None:
+        """A control message to an instance; dropped if the instance is gone (it holds nothing)."""
+        if instance in self._live:
+            with contextlib.suppress(EngineDeadError):
+                self.connections[instance].send(self._encode(msg))
 
     # -- outputs -------------------------------------------------------------
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, instance: int) -> None:
         try:
             while True:
-                self._handle(await self._recv())
+                self._handle(instance, await self.connections[instance].recv())
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
-            self._die(str(exc))
+            self._instance_died(instance, str(exc))
         except Exception as exc:
             logger.exception("engine output loop failed")
-            self._die(f"engine client error: {exc}")
+            self._instance_died(instance, f"engine client error: {exc}")
 
-    def _handle(self, msg: Any) -> None:
+    def _handle(self, instance: int, msg: Any) -> None:
         if isinstance(msg, m.Outputs):
             if msg.stats is not None and self.on_stats is not None:
                 self.on_stats(msg.stats)
@@ -284,9 +237,9 @@ class AsyncEngineClient:
                 return
             outs, stops, failed = self.outputs.process(msg.outputs)
             for request_id, index, reason in stops:
-                self._send(m.StopSample(request_id, index, reason))
+                self._send_to(self.routes.get(request_id, instance), m.StopSample(request_id, index, reason))
             if failed:
-                self._send(m.Abort(failed))
+                self._send_to(instance, m.Abort(failed))
             for out in outs:
                 stream = self.streams.get(out.request_id)
                 if stream is None:
@@ -297,21 +250,28 @@ class AsyncEngineClient:
                     stream.put(out)
                 if out.finished:
                     del self.streams[out.request_id]
+                    self.routes.pop(out.request_id, None)
         elif isinstance(msg, m.Rejected):
             stream = self.streams.pop(msg.request_id, None)
+            self.routes.pop(msg.request_id, None)
             self.outputs.abort([msg.request_id])
             if stream is not None:
                 stream.fail(ValueError(msg.message))
         elif isinstance(msg, m.Failed):
             raise EngineDeadError(f"the engine failed: {msg.message}")
 
-    def _die(self, reason: str) -> None:
-        if self.dead is not None:
-            return
-        self.dead = reason
-        logger.error("%s; failing %d in-flight request(s)", reason, len(self.streams))
-        streams, self.streams = list(self.streams.values()), {}
-        for s in streams:
-            s.fail(EngineDeadError(reason))
-        if self.on_dead is not None:
-            self.on_dead(reason)
+    def _instance_died(self, instance: int, reason: str) -> None:
+        """Fail the requests the instance ran; with no instance left, the client is dead."""
+        self._live.discard(instance)
+        lost = [rid for rid, i in self.routes.items() if i == instance]
+        logger.error("%s; failing %d in-flight request(s)", reason, len(lost))
+        for rid in lost:
+            self.routes.pop(rid, None)
+            stream = self.streams.pop(rid, None)
+            self.outputs.abort([rid])
+            if stream is not None:
+                stream.fail(EngineDeadError(reason))
+        if not self._live and self.dead is None:
+            self.dead = reason
+            if self.on_dead is not None:
+                self.on_dead(reason)

@@ -1,8 +1,12 @@
-"""The engine-core process: an EngineCore driven by messages from the API process.
+"""An EngineCore driven by messages from a front end: the engine side of the process boundary.
 
-The loop never waits on the API process: it drains what has arrived without blocking, runs a
-step while there is work, and only when idle blocks on its input socket (with a timeout, so it
-also notices a dead parent). Outputs go out unbounded (no high-water mark), so a slow reader
+`serve_engine` runs the loop wherever it is hosted: `run_engine_core` is the entry point of the
+engine process `tandem serve` spawns; another host (a Ray actor, say) calls `serve_engine` with its
+own addresses (tcp:// across machines) and its own liveness check.
+
+The loop never waits on the front end: it drains what has arrived without blocking, runs a step
+while there is work, and only when idle blocks on its input socket (with a timeout, so it also
+notices when its host says stop). Outputs go out unbounded (no high-water mark), so a slow reader
 cannot stall the engine.
 """
 
@@ -14,6 +18,8 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine import messages as m
@@ -25,10 +31,18 @@ STATS_INTERVAL_S = 0.2
 
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
-    """Process entry point (multiprocessing spawn target)."""
+    """Process entry point (multiprocessing spawn target): serve until the parent goes away."""
     # Ctrl-C reaches the whole process group: the API process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(message)s")
+    code = serve_engine(config, in_addr, out_addr, lambda: os.getppid() == parent_pid)
+    sys.exit(code)
+
+
+def serve_engine(config: EngineConfig, in_addr: str, out_addr: str, alive: Callable[[], bool]) -> int:
+    """Connect to a front end's two sockets, build the core, and run the loop while `alive()`.
+
+    Returns 0 after a Shutdown or once `alive()` is false, 1 after reporting a fatal error."""
     import zmq
 
     ctx = zmq.Context()
@@ -39,28 +53,27 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pi
     out.setsockopt(zmq.SNDHWM, 0)
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(out_addr)
-    enc = m.encoder()
     code = 0
     try:
-        proc = EngineCoreProc(config, inp, out, parent_pid)
-        proc.run()
-    except Exception as exc:  # report, then die: the API process fails in-flight requests
+        EngineLoop(config, inp, out, alive).run()
+    except Exception as exc:  # report, then stop: the front end fails the requests in flight
         logger.error("engine core failed:\n%s", traceback.format_exc())
-        out.send(enc.encode(m.Failed(f"{type(exc).__name__}: {exc}")))
+        out.send(m.encoder().encode(m.Failed(f"{type(exc).__name__}: {exc}")))
         code = 1
     finally:
         inp.close(linger=0)
         out.close()
         ctx.term()
-    sys.exit(code)
+    return code
 
 
-class EngineCoreProc:
-    def __init__(self, config: EngineConfig, inp, out, parent_pid: int) -> None:
+class EngineLoop:
+    def __init__(self, config: EngineConfig, inp: Any, out: Any, alive: Callable[[], bool]) -> None:
         import zmq
 
         self.inp, self.out = inp, out
-        self.parent_pid = parent_pid
+        self.alive = alive
+        self.core: Any = None
         self.enc = m.encoder()
         self.dec = m.engine_decoder()
         self.poller = zmq.Poller()
@@ -72,7 +85,7 @@ class EngineCoreProc:
         self.stats_due = False
         self.last_stats = 0.0
         self._send(m.Hello(os.getpid()))
-        # Import torch and the model code while the API process loads the tokenizer (whose EOS id
+        # Import torch and the model code while the front end loads the tokenizer (whose EOS id
         # the core needs, so the core itself is built once Init arrives).
         import tandem.worker.model_runner  # noqa: F401
 
@@ -81,8 +94,9 @@ class EngineCoreProc:
             msg = self._recv(IDLE_POLL_MS)
             if isinstance(msg, m.Init):
                 init = msg
-            elif isinstance(msg, m.Shutdown) or not self._parent_alive():
-                raise SystemExit(0)
+            elif isinstance(msg, m.Shutdown) or not self.alive():
+                self.stopping = True  # told to stop before the core was built: run() returns at once
+                return
         from tandem.engine.core import EngineCore
 
         self.core = EngineCore(config, tuple(init.extra_eos_token_ids))
@@ -96,9 +110,6 @@ class EngineCoreProc:
         if not self.poller.poll(timeout_ms):
             return None
         return self.dec.decode(self.inp.recv(copy=False).buffer)
-
-    def _parent_alive(self) -> bool:
-        return os.getppid() == self.parent_pid
 
     def run(self) -> None:
         core = self.core
@@ -118,12 +129,12 @@ class EngineCoreProc:
                 stats = self._stats() if due else None
                 if outputs or stats is not None:
                     self._send(m.Outputs(outputs, stats))
-                if steps % 256 == 0 and not self._parent_alive():
+                if steps % 256 == 0 and not self.alive():
                     break
             else:
                 if self.dirty:
                     self._send(m.Outputs([], self._stats()))
-                if not self._parent_alive():
+                if not self.alive():
                     break
 
     def _drain(self, timeout_ms: int) -> None:
