@@ -103,19 +103,39 @@ class ServerMetrics:
         self.iteration_tokens = hist(
             "iteration_tokens_total", "Tokens scheduled per engine step.", ITERATION_BUCKETS
         )
-        self._last: dict[str, int] = dict.fromkeys(_ENGINE_COUNTERS, 0)
+        im = [*m, "instance"]
+        self.instance_running = Gauge(
+            "tandem:instance_num_requests_running", "Requests running, per engine instance.", im, registry=reg
+        )
+        self.instance_waiting = Gauge(
+            "tandem:instance_num_requests_waiting", "Requests waiting, per engine instance.", im, registry=reg
+        )
+        self.instance_kv_usage = Gauge(
+            "tandem:instance_kv_cache_usage_perc", "KV cache usage, per engine instance.", im, registry=reg
+        )
+        # Per instance: the last snapshot's gauges and cumulative counters.
+        self._latest: dict[int, Any] = {}
+        self._last: dict[int, dict[str, int]] = {}
 
-    def observe_stats(self, stats: Any) -> None:
-        """Apply an engine `messages.Stats` snapshot."""
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage.set(stats.kv_usage)
+    def observe_stats(self, stats: Any, instance: int = 0) -> None:
+        """Apply an engine `messages.Stats` snapshot from one instance: the unlabelled gauges and
+        counters are the sums over instances (KV usage: the mean), the `instance_*` gauges each's."""
+        self._latest[instance] = stats
+        latest = list(self._latest.values())
+        self.num_requests_running.set(sum(s.num_running for s in latest))
+        self.num_requests_waiting.set(sum(s.num_waiting for s in latest))
+        self.kv_cache_usage.set(sum(s.kv_usage for s in latest) / len(latest))
+        label = str(instance)
+        self.instance_running.labels(self.model_name, label).set(stats.num_running)
+        self.instance_waiting.labels(self.model_name, label).set(stats.num_waiting)
+        self.instance_kv_usage.labels(self.model_name, label).set(stats.kv_usage)
+        last = self._last.setdefault(instance, dict.fromkeys(_ENGINE_COUNTERS, 0))
         for field, attr in _ENGINE_COUNTERS.items():
             value = getattr(stats, field)
-            delta = value - self._last[field]
+            delta = value - last[field]
             if delta > 0:
                 getattr(self, attr).inc(delta)
-            self._last[field] = value
+            last[field] = value
         for n in stats.iteration_tokens:
             self.iteration_tokens.observe(n)
 
@@ -162,6 +182,27 @@ class ServerMetrics:
             ("http_connections", "Open HTTP connections.", connections),
         ):
             Gauge(f"tandem:{name}", doc, m, registry=self.registry).labels(self.model_name).set_function(fn)
+
+    def track_cluster(self, num_instances: int, dispatched: Any, resumed: Any) -> None:
+        """Gauges read at scrape time: requests dispatched to each instance (`dispatched(i)`), and
+        requests resumed on another instance after theirs died (`resumed()`)."""
+        from prometheus_client import Gauge
+
+        m = ["model_name"]
+        g = Gauge(
+            "tandem:instance_requests_dispatched",
+            "Requests the dispatcher has sent to each instance (resumed ones included).",
+            [*m, "instance"],
+            registry=self.registry,
+        )
+        for i in range(num_instances):
+            g.labels(self.model_name, str(i)).set_function(lambda i=i: dispatched(i))
+        Gauge(
+            "tandem:requests_resumed",
+            "Requests resumed on another instance after theirs died.",
+            m,
+            registry=self.registry,
+        ).labels(self.model_name).set_function(resumed)
 
     def observe_rejected(self, tenant: str) -> None:
         self.tenant_requests.labels(self.model_name, tenant, "rejected").inc()

@@ -114,12 +114,25 @@ class ServerProcess:
             total += int(match.group(1)) if match else 0
         return total
 
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (the server drains and exits, taking what it started with it), then `kill`.
+        Returns the exit code, or None if it had to be killed."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        self.kill()
+        return code
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
 
     def __enter__(self) -> ServerProcess:
         return self

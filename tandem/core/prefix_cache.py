@@ -14,9 +14,27 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import zlib
+from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.core.block_pool import BlockPool
+
+
+def _salt_seed(salt: str | None) -> int:
+    return 0 if salt is None else zlib.crc32(salt.encode()) + 1
+
+
+def prefix_block_hashes(tokens: list[int], block_size: int, salt: str | None) -> list[int]:
+    """One hash per whole block of `tokens`, each covering the block and everything before it (and
+    the salt), as `PrefixCache.block_hashes` reports them: a prompt's leading hashes found in an
+    instance's report are blocks that instance has cached. Deterministic across processes."""
+    h = _salt_seed(salt)
+    out = []
+    for pos in range(0, len(tokens) - block_size + 1, block_size):
+        h = hash((h, tuple(tokens[pos : pos + block_size])))
+        out.append(h)
+    return out
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +61,8 @@ class PrefixCache:
         # Blocks owned by the tree in nodes no request has locked.
         self.num_unlocked_blocks = 0
         self.num_cached_blocks = 0
+        # Bumped whenever the set of cached blocks changes (so a summary is rebuilt only then).
+        self.version = 0
 
     def root(self, salt: str | None) -> Node:
         root = self.roots.get(salt)
@@ -179,6 +199,7 @@ class PrefixCache:
                     end=node.end + len(tokens) - pos,
                 )
                 node.children[head] = new
+                self.version += 1
                 self.pool.incref(new.blocks)
                 self.num_unlocked_blocks += len(new.blocks)
                 self.num_cached_blocks += len(new.blocks)
@@ -210,7 +231,23 @@ class PrefixCache:
             self.num_cached_blocks -= len(leaf.blocks)
             if not parent.is_root and not parent.children and parent.lock == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        if freed:
+            self.version += 1
         return freed
+
+    def block_hashes(self, limit: int) -> list[int]:
+        """Hashes (`prefix_block_hashes`) of up to `limit` cached blocks, shallowest first (the
+        prefixes most requests share): a summary of this cache a dispatcher elsewhere can match."""
+        bs = self.block_size
+        out: list[int] = []
+        queue = deque((c, _salt_seed(salt)) for salt, r in self.roots.items() for c in r.children.values())
+        while queue and len(out) < limit:
+            node, h = queue.popleft()
+            for b in range(len(node.blocks)):
+                h = hash((h, node.key[b * bs : (b + 1) * bs]))
+                out.append(h)
+            queue.extend((c, h) for c in node.children.values())
+        return out[:limit]
 
     def _leaves(self) -> list[Node]:
         out = []

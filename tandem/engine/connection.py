@@ -39,6 +39,18 @@ class EngineConnection:
         self._out: Any = None
 
     def bind(self, in_addr: str, out_addr: str) -> None:
+        self._sockets()
+        self._in.bind(in_addr)
+        self._out.bind(out_addr)
+
+    def bind_tcp(self, host: str) -> tuple[str, str]:
+        """Bind both sockets to free TCP ports on `host`; returns (in, out) addresses."""
+        self._sockets()
+        in_port = self._in.bind_to_random_port(f"tcp://{host}")
+        out_port = self._out.bind_to_random_port(f"tcp://{host}")
+        return f"tcp://{host}:{in_port}", f"tcp://{host}:{out_port}"
+
+    def _sockets(self) -> None:
         import zmq
         import zmq.asyncio
 
@@ -46,12 +58,10 @@ class EngineConnection:
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDHWM, 0)
         self._in.setsockopt(zmq.LINGER, 0)
-        self._in.bind(in_addr)
         self._actx = zmq.asyncio.Context()
         self._out = self._actx.socket(zmq.PULL)
         self._out.setsockopt(zmq.RCVHWM, 0)
         self._out.setsockopt(zmq.LINGER, 0)
-        self._out.bind(out_addr)
 
     # -- what a host provides ------------------------------------------------------------
 

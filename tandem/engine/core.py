@@ -178,7 +178,7 @@ class EngineCore:
         )
         self.stats = EngineStats()
         # user request id -> ids of its samples' Requests
-        self._groups: dict[str, list[str]] = {}
+        self._groups: dict[str, list[str | None]] = {}
         # Steps in a row that failed (see `_isolate_fault`); a successful step resets it.
         self._faulted_steps = 0
 
@@ -212,8 +212,12 @@ class EngineCore:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         params = req.params
         self.limits.check(req.prompt_token_ids, req.max_tokens, params.n, params.stop_token_ids)
-        members = [
-            Request(
+        resumed = req.resumed_outputs
+        if resumed is not None and len(resumed) != params.n:
+            raise ValueError(f"resumed_outputs has {len(resumed)} entries for n={params.n} samples")
+
+        def member(i: int, outputs: list[int] | None = None) -> Request:
+            return Request(
                 request_id=req.request_id if i == 0 else f"{req.request_id}#{i}",
                 prompt_token_ids=req.prompt_token_ids,
                 sampling=params,
@@ -226,32 +230,49 @@ class EngineCore:
                 group_id=req.request_id,
                 sample_index=i,
                 seed=sample_seed(params.seed, i),
+                token_ids=[*req.prompt_token_ids, *outputs] if outputs else [],
             )
-            for i in range(params.n)
-        ]
-        members[0].pending_children = members[1:]
-        self.scheduler.add_request(members[0])
-        self._groups[req.request_id] = [m.request_id for m in members]
+
+        if resumed is None:
+            # A leader computes the prompt once; the other samples fork off its blocks.
+            members = [member(i) for i in range(params.n)]
+            members[0].pending_children = members[1:]
+            self.scheduler.add_request(members[0])
+            ids: list[str | None] = [r.request_id for r in members]
+        else:
+            # Samples that diverged go on separately (each recomputes its own context).
+            ids = []
+            for i, outputs in enumerate(resumed):
+                if outputs is None:
+                    ids.append(None)
+                    continue
+                r = member(i, outputs)
+                self.scheduler.add_request(r)
+                ids.append(r.request_id)
+        self._groups[req.request_id] = ids
         self.stats.num_prompt_tokens += len(req.prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             ids = self._groups.pop(rid, None)
             if ids is not None:
-                self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-                if self.spec is not None:
-                    for i in ids:
-                        self.spec.forget(i)
+                self._end(ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_sample(self, request_id: str, index: int, reason: str) -> None:
         """End one sample because the front end found a stop string in its text."""
         ids = self._groups.get(request_id)
         if ids is None or not 0 <= index < len(ids):
             return
-        self.scheduler.finish_requests([ids[index]], RequestStatus.FINISHED_STOPPED, reason)
-        if self.spec is not None:
-            self.spec.forget(ids[index])
+        self._end([ids[index]], RequestStatus.FINISHED_STOPPED, reason)
         self._forget_group(request_id)
+
+    def _end(self, ids: list[str | None], status: RequestStatus, reason: str | None = None) -> None:
+        """Finish these samples (None: one that ended before this engine had it)."""
+        live = [i for i in ids if i is not None]
+        self.scheduler.finish_requests(live, status, reason)
+        if self.spec is not None:
+            for i in live:
+                self.spec.forget(i)
 
     def fail_requests(self, request_ids: list[str], message: str) -> list[SampleOutput]:
         """End user requests with an error (every sample): the outputs that tell the front end."""
@@ -260,12 +281,9 @@ class EngineCore:
             ids = self._groups.pop(rid, None)
             if ids is None:
                 continue
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR, message)
+            self._end(ids, RequestStatus.FINISHED_ERROR, message)
             self.stats.num_request_faults += 1
-            for i, sid in enumerate(ids):
-                if self.spec is not None:
-                    self.spec.forget(sid)
-                out.append(SampleOutput(rid, i, [], None, "error", None, error=message))
+            out += [SampleOutput(rid, i, [], None, "error", None, error=message) for i in range(len(ids))]
         return out
 
     def has_unfinished_requests(self) -> bool:

@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
+from typing import Any, Protocol
 
 from tandem.config import EngineConfig
 from tandem.core.limits import EngineLimits
@@ -32,6 +33,22 @@ from tandem.outputs import RequestOutput
 __all__ = ["AsyncEngineClient", "EngineDeadError", "RequestAbortedError", "RequestFailedError", "RequestStream"]
 
 logger = logging.getLogger("tandem.client")
+
+
+class DispatchHook(Protocol):
+    """What the client needs of a dispatcher across instances (tandem.cluster.dispatch.Dispatcher)."""
+
+    num_dispatched: list[int]
+
+    def choose(self, req: EngineCoreRequest, live: set[int]) -> int: ...
+
+    def routed(self, req: EngineCoreRequest, instance: int) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def observe(self, instance: int, stats: m.Stats) -> None: ...
+
+    def forget_instance(self, instance: int) -> None: ...
 
 
 class RequestAbortedError(RuntimeError):
@@ -86,14 +103,20 @@ class AsyncEngineClient:
     def __init__(
         self,
         config: EngineConfig,
-        on_stats: Callable[[m.Stats], None] | None = None,
+        on_stats: Callable[[int, m.Stats], None] | None = None,
         on_dead: Callable[[str], None] | None = None,
         connections: list[EngineConnection] | None = None,
+        make_dispatcher: Callable[[list[m.Ready]], DispatchHook] | None = None,
     ) -> None:
         self.config = config
         self.on_stats = on_stats
         self.on_dead = on_dead
         self.connections = connections if connections is not None else [ProcessConnection(config)]
+        self.make_dispatcher = make_dispatcher
+        self.dispatcher: DispatchHook | None = None
+        # request id -> the request as first sent (to resume it elsewhere if its instance dies)
+        self.requests: dict[str, EngineCoreRequest] = {}
+        self.num_resumed = 0
         self.dead: str | None = None
         self.limits: EngineLimits | None = None
         self.tokenizer: Tokenizer | None = None
@@ -126,6 +149,8 @@ class AsyncEngineClient:
         self.limits = min((r.limits for r in readies), key=lambda lim: lim.num_blocks)
         self.inputs = InputProcessor(self.tokenizer, self.limits)
         self.outputs = OutputProcessor(self.tokenizer)
+        if self.make_dispatcher is not None:
+            self.dispatcher = self.make_dispatcher(list(readies))
         self._live = set(range(len(self.connections)))
         self._tasks = [
             asyncio.create_task(self._output_loop(i), name=f"tandem-engine-outputs-{i}")
@@ -155,12 +180,14 @@ class AsyncEngineClient:
         prompt_text: str | None,
         notify: asyncio.Event,
         on_finish: Callable[[RequestOutput], None] | None = None,
-        instance: int = 0,
+        instance: int | None = None,
     ) -> RequestStream:
-        """Queue a request validated by `self.inputs.process` on an instance; outputs arrive on the
-        returned stream."""
+        """Queue a request validated by `self.inputs.process` on an instance (by default the
+        dispatcher's choice, or the first); outputs arrive on the returned stream."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if instance is None:
+            instance = self.dispatcher.choose(req, self._live) if self.dispatcher is not None else 0
         if instance not in self._live:
             raise EngineDeadError(f"engine instance {instance} is not running")
         if req.request_id in self.streams:
@@ -169,16 +196,31 @@ class AsyncEngineClient:
         # Registered and sent as one step: whatever fails in between (an unencodable field, a dead
         # engine) unregisters the request, so no error path leaves a stream behind.
         self.streams[req.request_id] = stream
-        self.routes[req.request_id] = instance
         try:
             self.outputs.add(req, prompt_text)
-            self.connections[instance].send(self._encode(m.Add(req)))
+            self._route(req, instance)
         except BaseException:
             self.streams.pop(req.request_id, None)
-            self.routes.pop(req.request_id, None)
+            self._unroute(req.request_id)
             self.outputs.abort([req.request_id])
             raise
         return stream
+
+    def _route(self, req: EngineCoreRequest, instance: int) -> None:
+        """Send `req` to `instance` and record that it runs there."""
+        payload = self._encode(m.Add(req))
+        self.routes[req.request_id] = instance
+        self.requests[req.request_id] = req
+        if self.dispatcher is not None:
+            self.dispatcher.routed(req, instance)
+        self.connections[instance].send(payload)
+
+    def _unroute(self, request_id: str) -> int | None:
+        """Forget where a request runs (it ended); returns the instance it ran on."""
+        self.requests.pop(request_id, None)
+        if self.dispatcher is not None:
+            self.dispatcher.release(request_id)
+        return self.routes.pop(request_id, None)
 
     def move(self, request_id: str, instance: int) -> None:
         """Route a request's control messages (abort, stop) to another instance from now on."""
@@ -192,7 +234,8 @@ class AsyncEngineClient:
         self.outputs.abort(ids)
         by_instance: dict[int, list[str]] = {}
         for rid in ids:
-            by_instance.setdefault(self.routes.pop(rid, 0), []).append(rid)
+            instance = self._unroute(rid)
+            by_instance.setdefault(0 if instance is None else instance, []).append(rid)
         for instance, group in by_instance.items():
             self._send_to(instance, m.Abort(group))
 
@@ -231,8 +274,11 @@ class AsyncEngineClient:
 
     def _handle(self, instance: int, msg: Any) -> None:
         if isinstance(msg, m.Outputs):
-            if msg.stats is not None and self.on_stats is not None:
-                self.on_stats(msg.stats)
+            if msg.stats is not None:
+                if self.dispatcher is not None:
+                    self.dispatcher.observe(instance, msg.stats)
+                if self.on_stats is not None:
+                    self.on_stats(instance, msg.stats)
             if not msg.outputs:
                 return
             outs, stops, failed = self.outputs.process(msg.outputs)
@@ -250,10 +296,10 @@ class AsyncEngineClient:
                     stream.put(out)
                 if out.finished:
                     del self.streams[out.request_id]
-                    self.routes.pop(out.request_id, None)
+                    self._unroute(out.request_id)
         elif isinstance(msg, m.Rejected):
             stream = self.streams.pop(msg.request_id, None)
-            self.routes.pop(msg.request_id, None)
+            self._unroute(msg.request_id)
             self.outputs.abort([msg.request_id])
             if stream is not None:
                 stream.fail(ValueError(msg.message))
@@ -261,12 +307,17 @@ class AsyncEngineClient:
             raise EngineDeadError(f"the engine failed: {msg.message}")
 
     def _instance_died(self, instance: int, reason: str) -> None:
-        """Fail the requests the instance ran; with no instance left, the client is dead."""
+        """Resume the instance's requests on the others from the tokens they had produced (the
+        client sees no error); with no instance left, fail them, and the client is dead."""
         self._live.discard(instance)
+        if self.dispatcher is not None:
+            self.dispatcher.forget_instance(instance)
         lost = [rid for rid, i in self.routes.items() if i == instance]
-        logger.error("%s; failing %d in-flight request(s)", reason, len(lost))
+        logger.error("%s; %d request(s) in flight on it", reason, len(lost))
         for rid in lost:
-            self.routes.pop(rid, None)
+            if self._live and self._resume(rid):
+                continue
+            self._unroute(rid)
             stream = self.streams.pop(rid, None)
             self.outputs.abort([rid])
             if stream is not None:
@@ -275,3 +326,23 @@ class AsyncEngineClient:
             self.dead = reason
             if self.on_dead is not None:
                 self.on_dead(reason)
+
+    def _resume(self, request_id: str) -> bool:
+        """Send a request again, to a live instance, with what each sample has produced so far."""
+        req = self.requests.get(request_id)
+        group = self.outputs.groups.get(request_id)
+        if req is None or group is None:
+            return False
+        done = [s.finish_reason is not None for s in group.samples]
+        outputs = [None if d else list(s.token_ids) for s, d in zip(group.samples, done)]
+        # Nothing produced yet: the request starts over as it came (its samples fork as usual).
+        started = any(done) or any(outputs)
+        resumed = replace(req, resumed_outputs=outputs if started else None)
+        try:
+            instance = self.dispatcher.choose(resumed, self._live) if self.dispatcher else min(self._live)
+            self._route(resumed, instance)
+        except (EngineDeadError, ValueError):
+            return False
+        self.num_resumed += 1
+        logger.info("request %s resumed on instance %d", request_id, instance)
+        return True

@@ -28,6 +28,9 @@ logger = logging.getLogger("tandem.engine")
 
 IDLE_POLL_MS = 200
 STATS_INTERVAL_S = 0.2
+# The prefix-cache summary in a snapshot: at most this often, at most this many block hashes.
+PREFIX_REPORT_INTERVAL_S = 1.0
+MAX_REPORTED_PREFIX_HASHES = 16384
 
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
@@ -84,6 +87,8 @@ class EngineLoop:
         # freed blocks show in metrics within a step of the abort.
         self.stats_due = False
         self.last_stats = 0.0
+        self.prefix_version = -1
+        self.last_prefix_report = 0.0
         self._send(m.Hello(os.getpid()))
         # Import torch and the model code while the front end loads the tokenizer (whose EOS id
         # the core needs, so the core itself is built once Init arrives).
@@ -100,7 +105,7 @@ class EngineLoop:
         from tandem.engine.core import EngineCore
 
         self.core = EngineCore(config, tuple(init.extra_eos_token_ids))
-        self._send(m.Ready(os.getpid(), self.core.limits))
+        self._send(m.Ready(os.getpid(), self.core.limits, self.core.kv.cache is not None))
         logger.info("engine core ready: %d KV blocks of %d tokens", self.core.num_blocks, config.block_size)
 
     def _send(self, msg: object) -> None:
@@ -182,4 +187,19 @@ class EngineLoop:
             spec_num_draft_tokens=spec["num_draft_tokens"] if spec else 0,
             spec_num_accepted_tokens=spec["num_accepted_tokens"] if spec else 0,
             num_request_faults=snap["num_request_faults"],
+            num_blocks=core.kv.num_blocks,
+            num_available_blocks=core.kv.num_available,
+            prefix_hashes=self._prefix_summary(),
         )
+
+    def _prefix_summary(self) -> list[int] | None:
+        cache = self.core.kv.cache
+        now = time.monotonic()
+        if cache is None or cache.version == self.prefix_version:
+            return None
+        if now - self.last_prefix_report < PREFIX_REPORT_INTERVAL_S:
+            self.dirty = True  # changed but not reported yet: a later snapshot carries it
+            return None
+        self.prefix_version = cache.version
+        self.last_prefix_report = now
+        return cache.block_hashes(MAX_REPORTED_PREFIX_HASHES)

@@ -34,6 +34,10 @@ class EngineCoreRequest:
     priority: int = 0
     tenant: str | None = None
     cache_salt: str | None = None
+    # A request resumed on this engine after another ran part of it: per sample index, the tokens
+    # it has already produced (None for a sample that has finished). The engine recomputes their
+    # KV and goes on from there; they count as output (max_tokens, penalties, min_tokens).
+    resumed_outputs: list[list[int] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +95,8 @@ class Hello(msgspec.Struct, tag="hello"):
 class Ready(msgspec.Struct, tag="ready"):
     pid: int
     limits: EngineLimits
+    # The engine's KV block size and whether it caches prefixes (what prefix-aware dispatch needs).
+    prefix_caching: bool = False
 
 
 class Stats(msgspec.Struct):
@@ -111,6 +117,12 @@ class Stats(msgspec.Struct):
     spec_num_accepted_tokens: int = 0
     # Requests the engine failed alone (a fault in their own part of a step).
     num_request_faults: int = 0
+    # Load, for a dispatcher across instances: KV blocks in all and obtainable now (free, or
+    # cached and idle), and a summary of the prefix cache (`PrefixCache.block_hashes`), sent only
+    # when it changed since the previous snapshot that carried one (None: unchanged).
+    num_blocks: int = 0
+    num_available_blocks: int = 0
+    prefix_hashes: list[int] | None = None
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

@@ -177,7 +177,7 @@ def add_serve_parser(sub: Any) -> None:
         "--max-connections",
         type=int,
         default=None,
-        help="open HTTP connections in all, beyond which new ones get 503 (default: 2 x (waiting + seqs))",
+        help="open HTTP connections in all, beyond which new ones get 503 (default: 2 x (waiting + seqs), at least 1024)",
     )
     g.add_argument(
         "--max-connections-per-client",
@@ -196,6 +196,22 @@ def add_serve_parser(sub: Any) -> None:
     )
     g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    c = srv.add_argument_group("cluster (Ray)")
+    c.add_argument(
+        "--num-instances",
+        type=int,
+        default=1,
+        help="engine instances, each a Ray actor with its own KV cache (1: no Ray, one engine process)",
+    )
+    c.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster ('auto': the one on this host)"
+    )
+    c.add_argument(
+        "--dispatch-policy",
+        default="least_load",
+        choices=["round_robin", "least_load", "prefix_aware"],
+        help="how new requests are spread over the instances",
     )
     srv.set_defaults(func=_serve)
 

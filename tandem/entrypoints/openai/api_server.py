@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from tandem import __version__
+from tandem.cluster.config import ClusterConfig
 from tandem.config import EngineConfig
 from tandem.engine.core_client import AsyncEngineClient
 from tandem.entrypoints.openai import protocol as p
@@ -34,12 +35,33 @@ logger = logging.getLogger("tandem.server")
 
 
 
-def build_app(state: ServerState, config: EngineConfig) -> Any:
+def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig | None = None) -> Any:
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:
         state.loop = asyncio.get_running_loop()
+        connections, make_dispatcher, group = None, None, None
+        if cluster is not None:
+            from tandem.cluster.dispatch import Dispatcher
+            from tandem.cluster.ray_engine import InstanceGroup, start_ray
+
+            await asyncio.get_running_loop().run_in_executor(None, start_ray, cluster)
+            group = InstanceGroup(cluster)
+            await group.ready(timeout=300)
+            connections = group.connections(config)
+
+            def make_dispatcher(readies: list[Any]) -> Dispatcher:
+                blocks = [r.limits.num_blocks for r in readies]
+                return Dispatcher(cluster, blocks, readies[0].limits.block_size)
+
+            logger.info(
+                "%d engine instances on Ray, dispatch policy %s", cluster.num_instances, cluster.dispatch_policy
+            )
         state.client = AsyncEngineClient(
-            config, on_stats=state.metrics.observe_stats, on_dead=state.engine_died
+            config,
+            on_stats=lambda instance, stats: state.metrics.observe_stats(stats, instance),
+            on_dead=state.engine_died,
+            connections=connections,
+            make_dispatcher=make_dispatcher,
         )
         state.metrics.track_admission(
             lambda: state.client.num_inflight if state.client else 0,
@@ -48,6 +70,14 @@ def build_app(state: ServerState, config: EngineConfig) -> Any:
         )
         try:
             await state.client.start()
+            dispatcher = state.client.dispatcher
+            if dispatcher is not None:
+                client = state.client
+                state.metrics.track_cluster(
+                    len(client.connections),
+                    lambda i: dispatcher.num_dispatched[i],
+                    lambda: client.num_resumed,
+                )
             logger.info(
                 "engine core process pid=%d ready; serving model %r",
                 state.client.engine_pid,
@@ -56,6 +86,8 @@ def build_app(state: ServerState, config: EngineConfig) -> Any:
             yield
         finally:
             await state.client.shutdown()
+            if group is not None:
+                group.remove()
 
     app = FastAPI(title="tandem", version=__version__, lifespan=lifespan, redoc_url=None)
 
@@ -293,11 +325,12 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     # One client may usefully hold as many connections as the server queues and runs requests.
     useful = args.max_waiting_requests + config.max_num_seqs
     limits = ConnectionLimits(
-        max_connections=args.max_connections or max(256, 2 * useful),
+        max_connections=args.max_connections or max(1024, 2 * useful),
         max_per_client=useful if args.max_connections_per_client is None else args.max_connections_per_client,
         header_timeout_s=args.header_timeout,
     )
-    _raise_open_files_limit(limits.max_connections + 256)
+    # Counted connections, as many refused ones being answered 503, and the process's own files.
+    _raise_open_files_limit(2 * limits.max_connections + 256)
     tenants = Tenants.from_args(args.api_key, args.api_keys_file)
     name = args.served_model_name or Path(config.model).name
     state = ServerState(
@@ -317,7 +350,21 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr=args.host, registry=state.metrics.registry)
-    app = build_app(state, config)
+    cluster = None
+    if args.num_instances > 1 or args.ray_address is not None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "--num-instances > 1 and --ray-address need Ray: pip install 'tandem[cluster]'"
+            ) from None
+        cluster = ClusterConfig(
+            num_instances=args.num_instances,
+            ray_address=args.ray_address,
+            dispatch_policy=args.dispatch_policy,
+            cpus_per_instance=float(config.num_threads or 1),
+        )
+    app = build_app(state, config, cluster)
     uv_config = uvicorn.Config(
         app,
         host=args.host,
