@@ -141,3 +141,25 @@ def test_a_disconnect_wakes_the_waiting_handler_at_once():
             return loop.time() - start
 
     assert asyncio.run(scenario()) < 0.2
+
+
+def test_metrics_need_their_own_key_under_api_keys():
+    """/metrics names every tenant: under API keys it needs the metrics key (a tenant's is not
+    enough), or it lives on --metrics-port and the API port answers 404."""
+    keyed = Tenants({"k": {"tenant": "t"}})
+    state = state_with(FakeClient(), keyed)
+    with pytest.raises(OpenAIError) as err:
+        state.authorize_metrics("Bearer k")
+    assert err.value.status == 401
+    state.metrics_api_key = "m"
+    for header in (None, "Bearer k", "Bearer x", "m"):
+        with pytest.raises(OpenAIError) as err:
+            state.authorize_metrics(header)
+        assert err.value.status == 401
+    state.authorize_metrics("Bearer m")
+    open_state = state_with(FakeClient(), Tenants())
+    open_state.authorize_metrics(None)  # no API keys: open, as vLLM's
+    open_state.metrics_on_api_port = False
+    with pytest.raises(OpenAIError) as err:
+        open_state.authorize_metrics(None)
+    assert err.value.status == 404
