@@ -282,6 +282,19 @@ class EngineCall:
 
         self._watcher = asyncio.ensure_future(watcher())
 
+    async def finish(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> bool:
+        """Wait until every request has finished (a non-streaming response). False if the client
+        went away first; an engine error becomes the HTTP error for it."""
+        self.watch(receive)
+        try:
+            async for _ in self.updates():
+                pass
+        except ClientDisconnected:
+            return False
+        except (RuntimeError, ValueError) as exc:
+            raise error_for(exc) from exc
+        return True
+
     def _finisher(self, i: int) -> Callable[[RequestOutput], None]:
         def on_finish(out: RequestOutput) -> None:
             self.final[i] = out

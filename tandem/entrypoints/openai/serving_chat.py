@@ -23,7 +23,6 @@ from tandem.entrypoints.openai.protocol import (
     random_id,
 )
 from tandem.entrypoints.openai.serving import (
-    ClientDisconnected,
     EngineCall,
     ServerState,
     error_for,
@@ -112,14 +111,8 @@ async def create_chat_completion(
                     _stream(state, c, request_id, params.n, logprobs, include_usage, decode), c.close
                 )
             )
-        call.watch(receive)
-        try:
-            async for _ in call.updates():
-                pass
-        except ClientDisconnected:
-            return None
-        except (RuntimeError, ValueError) as exc:
-            raise error_for(exc) from exc
+        if not await call.finish(receive):
+            return None  # the client went away
     out = call.last[0]
     choices = [
         ChatChoice(

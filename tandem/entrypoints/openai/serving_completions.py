@@ -17,7 +17,6 @@ from tandem.entrypoints.openai.protocol import (
     random_id,
 )
 from tandem.entrypoints.openai.serving import (
-    ClientDisconnected,
     EngineCall,
     ServerState,
     error_for,
@@ -90,14 +89,8 @@ async def create_completion(
                     c.close,
                 )
             )
-        call.watch(receive)
-        try:
-            async for _ in call.updates():
-                pass
-        except ClientDisconnected:
-            return None
-        except (RuntimeError, ValueError) as exc:
-            raise error_for(exc) from exc
+        if not await call.finish(receive):
+            return None  # the client went away
     choices = []
     completion_tokens = 0
     for i, out in enumerate(call.last):
