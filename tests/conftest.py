@@ -39,7 +39,7 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(out: Path, vocab_size: int = 512) -> None:
-    from tandem.bench.corpus import train_bpe_tokenizer
+    from tandem.checkpoints.bpe import train_bpe_tokenizer
 
     specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
     train_bpe_tokenizer(_corpus(), vocab_size, out, specials, CHAT_TEMPLATE)

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.policy import SchedulingConfig
 from tandem.core.prefix_cache import Node
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
+from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.sampling_params import SamplingParams
 
 VOCAB = 29

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.bench.server_process import ServerProcess, free_port
+from tandem.loadgen.server_process import ServerProcess, free_port
 
 try:  # the openai client ships with httpx2; plain httpx works the same
     import httpx2 as httpx

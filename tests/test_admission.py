@@ -15,9 +15,9 @@ from tandem.engine.messages import EngineCoreRequest
 from tandem.engine.processor import OutputProcessor
 from tandem.engine.tokenizer import Tokenizer
 from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.serving import ClientDisconnected, EngineCall, ServerState
 from tandem.entrypoints.openai.tenants import Tenants
-from tandem.metrics import ServerMetrics
 from tandem.sampling_params import SamplingParams
 
 

@@ -8,8 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from tandem.bench import datasets as D
-from tandem.bench import metrics as M
+from tandem.loadgen import datasets as D
+from tandem.loadgen import latency_stats as M
+from tandem.loadgen.arrivals import arrival_intervals
+from tandem.loadgen.server_counters import counter_deltas, parse_prometheus, server_counters
 
 
 def test_percentile_matches_linear_interpolation():
@@ -77,18 +79,18 @@ def test_goodput_counts_requests_meeting_every_slo():
 
 @pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0])
 def test_arrivals_have_the_requested_mean_rate(burstiness):
-    gaps = np.array(list(M.arrival_intervals(10.0, burstiness, seed=1, n=20000)))
+    gaps = np.array(list(arrival_intervals(10.0, burstiness, seed=1, n=20000)))
     assert gaps.mean() == pytest.approx(0.1, rel=0.05)
     # gamma: coefficient of variation = 1/sqrt(shape) (Poisson: exponential gaps, CV 1)
     assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.08)
-    again = list(M.arrival_intervals(10.0, burstiness, seed=1, n=50))
+    again = list(arrival_intervals(10.0, burstiness, seed=1, n=50))
     assert again == list(gaps[:50])
 
 
 def test_infinite_rate_sends_at_once():
-    assert list(M.arrival_intervals(math.inf, 1.0, n=5)) == [0.0] * 5
+    assert list(arrival_intervals(math.inf, 1.0, n=5)) == [0.0] * 5
     with pytest.raises(ValueError):
-        next(M.arrival_intervals(1.0, 0.0))
+        next(arrival_intervals(1.0, 0.0))
 
 
 def test_prometheus_parsing_and_counter_deltas():
@@ -105,16 +107,16 @@ tandem:spec_decode_num_draft_tokens_total{model_name="m"} 40.0
 tandem:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0
 tandem:num_preemptions_total{model_name="m"} 3.0
 """
-    before = M.server_counters(M.parse_prometheus(before_text))
-    after = M.server_counters(M.parse_prometheus(after_text))
-    d = M.counter_deltas(before, after)
+    before = server_counters(parse_prometheus(before_text))
+    after = server_counters(parse_prometheus(after_text))
+    d = counter_deltas(before, after)
     assert d["prefix_cache_queries"] == 200 and d["prefix_cache_hits"] == 100
     assert d["prefix_cache_hit_rate"] == pytest.approx(0.5)
     assert d["spec_decode_acceptance_rate"] == pytest.approx(0.75)
     assert d["preemptions"] == 2
-    vllm = M.server_counters(M.parse_prometheus('vllm:prefix_cache_hits_total{engine="0"} 7\n'))
+    vllm = server_counters(parse_prometheus('vllm:prefix_cache_hits_total{engine="0"} 7\n'))
     assert vllm == {"prefix_cache_hits": 7.0}
-    assert M.counter_deltas(None, after) == {}
+    assert counter_deltas(None, after) == {}
 
 
 # --- datasets --------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.models import DEFAULT_MODEL_DIR, default_model_path
+from tandem.checkpoints import DEFAULT_MODEL_DIR, default_model_path
 
 DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "default-draft"
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from tandem.core.limits import EngineLimits
-from tandem.core.outputs import TokenLogprobs
+from tandem.core.step_io import TokenLogprobs
 from tandem.engine import messages as m
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.entrypoints.openai.errors import validation_error
-from tandem.metrics import ServerMetrics
+from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.sampling_params import SamplingParams
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.core.outputs import DraftPass
+from tandem.core.step_io import DraftPass
 from tandem.spec.config import AdaptiveConfig
 from tandem.spec.controller import AdaptiveSpeculation, Plan
 from tandem.spec.cost import LinearCost

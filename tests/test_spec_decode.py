@@ -470,7 +470,7 @@ def test_draft_proposals_match_the_draft_model_run_from_scratch(monkeypatch) -> 
     the draft model itself, run from scratch on the same tokens, predicts greedily."""
     from transformers import AutoModelForCausalLM
 
-    from tandem.models import DEFAULT_MODEL_DIR
+    from tandem.checkpoints import DEFAULT_MODEL_DIR
 
     draft_dir = DEFAULT_MODEL_DIR.parent / "default-draft"
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}

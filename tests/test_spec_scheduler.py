@@ -32,10 +32,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.policy import SchedulingConfig
 from tandem.core.prefix_cache import Node
 from tandem.core.request import Request, RequestStatus
+from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.controller import Plan
 from tandem.spec.planner import SpecPlanner

@@ -38,9 +38,17 @@ from typing import Protocol
 
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import check_fits
-from tandem.core.outputs import RunnerOutput, SchedulerOutput, SpecPlan
-from tandem.core.policy import SchedulingConfig, TenantLedger, admission_key, order_waiting
+from tandem.core.policy import (
+    FCFS,
+    LPM,
+    PRIORITY,
+    SchedulingConfig,
+    TenantLedger,
+    admission_key,
+    order_waiting,
+)
 from tandem.core.request import Request, RequestStatus
+from tandem.core.step_io import RunnerOutput, SchedulerOutput, SpecPlan
 
 
 class SpecHook(Protocol):
@@ -136,7 +144,7 @@ class Scheduler:
         now = self.clock()
         self.ledger.decay()
         order = self._admission_order(now)
-        if self.config.policy == "priority":
+        if self.config.policy == PRIORITY:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
             if order:
                 self._preempt_for(order[0], out, now)
@@ -281,12 +289,12 @@ class Scheduler:
 
     def _admission_order(self, now: float) -> list[Request]:
         cfg = self.config
-        if cfg.policy == "fcfs" and len({r.tenant for r in self.waiting}) <= 1:
+        if cfg.policy == FCFS and len({r.tenant for r in self.waiting}) <= 1:
             # Plain FCFS admits strictly in order, so the queue (resumed requests in front, then
             # arrivals) is already oldest first: nothing can starve.
             return list(self.waiting)
         prefix_len = None
-        if cfg.policy == "lpm" and len(self.waiting) <= cfg.lpm_max_queue:
+        if cfg.policy == LPM and len(self.waiting) <= cfg.lpm_max_queue:
             prefix_len = {r.request_id: self.kv.match_len(r) for r in self.waiting}
         return order_waiting(self.waiting, cfg, self.ledger, now, prefix_len)
 
@@ -347,7 +355,7 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, fork, stop. Returns requests with new tokens."""
-        now = time.monotonic()
+        now = self.clock()
         for req, n in zip(sched.requests, sched.num_tokens):
             k = sched.num_draft.get(req.request_id, 0)
             if k:
@@ -436,7 +444,7 @@ class Scheduler:
             self.running.remove(req)
         req.status = status
         req.stop_reason = reason
-        req.finished_time = time.monotonic()
+        req.finished_time = self.clock()
         # Tokens after an early stop inside accepted drafts were computed but are not kept.
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         self.kv.free(req)

@@ -9,8 +9,10 @@ import math
 import time
 from typing import Any
 
-from tandem.bench import metrics as M
-from tandem.bench.datasets import Sample, add_dataset_args, build_dataset, load_tokenizer
+from tandem.loadgen.arrivals import arrival_intervals
+from tandem.loadgen.datasets import Sample, add_dataset_args, build_dataset, load_tokenizer
+from tandem.loadgen.latency_stats import RequestResult, finish_result, parse_goodput, summarize
+from tandem.loadgen.server_counters import counter_deltas, parse_prometheus, server_counters
 
 
 def _float_list(text: str) -> list[float]:
@@ -77,9 +79,9 @@ def _chunk_text(data: dict[str, Any]) -> str:
     return text
 
 
-async def send_request(client: Any, args: argparse.Namespace, s: Sample) -> M.RequestResult:
+async def send_request(client: Any, args: argparse.Namespace, s: Sample) -> RequestResult:
     path, body = _payload(args, s)
-    r = M.RequestResult(prompt_len=s.prompt_len)
+    r = RequestResult(prompt_len=s.prompt_len)
     r.start = time.perf_counter()
     usage_tokens = None
     content_chunks = 0
@@ -111,7 +113,7 @@ async def send_request(client: Any, args: argparse.Namespace, s: Sample) -> M.Re
             r.error = "no content streamed"
     except Exception as exc:
         r.error = f"{type(exc).__name__}: {exc}"
-    return M.finish_result(r)
+    return finish_result(r)
 
 
 async def scrape(client: Any) -> dict[str, float] | None:
@@ -119,7 +121,7 @@ async def scrape(client: Any) -> dict[str, float] | None:
         resp = await client.get("/metrics", timeout=10)
         if resp.status_code != 200:
             return None
-        return M.server_counters(M.parse_prometheus(resp.text))
+        return server_counters(parse_prometheus(resp.text))
     except Exception:
         return None
 
@@ -151,7 +153,7 @@ async def run_once(
 
             bar = tqdm(total=len(samples), desc=f"rate={rate} conc={concurrency}")
 
-        async def one(s: Sample) -> M.RequestResult:
+        async def one(s: Sample) -> RequestResult:
             if sem is None:
                 res = await send_request(client, args, s)
             else:
@@ -163,7 +165,7 @@ async def run_once(
 
         tasks = []
         t0 = time.perf_counter()
-        gaps = M.arrival_intervals(rate, args.burstiness, args.seed)
+        gaps = arrival_intervals(rate, args.burstiness, args.seed)
         for i, s in enumerate(samples):
             if i:
                 gap = next(gaps)
@@ -175,12 +177,12 @@ async def run_once(
         if bar is not None:
             bar.close()
         after = await scrape(client)
-    summary = M.summarize(results, duration, M.parse_goodput(args.goodput))
+    summary = summarize(results, duration, parse_goodput(args.goodput))
     summary.update(
         request_rate=None if math.isinf(rate) else rate,
         burstiness=args.burstiness,
         max_concurrency=concurrency,
-        server_metrics=M.counter_deltas(before, after),
+        server_metrics=counter_deltas(before, after),
         errors=sorted({r.error for r in results if r.error})[:10],
         ttfts_s=[r.ttft for r in results if r.success],
         itls_s=[x for r in results if r.success for x in r.itl],
@@ -258,7 +260,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         with open(args.result_json, "w") as f:
             json.dump(result, f, indent=2)
     if args.plot:
-        from tandem.bench.plot import plot_results
+        from tandem.loadgen.plot import plot_results
 
         plot_results(result, args.plot)
     return result

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from tandem.bench.datasets import build_dataset
+from tandem.loadgen.datasets import build_dataset
 
 
 def peak_rss_mb() -> float:

@@ -1,4 +1,6 @@
-"""What crosses between the scheduler and the model runner each step."""
+"""What crosses between the scheduler and the model runner each step: the step's plan
+(`SchedulerOutput`) and what the runner sampled (`RunnerOutput`). What users get back is in
+tandem/outputs.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Models shipped inside the package (the embedded default model)."""
+"""Checkpoints shipped inside the package: the embedded default model (`default/`) and its draft
+(`default-draft/`), trained by tools/train_default_model.py. The model code is in `tandem.model`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Pure math of the benchmarks: percentiles, per-request latencies, goodput, arrivals, /metrics deltas."""
+"""What the client saw of each request, and their statistics: latencies (TTFT, TPOT, ITL, E2E),
+percentiles, throughput and goodput under SLOs."""
 
 from __future__ import annotations
 
 import itertools
-import math
-import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,82 +121,3 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: dict[str, 
     else:
         summary["goodput"] = None
     return summary
-
-
-def arrival_intervals(
-    rate: float, burstiness: float = 1.0, seed: int = 0, n: int | None = None
-) -> Iterator[float]:
-    """Gaps between request sends, as vLLM: gamma(shape=burstiness, scale=1/(rate*burstiness)).
-
-    The mean gap is 1/rate whatever the burstiness; burstiness 1 is a Poisson process, lower is
-    burstier, higher is more regular. An infinite rate sends everything at once (gaps of 0).
-    """
-    if burstiness <= 0:
-        raise ValueError("burstiness must be positive")
-    rng = np.random.default_rng(seed)
-    count = 0
-    while n is None or count < n:
-        count += 1
-        if math.isinf(rate):
-            yield 0.0
-        else:
-            yield float(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
-
-
-# --- Prometheus /metrics -------------------------------------------------------------------------
-
-SERVER_COUNTERS = {
-    "prefix_cache_hits": "prefix_cache_hits_total",
-    "prefix_cache_queries": "prefix_cache_queries_total",
-    "spec_decode_accepted_tokens": "spec_decode_num_accepted_tokens_total",
-    "spec_decode_draft_tokens": "spec_decode_num_draft_tokens_total",
-    "spec_decode_drafts": "spec_decode_num_drafts_total",
-    "preemptions": "num_preemptions_total",
-    "prompt_tokens": "prompt_tokens_total",
-    "generation_tokens": "generation_tokens_total",
-}
-_PREFIXES = ("tandem:", "vllm:")
-_LINE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum every sample of each metric name over its labels."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out[m.group(1)] = out.get(m.group(1), 0.0) + value
-    return out
-
-
-def server_counters(samples: dict[str, float]) -> dict[str, float]:
-    """Our names -> values, from `tandem:` or `vllm:` counters (older vLLMs: `gpu_` prefix-cache names)."""
-    out: dict[str, float] = {}
-    for ours, theirs in SERVER_COUNTERS.items():
-        for prefix in _PREFIXES:
-            for name in (prefix + theirs, prefix + theirs.replace("prefix_cache", "gpu_prefix_cache")):
-                if name in samples:
-                    out[ours] = out.get(ours, 0.0) + samples[name]
-                    break
-    return out
-
-
-def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
-    """after - before for counters both scrapes have, plus hit rate and acceptance rate where defined."""
-    if not before or not after:
-        return {}
-    out = {k: after[k] - before[k] for k in after if k in before}
-    if out.get("prefix_cache_queries"):
-        out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0.0) / out["prefix_cache_queries"]
-    if out.get("spec_decode_draft_tokens"):
-        out["spec_decode_acceptance_rate"] = (
-            out.get("spec_decode_accepted_tokens", 0.0) / out["spec_decode_draft_tokens"]
-        )
-    return out
