@@ -1,4 +1,4 @@
-"""Scheduler tests with a fake model runner (no torch, no model); see tests/fake_runner.py.
+"""Scheduler tests with a fake model runner (no torch, no model); see tests/scheduler_harness.py.
 
 The fake runner keeps a simulated paged KV cache: each slot holds the (position, token) that was
 written there. It performs the step's copy-on-write copies, writes every scheduled token through the
@@ -11,7 +11,9 @@ runner assertion or as tokens that differ from a reference computed without any 
 from __future__ import annotations
 
 import pytest
-from fake_runner import (
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from scheduler_harness import (
     VOCAB,
     GroupSpec,
     Harness,
@@ -23,8 +25,6 @@ from fake_runner import (
     reference_output,
     run_workload,
 )
-from hypothesis import event, given, settings
-from hypothesis import strategies as st
 
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import Request, RequestStatus

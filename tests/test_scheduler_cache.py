@@ -1,4 +1,4 @@
-"""The scheduler with prefix caching on, driven by the fake runner of tests/fake_runner.py.
+"""The scheduler with prefix caching on, driven by the fake runner of tests/scheduler_harness.py.
 
 After every step the harness checks the pool and the radix tree (`kv.check_invariants()`), that every
 block's refcount is the number of live block tables holding it plus one if the tree owns it, that the
@@ -12,7 +12,9 @@ every lock is back to zero. Outputs must be token-identical to a run without cac
 from __future__ import annotations
 
 import pytest
-from fake_runner import (
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from scheduler_harness import (
     VOCAB,
     GroupSpec,
     Harness,
@@ -23,8 +25,6 @@ from fake_runner import (
     reference_output,
     run_workload,
 )
-from hypothesis import event, given, settings
-from hypothesis import strategies as st
 
 from tandem.core.request import RequestStatus
 

@@ -1,6 +1,6 @@
 """Scheduling policies with a fake clock: starvation bound, priority preemption, LPM order, tenants.
 
-Every scenario runs through the checking harness of tests/fake_runner.py (queues, block accounting,
+Every scenario runs through the checking harness of tests/scheduler_harness.py (queues, block accounting,
 victim rules, KV reads), and, where it runs to the end, checks the tokens against a reference computed
 without a scheduler. The clock advances one second per step.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from fake_runner import VOCAB, GroupSpec, Harness, Workload, make_group, outputs, reference_output
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from scheduler_harness import VOCAB, GroupSpec, Harness, Workload, make_group, outputs, reference_output
 
 from tandem.core.policy import SchedulingConfig, TenantQuota
 from tandem.core.request import Request, RequestStatus

@@ -216,7 +216,7 @@ def test_unmeasured_bucket_borrows_its_neighbours_verdict():
 
 def test_draft_catch_up_is_spread_over_steps() -> None:
     """A draft that missed whole prompts catches up a budget's worth of requests per step."""
-    from fake_runner import make_group
+    from scheduler_harness import make_group
 
     from tandem.spec.config import SpeculativeConfig
     from tandem.spec.planner import SpecPlanner
@@ -242,7 +242,7 @@ def test_draft_catch_up_is_spread_over_steps() -> None:
 def test_a_draft_further_behind_than_the_budget_still_catches_up() -> None:
     """A request whose prompt alone exceeds the catch-up budget still drafts (the closest such
     request, one per step): a draft catches up only by drafting, so skipping it would be for good."""
-    from fake_runner import make_group
+    from scheduler_harness import make_group
 
     from tandem.spec.config import SpeculativeConfig
     from tandem.spec.planner import SpecPlanner

@@ -16,7 +16,7 @@ and switching to a cached copy of the same KV); block refcounts equal to the liv
 prefix cache; every cached block holding exactly the verified tokens of its tree path, computed under
 that path (never a draft), checked too whenever `cache_computed` is called; speculation never holding
 more blocks than the request could ever need; drafts never making a request wait for blocks or preempt
-another (they are dropped instead), besides fake_runner.CheckedScheduler's victim rules. At the end
+another (they are dropped instead), besides scheduler_harness.CheckedScheduler's victim rules. At the end
 every block is released.
 """
 
@@ -27,9 +27,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-from fake_runner import VOCAB, CheckedScheduler, make_group, next_token, path_blocks, path_tokens, tree_nodes
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from scheduler_harness import (
+    VOCAB,
+    CheckedScheduler,
+    make_group,
+    next_token,
+    path_blocks,
+    path_tokens,
+    tree_nodes,
+)
 
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.policy import SchedulingConfig
@@ -68,7 +76,7 @@ def guess(target, req: Request, k: int, rng: random.Random) -> list[int]:
 
 
 def reference(target, req: Request, max_model_len: int) -> list[int]:
-    """One sample's output computed without a scheduler (as fake_runner.reference_output, any target)."""
+    """One sample's output computed without a scheduler (as scheduler_harness.reference_output, any target)."""
     sp = req.sampling
     toks = list(req.prompt_token_ids)
     out: list[int] = []
