@@ -1,11 +1,12 @@
 """Scheduler tests with a fake model runner (no torch, no model); see tests/scheduler_harness.py.
 
-The fake runner keeps a simulated paged KV cache: each slot holds the (position, token) that was
-written there. It performs the step's copy-on-write copies, writes every scheduled token through the
-request's block table (refusing to write into a block that another request still holds), and, for a
-request that has caught up, reads its whole history back through the block table and samples a token
-that depends only on that history. A paging, copy-on-write or recompute bug therefore shows up as a
-runner assertion or as tokens that differ from a reference computed without any scheduler.
+The fake runner keeps a simulated paged KV cache: each slot holds the (position, token) written there
+and a hash of the sequence it was computed under. It performs the step's copy-on-write copies, writes
+every scheduled token through the request's block table (refusing to write into a block that another
+request still holds), and, for a request that has caught up, reads its whole history back through the
+block table and samples a token that depends only on that history. A paging, copy-on-write or
+recompute bug therefore shows up as a runner assertion or as tokens that differ from a reference
+computed without any scheduler.
 """
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ def test_random_workloads(w: Workload) -> None:
             event(f"{name}: preempted")
         if h.runner.num_copies:
             event(f"{name}: copy-on-write")
-        if h.sched.protected_victims:
+        if h.protected_victims:
             event(f"{name}: protected victim (every running request protected)")
-        if h.sched.stalls:
+        if h.stalls:
             event(f"{name}: a protected request waited for blocks")
         if h.num_mixed:
             event(f"{name}: prefill chunk shares a step with a decode")
@@ -172,7 +173,7 @@ def test_resumed_request_is_not_preempted_again_before_it_samples() -> None:
                 assert d.status == RequestStatus.RUNNING and d.block_ids
     h.check_end()
     assert d.num_preemptions == 1
-    assert waited >= 1 and h.sched.stalls >= 1
+    assert waited >= 1 and h.stalls >= 1
     assert h.num_thrash == 0
     assert outputs(h) == expected_outputs(h)
 

@@ -174,7 +174,7 @@ def test_priority_preemption_for_seats() -> None:
     assert out.preempted == [] and h.members["p0d"].status == RequestStatus.WAITING
     drain(h, clock, max_steps=200)
     assert outputs(h) == expected(h)
-    victims = [(v.priority, c.priority) for v, c in h.sched.priority_victims]
+    victims = [(v.priority, c.priority) for v, c in h.priority_victims]
     assert victims == [(9, 3), (5, 0), (3, 0)]
 
 
@@ -200,7 +200,7 @@ def test_priority_preemption_for_blocks() -> None:
     drain(h, clock, max_steps=300)
     assert h.members["low5"].num_preemptions == 0 and h.members["high"].num_preemptions == 0
     assert outputs(h) == expected(h)
-    assert all(v.priority > c.priority for v, c in h.sched.priority_victims)
+    assert all(v.priority > c.priority for v, c in h.priority_victims)
 
 
 def test_priority_preemption_counts_idle_cached_prefix_it_would_lock() -> None:
@@ -415,6 +415,6 @@ def test_tenant_quotas_are_never_exceeded(wp: tuple[Workload, str], timeout: flo
         assert r.output_token_ids == want[rid]
     if refused:
         event("a request was refused for its tenant quota")
-    if h.sched.priority_victims:
+    if h.priority_victims:
         event("priority preemption")
     event(f"policy {policy}")

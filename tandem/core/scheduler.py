@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from tandem.core.kv_cache_manager import KVCacheManager
@@ -62,6 +63,19 @@ class SpecHook(Protocol):
     def observe(self, req: Request, num_draft: int, num_accepted: int) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """One victim choice, told to `Scheduler.on_preempt` before it is carried out."""
+
+    # Whom the room is for: a running request short of KV blocks, or, with `for_priority`, the waiting
+    # request the priority policy puts first.
+    request: Request
+    # The request to preempt; None when `request` (running, protected) waits for a later step instead.
+    victim: Request | None
+    # Priority preemption: `victim` runs at a lower priority than the waiting `request`.
+    for_priority: bool = False
+
+
 class Scheduler:
     def __init__(
         self,
@@ -72,6 +86,7 @@ class Scheduler:
         config: SchedulingConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         spec: SpecHook | None = None,
+        on_preempt: Callable[[Preemption], None] | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -81,6 +96,9 @@ class Scheduler:
         self.ledger = TenantLedger(self.config)
         self.clock = clock
         self.spec = spec
+        # Told of every victim choice before it is carried out, so a caller (the scheduler tests) can
+        # check the victim rules from outside; it must leave the scheduler's state alone.
+        self.on_preempt = on_preempt
         # Preempted requests go to the front, new ones to the back; `_admission_order` decides.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -168,6 +186,8 @@ class Scheduler:
                     n, k = n - k, 0
                     continue
                 victim = self._pick_victim(i)
+                if self.on_preempt is not None:
+                    self.on_preempt(Preemption(req, victim))
                 if victim is None:  # protected: it keeps its blocks and waits for a later step
                     stalled = True
                     scheduled = False
@@ -326,6 +346,8 @@ class Scheduler:
             return
         while victims and not fits(0, 0):
             victim = victims.pop()
+            if self.on_preempt is not None:
+                self.on_preempt(Preemption(cand, victim, for_priority=True))
             self._preempt(victim)
             out.preempted.append(victim)
 
