@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "peers" / "run_peers.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "run_peers.py"
 spec = importlib.util.spec_from_file_location("run_peers", SCRIPT)
 run_peers = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(run_peers)

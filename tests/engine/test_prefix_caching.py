@@ -17,7 +17,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.core.kv_cache_manager import KVCacheManager
 
-VOCAB = 512  # conftest's tiny checkpoints
+VOCAB = 512  # the tiny checkpoints' (tests/tiny_checkpoints.py)
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 

@@ -37,11 +37,11 @@ ENGINES = {
 
 
 def _prompts(tokenizer_dir) -> list[list[int]]:
-    from conftest import _corpus
+    from tiny_checkpoints import corpus
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    ids = tok.encode("\n".join(_corpus()), add_special_tokens=False)
+    ids = tok.encode("\n".join(corpus()), add_special_tokens=False)
     out = []
     for i, n in enumerate(PROMPT_LENS):
         start = (i * 997) % (len(ids) - n)

@@ -104,7 +104,10 @@ def test_pure_decode_batch_skips_the_gathers() -> None:
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
-needs_kernel = pytest.mark.skipif(not kernels.has("paged_attention"), reason="Tandem's kernels did not build")
+def needs_kernel(test):
+    """A test of the fused paged-attention kernel: marked `kernels`, skipped where it did not build."""
+    skip = pytest.mark.skipif(not kernels.has("paged_attention"), reason="Tandem's kernels did not build")
+    return pytest.mark.kernels(skip(test))
 
 
 @needs_kernel
