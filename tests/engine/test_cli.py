@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tandem import LLM, SamplingParams
 
 
@@ -17,6 +19,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_generate_streams_the_offline_result(llama_dir):
     prompt = "def fibonacci(n):"
     proc = run_cli(

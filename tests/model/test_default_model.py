@@ -26,6 +26,7 @@ def test_default_model_is_the_shipped_one(llm):
     assert (DRAFT_DIR / "config.json").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [DEFAULT_MODEL_DIR, DRAFT_DIR])
 def test_greedy_matches_transformers(path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -50,6 +51,7 @@ def test_greedy_matches_transformers(path):
         assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
 
 
+@pytest.mark.slow
 def test_cli_generate_without_model_prints_python():
     proc = subprocess.run(
         [
@@ -75,6 +77,7 @@ def test_cli_generate_without_model_prints_python():
     assert any(word in body for word in ("return", "if ", "for ", "n", "self", "="))
 
 
+@pytest.mark.slow
 def test_draft_accepts_on_code(llm):
     spec = {"method": "draft_model", "model": str(DRAFT_DIR), "num_speculative_tokens": 4, "adaptive": False}
     sp_llm = LLM(speculative_config=spec)

@@ -101,6 +101,7 @@ def _greedy_logprobs(llm: LLM) -> tuple[list[list[int]], list[float]]:
     return tokens, lps
 
 
+@pytest.mark.slow
 def test_int8_default_model_stays_close_to_float():
     """On the trained default model, int8 weights keep greedy text and token logprobs close."""
     ref_tokens, ref_lps = _greedy_logprobs(LLM())
@@ -122,6 +123,7 @@ def test_int8_default_model_stays_close_to_float():
             assert abs(lps[i * 24] - ref_lps[i * 24]) < 0.1
 
 
+@pytest.mark.slow
 def test_default_model_layers_are_packed():
     """Without quantization every projection, the tied LM head included, runs through oneDNN."""
     if not onednn_available():

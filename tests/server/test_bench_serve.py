@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from server_utils import FAST_ARGS, RemoteServer
 
 SUMMARY_KEYS = {
@@ -31,6 +32,7 @@ SUMMARY_KEYS = {
 STAT_KEYS = {"mean", "std", "median", "p90", "p99"}
 
 
+@pytest.mark.slow
 def test_bench_serve_against_tandem_serve(llama_dir, tokenizer_dir, tmp_path):
     out = tmp_path / "result.json"
     plots = tmp_path / "plots"

@@ -411,6 +411,7 @@ def test_openapi_and_docs_are_served(server):
         assert http.get("/docs").status_code == 200
 
 
+@pytest.mark.slow
 def test_fuzz_every_endpoint(server):
     """Schemathesis generates valid and invalid requests from /openapi.json (seeded, bounded): no
     5xx, OpenAI's error body on every 4xx, and the autouse check: healthy, nothing held after."""

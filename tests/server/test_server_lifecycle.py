@@ -28,6 +28,7 @@ def sse_events(lines) -> list:
     return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
 
+@pytest.mark.slow
 def test_engine_death_fails_requests_and_exits_nonzero(long_model):
     with RemoteServer(long_model, *ARGS) as server:
         results = {}
@@ -60,6 +61,7 @@ def test_engine_death_fails_requests_and_exits_nonzero(long_model):
         assert "engine" in server.logs()
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_exits_zero(long_model):
     """In-flight requests that finish within --drain-timeout finish; the rest are aborted; exit 0."""
     with RemoteServer(long_model, *ARGS, "--drain-timeout", "5") as server:

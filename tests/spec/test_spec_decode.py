@@ -507,6 +507,7 @@ def test_draft_proposals_match_the_draft_model_run_from_scratch(monkeypatch) -> 
     assert wrong <= 0.05 * len(records)
 
 
+@pytest.mark.slow
 def test_engine_seeds_the_adaptive_cost_model_at_load(target_dir) -> None:
     """An adaptive engine times synthetic passes at load (target steps; draft passes with a draft
     model); with a cache too small for them it learns online instead, and a fixed k never times."""
