@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.serve import add_serve_bench_args, run_bench
-from tandem.bench.server_process import ServerProcess
 from tandem.entrypoints.llm import default_model_path
+from tandem.loadgen.serve import add_serve_bench_args, run_bench
+from tandem.loadgen.server_process import ServerProcess
 
 POLICIES = ("round_robin", "least_load", "prefix_aware")
 

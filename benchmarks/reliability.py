@@ -40,9 +40,9 @@ try:  # the openai client ships with httpx2; plain httpx works the same
 except ImportError:  # pragma: no cover
     import httpx
 
-from tandem.bench.fuzz import fuzz_openapi
-from tandem.bench.server_process import ServerProcess
 from tandem.entrypoints.llm import default_model_path
+from tandem.loadgen.fuzz import fuzz_openapi
+from tandem.loadgen.server_process import ServerProcess
 
 # Long requests (storm, kill) ask for 1500 tokens: within the default model's 2048-token context.
 COMPLETION = {"prompt": "def fibonacci(n):", "max_tokens": 16, "ignore_eos": True, "temperature": 0}

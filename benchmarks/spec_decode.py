@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--result-json", type=Path, default=REPO / "benchmarks" / "results" / "spec_decode.json")
     args = ap.parse_args()
 
-    from tandem.models import DEFAULT_MODEL_DIR, default_model_path
+    from tandem.checkpoints import DEFAULT_MODEL_DIR, default_model_path
 
     model = args.model or default_model_path()
     draft = args.draft or str(DEFAULT_MODEL_DIR.parent / "default-draft")

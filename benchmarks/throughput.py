@@ -142,7 +142,7 @@ def stdlib_texts(max_bytes: int) -> list[str]:
 
 def build_tokenizer(out: Path, vocab_size: int, texts: list[str]) -> int:
     """Train a byte-level BPE tokenizer on `texts`, save it to `out`, return its vocabulary size."""
-    from tandem.bench.corpus import train_bpe_tokenizer
+    from tandem.checkpoints.bpe import train_bpe_tokenizer
 
     return len(train_bpe_tokenizer(texts, vocab_size, out, SPECIAL_TOKENS))
 

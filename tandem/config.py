@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.core.policy import FCFS, SCHEDULING_POLICIES
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -175,7 +177,7 @@ class EngineConfig:
     quantization: str | None = None
     num_threads: int | None = None
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = FCFS
     # A waiting request older than this outranks all others (the documented starvation bound).
     starvation_timeout_s: float = 30.0
     # tenant -> {"weight": float, "max_running": int, "max_blocks": int}
@@ -196,9 +198,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be 'fcfs', 'priority' or 'lpm', got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
         if not self.starvation_timeout_s > 0:
             raise ValueError(f"starvation_timeout_s must be positive, got {self.starvation_timeout_s!r}")

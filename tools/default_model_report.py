@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.models import DEFAULT_MODEL_DIR
+from tandem.checkpoints import DEFAULT_MODEL_DIR
 
 DRAFT_DIR = DEFAULT_MODEL_DIR.parent / "default-draft"
 
@@ -220,7 +220,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# The embedded default model",
         "",
-        "`tandem/models/default/` (target) and `tandem/models/default-draft/` (draft) are Llama-architecture",
+        "`tandem/checkpoints/default/` (target) and `tandem/checkpoints/default-draft/` (draft) are Llama-architecture",
         "checkpoints trained on this machine from the Python standard library sources (PSF license) by",
         "`tools/train_default_model.py` (seeded; CPU only; byte-level BPE tokenizer with a 4096-token",
         "vocabulary shared by both; files split by a hash of their path, about 6% held out). Weights are",
@@ -295,11 +295,11 @@ def markdown(report: dict) -> str:
     first = t.get("continued_from", t)
     lines += [
         "",
-        "Reproduce: `python tools/train_default_model.py --out tandem/models "
+        "Reproduce: `python tools/train_default_model.py --out tandem/checkpoints "
         f"--target-steps {first['train_steps']} --draft-steps {d.get('continued_from', d)['train_steps']}` "
         "(training)"
         + (
-            ", then `python tools/train_default_model.py --init-from tandem/models --out tandem/models "
+            ", then `python tools/train_default_model.py --init-from tandem/checkpoints --out tandem/checkpoints "
             f"--copy-fraction {t['copy_fraction']:g} {continued(t)} {continued(d)}` (the copy stage)"
             if "continued_from" in t and "continued_from" in d
             else ""

@@ -4,7 +4,7 @@ Reproducible (seeded) and CPU-only: a byte-level BPE tokenizer, a ~10M-parameter
 Llama-architecture target and a ~1.5M-parameter draft sharing the tokenizer,
 saved as ordinary Hugging Face checkpoint folders (float16 weights).
 
-    python tools/train_default_model.py --out tandem/models
+    python tools/train_default_model.py --out tandem/checkpoints
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def read(files: list[Path]) -> list[str]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
-    from tandem.bench.corpus import train_bpe_tokenizer
+    from tandem.checkpoints.bpe import train_bpe_tokenizer
 
     return train_bpe_tokenizer(texts, vocab_size, out, SPECIALS, CHAT_TEMPLATE)
 
@@ -200,7 +200,7 @@ def save(model, tok, out: Path, extra: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("tandem/models"))
+    ap.add_argument("--out", type=Path, default=Path("tandem/checkpoints"))
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
@@ -221,7 +221,7 @@ def main() -> None:
         "--init-from",
         type=Path,
         default=None,
-        help="continue training the checkpoints found here (e.g. tandem/models) instead of starting fresh",
+        help="continue training the checkpoints found here (e.g. tandem/checkpoints) instead of starting fresh",
     )
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--draft-lr", type=float, default=3e-3)

@@ -200,8 +200,8 @@ def transformers_baseline(args: argparse.Namespace, level: tuple[int, int]) -> d
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tandem.bench.datasets import build_dataset
-    from tandem.bench.serve import add_serve_bench_args
+    from tandem.loadgen.datasets import build_dataset
+    from tandem.loadgen.serve import add_serve_bench_args
 
     p = argparse.ArgumentParser()
     add_serve_bench_args(p)

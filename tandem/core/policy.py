@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 
 from tandem.core.request import Request
 
-POLICIES = ("fcfs", "priority", "lpm")
+# The scheduling policies by the names `scheduling_policy` and `--scheduling-policy` take; the engine
+# config, the CLI and the scheduler all read them from here.
+FCFS, PRIORITY, LPM = "fcfs", "priority", "lpm"
+SCHEDULING_POLICIES = (FCFS, PRIORITY, LPM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +49,7 @@ class TenantQuota:
 
 @dataclass(frozen=True, slots=True)
 class SchedulingConfig:
-    policy: str = "fcfs"
+    policy: str = FCFS
     starvation_timeout_s: float = 30.0
     lpm_max_queue: int = 128
     tenants: dict[str, TenantQuota] = field(default_factory=dict)
@@ -55,8 +58,8 @@ class SchedulingConfig:
     service_decay: float = 0.99
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         if not self.starvation_timeout_s > 0:
             raise ValueError(f"starvation_timeout_s must be positive, got {self.starvation_timeout_s}")
 
@@ -94,9 +97,9 @@ def admission_key(
         share = ledger.share_key(r.tenant)
         if now - r.arrival_time >= timeout:  # starved
             return (share, 0, (r.arrival_time,))
-        if policy == "priority":
+        if policy == PRIORITY:
             inner: tuple = (r.priority, r.arrival_time)
-        elif policy == "lpm" and prefix_len is not None:
+        elif policy == LPM and prefix_len is not None:
             inner = (-prefix_len.get(r.request_id, 0), r.arrival_time)
         else:
             inner = (0, r.arrival_time)

@@ -34,13 +34,22 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import check_fits
-from tandem.core.outputs import RunnerOutput, SchedulerOutput, SpecPlan
-from tandem.core.policy import SchedulingConfig, TenantLedger, admission_key, order_waiting
+from tandem.core.policy import (
+    FCFS,
+    LPM,
+    PRIORITY,
+    SchedulingConfig,
+    TenantLedger,
+    admission_key,
+    order_waiting,
+)
 from tandem.core.request import Request, RequestStatus
+from tandem.core.step_io import RunnerOutput, SchedulerOutput, SpecPlan
 
 
 class SpecHook(Protocol):
@@ -54,6 +63,19 @@ class SpecHook(Protocol):
     def observe(self, req: Request, num_draft: int, num_accepted: int) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """One victim choice, told to `Scheduler.on_preempt` before it is carried out."""
+
+    # Whom the room is for: a running request short of KV blocks, or, with `for_priority`, the waiting
+    # request the priority policy puts first.
+    request: Request
+    # The request to preempt; None when `request` (running, protected) waits for a later step instead.
+    victim: Request | None
+    # Priority preemption: `victim` runs at a lower priority than the waiting `request`.
+    for_priority: bool = False
+
+
 class Scheduler:
     def __init__(
         self,
@@ -64,6 +86,7 @@ class Scheduler:
         config: SchedulingConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         spec: SpecHook | None = None,
+        on_preempt: Callable[[Preemption], None] | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -73,6 +96,9 @@ class Scheduler:
         self.ledger = TenantLedger(self.config)
         self.clock = clock
         self.spec = spec
+        # Told of every victim choice before it is carried out, so a caller (the scheduler tests) can
+        # check the victim rules from outside; it must leave the scheduler's state alone.
+        self.on_preempt = on_preempt
         # Preempted requests go to the front, new ones to the back; `_admission_order` decides.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -136,7 +162,7 @@ class Scheduler:
         now = self.clock()
         self.ledger.decay()
         order = self._admission_order(now)
-        if self.config.policy == "priority":
+        if self.config.policy == PRIORITY:
             self.running.sort(key=lambda r: (r.priority, r.arrival_time))
             if order:
                 self._preempt_for(order[0], out, now)
@@ -160,6 +186,8 @@ class Scheduler:
                     n, k = n - k, 0
                     continue
                 victim = self._pick_victim(i)
+                if self.on_preempt is not None:
+                    self.on_preempt(Preemption(req, victim))
                 if victim is None:  # protected: it keeps its blocks and waits for a later step
                     stalled = True
                     scheduled = False
@@ -281,12 +309,12 @@ class Scheduler:
 
     def _admission_order(self, now: float) -> list[Request]:
         cfg = self.config
-        if cfg.policy == "fcfs" and len({r.tenant for r in self.waiting}) <= 1:
+        if cfg.policy == FCFS and len({r.tenant for r in self.waiting}) <= 1:
             # Plain FCFS admits strictly in order, so the queue (resumed requests in front, then
             # arrivals) is already oldest first: nothing can starve.
             return list(self.waiting)
         prefix_len = None
-        if cfg.policy == "lpm" and len(self.waiting) <= cfg.lpm_max_queue:
+        if cfg.policy == LPM and len(self.waiting) <= cfg.lpm_max_queue:
             prefix_len = {r.request_id: self.kv.match_len(r) for r in self.waiting}
         return order_waiting(self.waiting, cfg, self.ledger, now, prefix_len)
 
@@ -318,6 +346,8 @@ class Scheduler:
             return
         while victims and not fits(0, 0):
             victim = victims.pop()
+            if self.on_preempt is not None:
+                self.on_preempt(Preemption(cand, victim, for_priority=True))
             self._preempt(victim)
             out.preempted.append(victim)
 
@@ -347,7 +377,7 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, fork, stop. Returns requests with new tokens."""
-        now = time.monotonic()
+        now = self.clock()
         for req, n in zip(sched.requests, sched.num_tokens):
             k = sched.num_draft.get(req.request_id, 0)
             if k:
@@ -436,7 +466,7 @@ class Scheduler:
             self.running.remove(req)
         req.status = status
         req.stop_reason = reason
-        req.finished_time = time.monotonic()
+        req.finished_time = self.clock()
         # Tokens after an early stop inside accepted drafts were computed but are not kept.
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         self.kv.free(req)

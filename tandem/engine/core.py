@@ -16,10 +16,10 @@ from typing import Any
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import EngineLimits
-from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.policy import SchedulingConfig, TenantQuota
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
+from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.spec.config import AdaptiveConfig, SpeculativeConfig
 from tandem.spec.planner import SpecPlanner

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tandem.core.limits import EngineLimits
-from tandem.core.outputs import TokenLogprobs
+from tandem.core.step_io import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 
 # -- payloads ------------------------------------------------------------------

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.core.limits import EngineLimits
-from tandem.core.outputs import TokenLogprobs
+from tandem.core.step_io import TokenLogprobs
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.engine.tokenizer import Tokenizer, check_text

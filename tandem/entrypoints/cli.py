@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.core.policy import FCFS, SCHEDULING_POLICIES
 from tandem.sampling_params import SamplingParams
 
 
@@ -32,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)"
     )
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "lpm"])
+    g.add_argument("--scheduling-policy", default=FCFS, choices=SCHEDULING_POLICIES)
     g.add_argument(
         "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=True
     )
@@ -217,21 +218,21 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from tandem.bench.serve import main as bench_serve_main
+    from tandem.loadgen.serve import main as bench_serve_main
 
     return bench_serve_main(args)
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
-    from tandem.bench.throughput import run_throughput
+    from tandem.loadgen.throughput import run_throughput
 
     run_throughput(args, engine_kwargs(args))  # --seed seeds both the engine and the dataset
     return 0
 
 
 def add_bench_parser(sub: Any) -> None:
-    from tandem.bench.datasets import add_dataset_args
-    from tandem.bench.serve import add_serve_bench_args
+    from tandem.loadgen.datasets import add_dataset_args
+    from tandem.loadgen.serve import add_serve_bench_args
 
     bench = sub.add_parser("bench", help="benchmarks: serving (online) and throughput (offline)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -13,7 +13,7 @@ from tandem.sampling_params import SamplingParams
 
 
 def default_model_path() -> str:
-    from tandem.models import default_model_path as find
+    from tandem.checkpoints import default_model_path as find
 
     return find()
 

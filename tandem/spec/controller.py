@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.core.outputs import DraftPass
+from tandem.core.step_io import DraftPass
 from tandem.spec.config import AdaptiveConfig
 from tandem.spec.cost import LinearCost
 from tandem.spec.gate import SpecGate

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.request import Request
+from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.controller import AdaptiveSpeculation, Plan
 

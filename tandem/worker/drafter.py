@@ -25,8 +25,8 @@ from typing import Protocol
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
-from tandem.core.outputs import DraftPass
 from tandem.core.request import Request
+from tandem.core.step_io import DraftPass
 from tandem.model.loader import load_model
 from tandem.worker.batch import SampleRow, build_batch
 from tandem.worker.sampler import Sampler, SamplingBatch

@@ -7,8 +7,8 @@ import time
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
-from tandem.core.outputs import RunnerOutput, SchedulerOutput
 from tandem.core.request import Request
+from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.model.loader import load_model, resolve_dtype
 from tandem.sampling_params import SamplingParams
 from tandem.worker.batch import SampleRow, build_batch

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.outputs import TokenLogprobs
+from tandem.core.step_io import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -310,8 +310,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
     from tandem.entrypoints.openai.connections import ConnectionLimits, ConnectionTable, guarded_protocol
+    from tandem.entrypoints.openai.metrics import ServerMetrics
     from tandem.entrypoints.openai.tenants import Tenants
-    from tandem.metrics import ServerMetrics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.max_waiting_requests < 1:

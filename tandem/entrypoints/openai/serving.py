@@ -19,9 +19,9 @@ from tandem.engine.core_client import (
 from tandem.engine.messages import EngineCoreRequest
 from tandem.entrypoints.openai.connections import ConnectionLimits, ConnectionTable
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
+from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.protocol import SamplingFields
 from tandem.entrypoints.openai.tenants import Tenant, Tenants
-from tandem.metrics import ServerMetrics
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
 

@@ -1,1 +1,0 @@
-"""`tandem bench`: serving (online, any OpenAI-compatible endpoint) and offline throughput benchmarks."""

@@ -1,0 +1,153 @@
+"""Smoke test: `benchmarks/throughput.py --quick` runs end to end and writes a complete result file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Each runs a benchmark script end to end in a subprocess: tens of seconds.
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "benchmarks" / "throughput.py"
+
+
+def test_throughput_quick(tmp_path: Path) -> None:
+    result_json = tmp_path / "out" / "throughput.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--result-json",
+            str(result_json),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ratio tandem / transformers" in proc.stdout
+
+    result = json.loads(result_json.read_text())
+    for key in (
+        "command",
+        "command_line",
+        "torch_num_threads",
+        "model",
+        "workload",
+        "tandem",
+        "hf",
+        "ratio_tandem_over_hf",
+        "greedy_agreement",
+    ):
+        assert key in result, key
+    assert result["quick"] is True
+    assert result["torch_num_threads"] >= 1
+    assert result["model"]["num_parameters"] > 0
+    assert result["model"]["built_random_weights"] is True
+
+    work = result["workload"]
+    assert work["num_prompts"] == 4
+    assert len(work["input_lens"]) == len(work["output_lens"]) == 4
+    assert work["output_tokens"] == sum(work["output_lens"])
+
+    for system in ("tandem", "hf"):
+        figures = result[system]
+        assert figures["wall_time_s"] > 0
+        assert figures["output_tokens"] == work["output_tokens"]
+        assert figures["output_tokens_produced"] == work["output_tokens"]
+        assert figures["output_tokens_per_s"] > 0
+        assert figures["total_tokens_per_s"] > figures["output_tokens_per_s"]
+    assert result["hf"]["raw_generated_tokens"] >= work["output_tokens"]
+    assert result["ratio_tandem_over_hf"]["output_tokens_per_s"] > 0
+
+    agreement = result["greedy_agreement"]
+    assert 0.0 <= agreement["exact_match_fraction"] <= 1.0
+    assert agreement["num_prompts"] == 4
+
+
+PREFIX_SCRIPT = REPO_ROOT / "benchmarks" / "prefix_cache.py"
+
+
+def test_prefix_cache_quick(tmp_path: Path) -> None:
+    result_json = tmp_path / "out" / "prefix_cache.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(PREFIX_SCRIPT),
+            "--quick",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--result-json",
+            str(result_json),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ratio on / off" in proc.stdout
+
+    result = json.loads(result_json.read_text())
+    for key in (
+        "command",
+        "command_line",
+        "torch_num_threads",
+        "model",
+        "workload",
+        "caching_off",
+        "caching_on",
+        "ratio_on_over_off",
+        "greedy_agreement",
+    ):
+        assert key in result, key
+    assert result["quick"] is True
+    assert result["model"]["built_random_weights"] is True
+
+    work = result["workload"]
+    n = work["num_requests"]
+    assert n == 8
+    assert len(work["input_lens"]) == n
+    assert all(length > work["prefix_len"] for length in work["input_lens"])
+    assert work["prompt_tokens"] == sum(work["input_lens"])
+    assert work["output_tokens"] == n * work["output_len"]
+    assert work["warm_prefix"] is False
+    assert 0 < work["ideal_prefix_hit_tokens"] < work["prompt_tokens"]
+
+    for mode in ("caching_off", "caching_on"):
+        figures = result[mode]
+        assert figures["enable_prefix_caching"] is (mode == "caching_on")
+        assert figures["wall_time_s"] > 0
+        assert figures["output_tokens"] == figures["output_tokens_produced"] == work["output_tokens"]
+        assert figures["output_tokens_per_s"] > 0
+        assert figures["total_tokens_per_s"] > figures["output_tokens_per_s"]
+        assert figures["prefix_query_tokens"] == work["prompt_tokens"]
+        ttft = figures["ttft_s"]
+        assert len(figures["ttft_per_request_s"]) == n
+        assert 0 < ttft["min"] <= ttft["p50"] <= ttft["p90"] <= ttft["p99"] <= ttft["max"]
+        assert ttft["min"] <= ttft["mean"] <= ttft["max"]
+        assert len(figures["num_cached_tokens_per_request"]) == n
+    off, on = result["caching_off"], result["caching_on"]
+    assert off["prefix_hit_tokens"] == 0 and off["prefix_hit_rate"] == 0
+    assert 0 < on["prefix_hit_tokens"] <= work["ideal_prefix_hit_tokens"]
+    assert on["prefix_hit_rate"] == on["prefix_hit_tokens"] / work["prompt_tokens"]
+    assert sum(on["num_cached_tokens_per_request"]) == on["prefix_hit_tokens"]
+    # Reused tokens are not computed again.
+    assert on["num_batched_tokens"] == off["num_batched_tokens"] - on["prefix_hit_tokens"]
+    for key in ("output_tokens_per_s", "total_tokens_per_s", "speedup_wall_time", "ttft_mean_speedup"):
+        assert result["ratio_on_over_off"][key] > 0
+    assert result["greedy_agreement"]["exact_match_fraction"] == 1.0

@@ -1,0 +1,215 @@
+"""The torch attention backend on a mixed ragged batch, against per-request reference attention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import kernels
+from tandem.model.attention import FUSED_MAX_QUERY, TorchAttentionBackend, _Paged
+from tandem.model.forward_batch import ForwardBatch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
+
+
+def make_batch(q_lens: list[int], seq_lens: list[int], num_blocks: int, rng: np.random.Generator):
+    """A flat batch whose requests own shuffled, disjoint blocks of the cache."""
+    free = list(rng.permutation(num_blocks))
+    tables = []
+    for s in seq_lens:
+        tables.append([int(free.pop()) for _ in range(-(-s // BLOCK))])
+    width = max(len(t) for t in tables)
+    block_tables = np.zeros((len(q_lens), width), dtype=np.int64)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    q = np.asarray(q_lens, dtype=np.int64)
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    qsl = np.zeros(len(q) + 1, dtype=np.int64)
+    np.cumsum(q, out=qsl[1:])
+    positions = np.concatenate([np.arange(s - n, s) for n, s in zip(q, seq)])
+    req = np.repeat(np.arange(len(q)), q)
+    slots = block_tables[req, positions // BLOCK] * BLOCK + positions % BLOCK
+    return ForwardBatch(
+        input_ids=torch.zeros(int(qsl[-1]), dtype=torch.long),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        logits_indices=torch.empty(0, dtype=torch.long),
+        query_start_loc=qsl,
+        query_lens=q,
+        seq_lens=seq,
+        block_tables=block_tables,
+        block_size=BLOCK,
+    )
+
+
+def reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float, window: int | None) -> torch.Tensor:
+    out = torch.empty_like(q, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[1]
+    for i in range(batch.num_requests):
+        start, n, s = int(batch.query_start_loc[i]), int(batch.query_lens[i]), int(batch.seq_lens[i])
+        pos = np.arange(s)
+        slots = batch.block_tables[i, pos // BLOCK] * BLOCK + pos % BLOCK
+        k = k_cache[torch.from_numpy(slots)].double().repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v_cache[torch.from_numpy(slots)].double().repeat_interleave(group, dim=1)
+        for j in range(n):
+            qpos = s - n + j
+            allowed = pos <= qpos
+            if window is not None:
+                allowed &= pos > qpos - window
+            scores = torch.einsum("hd,shd->hs", q[start + j].double(), k) * scale
+            scores[:, torch.from_numpy(~allowed)] = float("-inf")
+            out[start + j] = torch.einsum("hs,shd->hd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_batch_matches_reference_and_groups_by_query_length(window) -> None:
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    # Decodes, speculative verifications (3 and 5 tokens), a fresh prompt and a prompt chunk with context.
+    q_lens = [1, 5, 1, 3, 40, 17, 5]
+    seq_lens = [9, 30, 22, 7, 40, 50, 5]
+    num_blocks = 64
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window, use_kernel=False)
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    t = batch.num_tokens
+    q = torch.randn(t, HEADS, HEAD_DIM)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM)
+    v = torch.randn(t, KV_HEADS, HEAD_DIM)
+    backend.prepare(batch)
+    # Query-length buckets 1 | 3 | 5, 5 | 17 | 40: no request is padded to a longer bucket's length.
+    sizes = sorted(int(g.q_index.shape[0]) * int(g.q_index.shape[1]) for g in batch.attn_metadata)
+    assert sizes == [2, 3, 10, 17, 40]
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
+    assert torch.equal(k_cache[batch.slot_mapping], k)  # the new K/V went to their slots
+    expected = reference(q, k_cache, v_cache, batch, HEAD_DIM**-0.5, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_pure_decode_batch_skips_the_gathers() -> None:
+    rng = np.random.default_rng(1)
+    batch = make_batch([1, 1, 1], [5, 12, 3], 16, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, use_kernel=False)
+    backend.prepare(batch)
+    assert len(batch.attn_metadata) == 1 and batch.attn_metadata[0].whole_batch
+    cache = torch.randn(2, 16, BLOCK, KV_HEADS, HEAD_DIM)
+    q = torch.randn(3, HEADS, HEAD_DIM)
+    k, v = torch.randn(3, KV_HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM)
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
+    expected = reference(q, k_cache, v_cache, batch, HEAD_DIM**-0.5, None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def needs_kernel(test):
+    """A test of the fused paged-attention kernel: marked `kernels`, skipped where it did not build."""
+    skip = pytest.mark.skipif(not kernels.has("paged_attention"), reason="Tandem's kernels did not build")
+    return pytest.mark.kernels(skip(test))
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernel_matches_reference_on_short_queries(window, dtype) -> None:
+    rng = np.random.default_rng(2)
+    torch.manual_seed(2)
+    # Decodes and verifications, one of them covering a whole (short) prompt.
+    q_lens = [1, 5, 1, 3, 16, 2]
+    seq_lens = [9, 30, 22, 3, 40, 2]
+    num_blocks = 64
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window)
+    backend.prepare(batch)
+    assert not isinstance(batch.attn_metadata, list)  # took the kernel
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    t = batch.num_tokens
+    # q and k as strided views of one projection, as the model passes them.
+    qkv = torch.randn(t, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
+    out = backend.forward(q, k, v, cache, batch)
+    assert out.dtype == dtype and out.shape == q.shape
+    k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
+    assert torch.equal(k_cache[batch.slot_mapping], k) and torch.equal(v_cache[batch.slot_mapping], v)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, HEAD_DIM**-0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 1, 40), (5, 1, 80), (6, 3, 64)])
+def test_fused_kernel_head_layouts(heads, kv_heads, head_dim) -> None:
+    """The kernel tiles a KV group's query vectors (query tokens x the group's heads) 16 at a time
+    and head_dim 64 elements at a time: groups of 1 to 8 heads, tiles that split a request's
+    queries, and head sizes that are not a multiple of the tiles all match the reference."""
+    rng = np.random.default_rng(6)
+    torch.manual_seed(6)
+    q_lens = [1, 5, 16, 3, 9]
+    seq_lens = [37, 12, 16, 70, 9]
+    num_blocks = 64
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim)
+    backend.prepare(batch)
+    cache = torch.randn(2, num_blocks, BLOCK, kv_heads, head_dim)
+    t = batch.num_tokens
+    q, k, v = (
+        torch.randn(t, heads, head_dim),
+        torch.randn(t, kv_heads, head_dim),
+        torch.randn(t, kv_heads, head_dim),
+    )
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, kv_heads, head_dim), cache[1].view(-1, kv_heads, head_dim)
+    expected = reference(q, k_cache, v_cache, batch, head_dim**-0.5, None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_long_queries_keep_the_sdpa_path() -> None:
+    rng = np.random.default_rng(3)
+    batch = make_batch([FUSED_MAX_QUERY + 1, 40], [30, 40], 32, rng)
+    TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM).prepare(batch)
+    assert isinstance(batch.attn_metadata, list)
+    assert not any(isinstance(g, _Paged) for g in batch.attn_metadata)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_sends_short_queries_to_the_kernel(window, dtype) -> None:
+    """Decodes and verifications sharing a step with prompt chunks take the kernel, the chunks SDPA;
+    together they match the per-request reference, and every new K/V is in its slot."""
+    rng = np.random.default_rng(5)
+    torch.manual_seed(5)
+    q_lens = [1, 40, 5, 1, FUSED_MAX_QUERY + 1, 3, 24]
+    seq_lens = [9, 40, 30, 22, 50, 7, 60]
+    num_blocks = 96
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window)
+    backend.prepare(batch)
+    paged = [g for g in batch.attn_metadata if isinstance(g, _Paged)]
+    assert len(paged) == 1 and paged[0].rows.tolist() == [0, 41, 42, 43, 44, 45, 46, 64, 65, 66]
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    t = batch.num_tokens
+    qkv = torch.randn(t, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
+    assert torch.equal(k_cache[batch.slot_mapping], k) and torch.equal(v_cache[batch.slot_mapping], v)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, HEAD_DIM**-0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+def test_fused_kernel_rejects_inconsistent_layout() -> None:
+    rng = np.random.default_rng(4)
+    batch = make_batch([2], [6], 8, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    backend.prepare(batch)
+    batch.attn_metadata.seq_lens[0] = 1  # fewer context tokens than queries
+    cache = torch.zeros(2, 8, BLOCK, KV_HEADS, HEAD_DIM)
+    q, k = torch.randn(2, HEADS, HEAD_DIM), torch.randn(2, KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        backend.forward(q, k, k, cache, batch)

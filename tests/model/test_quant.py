@@ -1,0 +1,135 @@
+"""Weight-only int8 quantization: the kernel and the plain-torch fallback, and the engine option."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import LLM, SamplingParams, kernels
+from tandem.config import EngineConfig
+from tandem.model import quant
+from tandem.model.linear import PackedLinear, onednn_available, pack_linears
+from tandem.model.quant import Int8Linear, quantize_model
+
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 200])
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_matches_dequantized_weight(rows, use_kernel, bias):
+    if use_kernel and not quant._has_dynamic_int8():
+        pytest.skip("this torch has no x86 quantized engine")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 40, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    lin = Int8Linear(w, b, use_kernel=use_kernel)
+    x = torch.randn(rows, 40, generator=g)
+    ref = F.linear(x, lin.dequantized(torch.float32), b)
+    y = lin(x)
+    if use_kernel:  # activations are quantized too: 8 (or 7) bits per tensor
+        assert float((y - ref).norm() / ref.norm()) < 0.03
+    else:  # weight-only: the same int8 weights, exact up to float rounding
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    # Quantization error itself: at most half a step of each channel's scale per weight.
+    err = (lin.dequantized(torch.float32) - w).abs()
+    assert bool((err <= lin.scale[:, None] / 2 + 1e-6).all())
+    # Leading dimensions and dtype are kept.
+    assert lin(x.view(rows, 1, 40)).shape == (rows, 1, 48)
+    assert lin(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, dtype, bias):
+    if not onednn_available(dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(40, 24, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype) if bias else None
+    lin = PackedLinear(w, b)
+    x = torch.randn(rows, 24, generator=g).to(dtype)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(lin(x).float(), ref, rtol=tol, atol=tol * 10)
+    assert lin(x.view(rows, 1, 24)).shape == (rows, 1, 40)
+    assert (lin.plain is not None) == (dtype == torch.float32 or kernels.has("gemv_bf16"))
+
+
+def test_pack_linears_swaps_float_layers_only():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4).to(torch.float16))
+    pack_linears(model)
+    if onednn_available():
+        assert isinstance(model[0], PackedLinear)
+    assert isinstance(model[1], torch.nn.Linear)  # float16 stays on the plain path
+
+
+def test_int8_zero_rows_and_zero_weights():
+    for use_kernel in (False, quant._has_dynamic_int8()):
+        lin = Int8Linear(torch.zeros(8, 16), None, use_kernel=use_kernel)
+        y = lin(torch.randn(3, 16))
+        assert torch.equal(y, torch.zeros(3, 8))
+        assert lin(torch.randn(0, 16)).shape == (0, 8)
+
+
+def test_quantize_model_swaps_every_projection(llama_dir):
+    llm = LLM(llama_dir, quantization="int8", num_kv_blocks=64)
+    model = llm.engine.core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == []
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(int8) == 4 * model.config.num_layers + 1  # qkv, o, gate_up, down per layer; LM head
+    assert model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_bad_quantization_is_a_value_error(llama_dir):
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model=str(llama_dir), quantization="int3")
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_model(torch.nn.Linear(2, 2), "fp4")
+
+
+def _greedy_logprobs(llm: LLM) -> tuple[list[list[int]], list[float]]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [d[t].logprob for o in outs for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+    return tokens, lps
+
+
+@pytest.mark.slow
+def test_int8_default_model_stays_close_to_float():
+    """On the trained default model, int8 weights keep greedy text and token logprobs close."""
+    ref_tokens, ref_lps = _greedy_logprobs(LLM())
+    for use_kernel in (True, False):
+        llm = LLM(quantization="int8")
+        for m in llm.engine.core.runner.model.modules():
+            if isinstance(m, Int8Linear) and not use_kernel:
+                m._packed = None
+        tokens, lps = _greedy_logprobs(llm)
+        # Greedy paths can part where two tokens are near-tied; compare up to the first split.
+        agree = sum(
+            next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r))
+            for r, t in zip(ref_tokens, tokens)
+        )
+        assert agree >= 0.5 * sum(len(r) for r in ref_tokens)
+        assert not any(math.isnan(v) for v in lps)
+        # First generated token of every prompt (same context in both runs): logprob within 0.1.
+        for i in range(len(PROMPTS)):
+            assert abs(lps[i * 24] - ref_lps[i * 24]) < 0.1
+
+
+@pytest.mark.slow
+def test_default_model_layers_are_packed():
+    """Without quantization every projection, the tied LM head included, runs through oneDNN."""
+    if not onednn_available():
+        pytest.skip("no oneDNN in this torch")
+    model = LLM().engine.core.runner.model
+    assert not [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert isinstance(model.lm_head, PackedLinear)
+    # float32: the plain path shares the embedding's storage rather than copying it.
+    assert model.lm_head.plain.data_ptr() == model.embed_tokens.weight.data_ptr()

@@ -1,0 +1,122 @@
+"""Several engine instances on Ray behind one server: outputs equal the single engine's, requests are
+spread over the instances, and an instance killed mid-decode (SIGKILL of its actor process) costs
+the clients nothing: its requests resume on the other instance from the tokens streamed so far.
+With no instance left, requests get a clear error and the server exits non-zero.
+
+One server (its own local Ray cluster) for the module; the suite's only Ray start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from server_utils import RemoteServer
+
+from tandem import LLM, SamplingParams
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 9, 11, 13], [21, 22, 23], [30, 31, 32, 33, 34], [40, 41], [50, 52, 54], [60, 61, 62, 63, 64]]
+BODY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    args = ["--num-instances", "2", "--num-threads", "1", "--num-kv-blocks", "256", "--max-num-seqs", "4"]
+    args += ["--served-model-name", "tiny", "--dispatch-policy", "least_load", "--block-size", "4"]
+    s = RemoteServer(llama_dir, *args, startup_timeout=300)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(str(llama_dir), num_kv_blocks=256, num_threads=1, block_size=4)
+
+
+def expected(offline, prompt, max_tokens):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].text
+
+
+def instance_pids() -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if b"EngineInstance" in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return sorted(pids)
+
+
+def post_all(server, max_tokens: int, results: dict, prompts=PROMPTS) -> list[threading.Thread]:
+    def send(i: int, prompt: list[int]) -> None:
+        with server.http() as http:
+            results[i] = http.post("/v1/completions", json={**BODY, "prompt": prompt, "max_tokens": max_tokens})
+
+    threads = [threading.Thread(target=send, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_outputs_equal_the_single_engine_and_spread_over_instances(server, offline):
+    results: dict = {}
+    for t in post_all(server, 16, results):
+        t.join(120)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[i].status_code == 200, results[i].text
+        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, 16)
+    m = server.metrics()
+    dispatched = [m[f'tandem:instance_requests_dispatched{{instance="{i}"}}'] for i in (0, 1)]
+    assert sum(dispatched) >= len(PROMPTS) and min(dispatched) >= 1, dispatched
+    assert len(instance_pids()) == 2
+
+
+def test_killing_an_instance_mid_decode_costs_the_clients_nothing(server, offline):
+    results: dict = {}
+    threads = post_all(server, 300, results)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if all(m[f'tandem:instance_num_requests_running{{instance="{i}"}}'] > 0 for i in (0, 1)):
+            break
+        time.sleep(0.05)
+    victim = instance_pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(240)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[i].status_code == 200, results[i].text
+        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, 300), i
+    assert server.metrics()["tandem:requests_resumed"] >= 1
+    assert victim not in instance_pids()
+    # The survivor goes on serving new requests.
+    with server.http() as http:
+        assert http.get("/health").status_code == 200
+        resp = http.post("/v1/completions", json={**BODY, "prompt": PROMPTS[0], "max_tokens": 8})
+        assert resp.json()["choices"][0]["text"] == expected(offline, PROMPTS[0], 8)
+
+
+def test_with_no_instance_left_requests_fail_clearly_and_the_server_exits(server):
+    results: dict = {}
+    threads = post_all(server, 300, results, PROMPTS[:2])
+    deadline = time.monotonic() + 60
+    while server.metrics()["tandem:num_requests_running"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in instance_pids():
+        os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    for r in results.values():
+        assert r.status_code == 500
+        assert r.json()["error"]["code"] == "engine_dead"
+    assert server.proc.wait(60) == 1

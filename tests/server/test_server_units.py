@@ -1,0 +1,71 @@
+"""In-process pieces of the server: the wire codec, metrics bookkeeping, error shaping (no subprocess)."""
+
+from __future__ import annotations
+
+from tandem.core.limits import EngineLimits
+from tandem.core.step_io import TokenLogprobs
+from tandem.engine import messages as m
+from tandem.engine.messages import EngineCoreRequest, SampleOutput
+from tandem.entrypoints.openai.errors import validation_error
+from tandem.entrypoints.openai.metrics import ServerMetrics
+from tandem.sampling_params import SamplingParams
+
+
+def test_messages_round_trip():
+    params = SamplingParams(n=2, temperature=0.5, seed=3, stop="\n", stop_token_ids=[7], logprobs=2)
+    req = EngineCoreRequest("r", [1, 2, 3], params, 9, 12.5, priority=2, tenant="t", cache_salt="s")
+    out = SampleOutput("r", 1, [4, 5], [TokenLogprobs(-0.1, 1, [4], [-0.1])] * 2, "stop", "\n")
+    stats = m.Stats(1, 2, 0.5, 3, 40, 16, 10, 20, [8, 1, 1])
+    sent = [
+        m.Init([2]),
+        m.Add(req),
+        m.Abort(["r"]),
+        m.StopSample("r", 1, "\n"),
+        m.Shutdown(),
+        m.Hello(5),
+        m.Ready(5, EngineLimits(512, 1024, 16, 64, 8)),
+        m.Outputs([out], stats),
+        m.Rejected("r", "bad"),
+        m.Failed("boom"),
+    ]
+    enc, to_engine, to_client = m.encoder(), m.engine_decoder(), m.client_decoder()
+    for i, msg in enumerate(sent):
+        dec = to_engine if i < 5 else to_client
+        assert dec.decode(enc.encode(msg)) == msg
+    assert to_engine.decode(enc.encode(m.Add(req))).request.params.stop == ["\n"]
+
+
+def test_metrics_turn_cumulative_stats_into_increments():
+    metrics = ServerMetrics("tiny")
+    metrics.observe_stats(m.Stats(2, 1, 0.25, 1, 100, 32, 100, 5, [64, 2]))
+    metrics.observe_stats(m.Stats(0, 0, 0.0, 1, 150, 48, 150, 9, [3]))
+    text = metrics.render()[0].decode()
+    assert 'tandem:prefix_cache_queries_total{model_name="tiny"} 150.0' in text
+    assert 'tandem:prefix_cache_hits_total{model_name="tiny"} 48.0' in text
+    assert 'tandem:generation_tokens_total{model_name="tiny"} 9.0' in text
+    assert 'tandem:num_preemptions_total{model_name="tiny"} 1.0' in text
+    assert 'tandem:num_requests_running{model_name="tiny"} 0.0' in text
+    assert 'tandem:iteration_tokens_total_count{model_name="tiny"} 3.0' in text
+    # A second server in the same process has its own registry.
+    assert "150.0" not in ServerMetrics("tiny").render()[0].decode()
+
+
+def test_validation_errors_name_the_field():
+    err = validation_error(
+        [
+            {
+                "type": "string_type",
+                "loc": ("body", "prompt", "str"),
+                "msg": "Input should be a valid string",
+            },
+            {
+                "type": "list_type",
+                "loc": ("body", "prompt", "list[str]"),
+                "msg": "Input should be a valid list",
+            },
+        ]
+    )
+    assert err.status == 400 and err.param == "prompt"
+    err = validation_error([{"type": "literal_error", "loc": ("body", "messages", 0, "role"), "msg": "bad"}])
+    assert err.param == "messages[0].role"
+    assert validation_error([{"type": "json_invalid", "loc": ("body", 1), "msg": "x"}]).param is None

@@ -1,0 +1,354 @@
+"""The adaptive speculation controller: cost model, per-request draft lengths, and the measured gate."""
+
+from __future__ import annotations
+
+from tandem.core.step_io import DraftPass
+from tandem.spec.config import AdaptiveConfig
+from tandem.spec.controller import AdaptiveSpeculation, Plan
+from tandem.spec.cost import LinearCost
+from tandem.spec.gate import GateChoice, SpecGate
+
+
+def test_linear_cost_recovers_a_line():
+    c = LinearCost(decay=1.0)
+    for t in range(1, 50):
+        c.observe(t, 0.01 + 0.002 * t)
+    a, b = c.coefficients()
+    assert abs(a - 0.01) < 1e-9 and abs(b - 0.002) < 1e-9
+
+
+def test_a_measured_shape_is_only_rescaled_online():
+    """Seeded with a line measured over a wide range, noisy online samples over a narrow one (a
+    single request's steps) move the level, not the slope."""
+    c = LinearCost()
+    c.set_shape([(1, 0.003), (64, 0.0036), (320, 0.006)])
+    a0, b0 = c.coefficients()
+    assert abs(b0 - 0.0000094) < 2e-6
+    for i in range(40):  # the machine now runs 20% slower, with noise, at 1 or 2 tokens a step
+        c.observe(1 + i % 2, (a0 + b0 * (1 + i % 2)) * 1.2 * (1.1 if i % 4 == 1 else 1.0))
+    a, b = c.coefficients()
+    assert 1.2 < a / a0 < 1.26 and abs(b / b0 - a / a0) < 1e-9
+    free = LinearCost()  # the same samples unseeded: the slope is the noise
+    for i in range(40):
+        free.observe(1 + i % 2, (a0 + b0 * (1 + i % 2)) * 1.2 * (1.1 if i % 4 == 1 else 1.0))
+    assert free.coefficients()[1] > 10 * b0
+
+
+def test_plan_speculates_when_fixed_cost_dominates_and_not_when_tokens_cost():
+    ctl = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(warmup_steps=0))
+    ids = [f"r{i}" for i in range(64)]
+    for rid in ids:
+        ctl.observe_acceptance(rid, 4, 2)  # alpha about 0.5
+    for t in (64, 128, 256):
+        ctl.observe_step(t, 0.020 + 0.00001 * t)  # fixed cost dominates
+    ks = ctl.plan(ids[:1], other_tokens=0, draft_passes_cost=False).num_draft
+    assert ks["r0"] == 4
+    # A step that also carries prompt tokens never drafts, whatever the model says.
+    assert ctl.plan(ids[:1], other_tokens=5, draft_passes_cost=False).num_draft == {}
+    heavy = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(warmup_steps=0))
+    for t in (64, 128, 256):
+        heavy.observe_step(t, 0.001 + 0.001 * t)  # every token costs as much as the fixed part
+    ks = heavy.plan(ids, other_tokens=0, draft_passes_cost=False).num_draft
+    assert sum(ks.values()) == 0
+
+
+def test_plan_prices_draft_passes_as_a_fixed_cost_shared_by_the_batch():
+    """A draft pass costs about the same for one request as for eight: one draft token alone never
+    pays for it, eight requests drafting together do. The plan must find that, and must still
+    draft nothing where even the best plan loses."""
+    ids = [f"r{i}" for i in range(8)]
+
+    def controller(pass_fixed: float) -> AdaptiveSpeculation:
+        ctl = AdaptiveSpeculation(max_k=4)
+        ctl.seed(
+            [(t, 0.003 + 0.00001 * t) for t in (1, 5, 8, 40)],  # 3 ms a step, 10 us a token
+            [(n, pass_fixed + 0.00005 * n) for n in (1, 8)],  # a pass: fixed + 50 us a request
+        )
+        for rid in ids:
+            ctl.observe_acceptance(rid, 4, 4)
+            ctl.observe_acceptance(rid, 4, 4)  # alpha about 0.9
+        return ctl
+
+    ks = controller(0.001).plan(ids, other_tokens=0, draft_passes_cost=True).num_draft
+    # One request's first draft token: 8.9 expected tokens in 3.09 + 1.05 ms, below the plain
+    # 8 in 3.08 ms; all eight drafting one token pays, and a second pass pays again.
+    assert all(k >= 2 for k in ks.values()), ks
+    assert len(set(ks.values())) == 1  # every request drafts as many tokens as there are passes
+    assert sum(controller(0.010).plan(ids, other_tokens=0, draft_passes_cost=True).num_draft.values()) == 0
+
+
+def test_seeded_costs_price_the_first_step():
+    """Without measured costs the plan drafts max_k for its first steps; seeded, it plans from the
+    first step, and a draft too slow to pay is not used even once."""
+    blind = AdaptiveSpeculation(max_k=4)
+    assert blind.plan(["a"], other_tokens=0, draft_passes_cost=True).num_draft == {"a": 4}
+    ctl = AdaptiveSpeculation(max_k=4)
+    ctl.seed([(1, 0.003), (5, 0.0031)], [(1, 0.01)])  # a draft pass costs three steps
+    assert ctl.seeded and ctl.step_cost.shape is not None and ctl.draft_cost.shape is not None
+    assert sum(ctl.plan(["a"], other_tokens=0, draft_passes_cost=True).num_draft.values()) == 0
+
+
+def test_gate_samples_are_taken_at_the_load_time_machine_speed():
+    """Steps run while the machine is 25% slower are filed as if at the seeded speed, so the two
+    modes, measured at different moments, compare like with like."""
+    ctl = AdaptiveSpeculation(max_k=4)
+    ctl.seed([(1, 0.004), (5, 0.004)], [])
+    for _ in range(30):
+        ctl.observe_step(1, 0.005)
+    assert abs(ctl.step_cost.scale - 1.25) < 1e-9
+    plan = ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(plan, 3, 0.010)
+    tokens, seconds, samples = ctl.gate._stats[1][True]
+    assert tokens == 3 and abs(seconds - 0.008) < 1e-12 and samples == 1
+
+
+def test_speculation_overhead_is_learned_from_drafting_steps():
+    """With a measured shape, drafting steps teach what speculating costs beyond the shape (their
+    time does not rescale it), and the plan charges that once per drafting step: a request whose
+    drafts would pay at zero overhead does not draft when the overhead eats the gain (priced at the
+    mean acceptance: no optimism for exploring)."""
+    ctl = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(explore_z=0.0))
+    ctl.seed([(1, 0.003), (5, 0.003)], [])
+    ctl.observe_acceptance("a", 4, 0)  # alpha 1/3: drafting pays only while it costs nothing
+    assert sum(ctl.plan(["a"], other_tokens=0, draft_passes_cost=False).num_draft.values()) > 0
+    for _ in range(60):
+        ctl.observe_step(5, 0.0045, drafted=True)  # 1.5 ms more than the shape says
+        ctl.observe_step(1, 0.003)
+    assert abs(ctl.spec_overhead - 0.0015) < 1e-5 and abs(ctl.step_cost.scale - 1.0) < 1e-9
+    assert sum(ctl.plan(["a"], other_tokens=0, draft_passes_cost=False).num_draft.values()) == 0
+
+
+def test_gate_runs_the_measured_better_mode_and_explores():
+    gate = SpecGate(AdaptiveConfig(explore_every=10, min_samples=2))
+    assert gate.choose(64) == GateChoice(on=True, exploring=True)  # no data on "on" yet: try it
+    for _ in range(3):
+        gate.observe(64, True, 64, 0.2)  # 320 tok/s with speculation
+    assert gate.choose(64).on is False  # no data on "off" yet: try it
+    for _ in range(3):
+        gate.observe(64, False, 64, 0.1)  # 640 tok/s without
+    # "on" runs at half the rate: an exploring step loses one step's worth, so at a 1% budget the
+    # gate explores for min_samples (2) steps once per 200 steps.
+    assert gate.explore_interval(320.0, 640.0) == 200
+    choices = [gate.choose(64).on for _ in range(400)]
+    assert choices.count(True) == 4  # mostly off, still exploring
+    first = choices.index(True)
+    assert choices[first : first + 2] == [True, True]  # an exploration is a burst of min_samples steps
+    assert gate.preferred(64) is False
+    # Another batch size is its own bucket.
+    assert gate.choose(1).on is True
+    assert gate.preferred(2) is True  # untried
+
+
+def test_gate_rechecks_close_calls_often_and_clear_losers_rarely():
+    gate = SpecGate(AdaptiveConfig(explore_every=8, explore_cost=0.01, max_explore=256))
+    assert gate.explore_interval(100.0, 99.5) == 8  # within 1%: the floor
+    assert gate.explore_interval(100.0, 90.0) == 34  # 3 steps lose 1/3 of a step: every 34
+    assert gate.explore_interval(10.0, 100.0) == 256  # the cap
+
+
+def test_plan_returns_nothing_when_the_gate_is_off():
+    ctl = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(warmup_steps=0))
+    for _ in range(3):
+        plan = ctl.plan(["a", "b"], other_tokens=0, draft_passes_cost=False)
+        ctl.observe_outcome(plan, 2, 1.0)  # speculation on: 2 tok/s
+    for _ in range(3):
+        plan = ctl.plan(["a", "b"], other_tokens=0, draft_passes_cost=False)
+        ctl.observe_outcome(plan, 2, 0.1)
+    got = [ctl.plan(["a", "b"], other_tokens=0, draft_passes_cost=False).num_draft for _ in range(5)]
+    assert {} in got
+    # A step with prompt chunks in it follows the bucket's choice (off) without exploring.
+    assert all(ctl.plan(["a", "b"], other_tokens=7, draft_passes_cost=False) == Plan({}) for _ in range(50))
+
+
+def test_on_steps_without_drafts_count_as_off():
+    """An "on" step in which nothing was drafted ran as an "off" step: the gate files it there."""
+    ctl = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(warmup_steps=0))
+    plan = ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    assert (plan.num_decoding, plan.gate_on) == (1, True)  # nothing measured yet: "on" is tried first
+    ctl.observe_outcome(plan, 1, 0.01, drafted=False)
+    gate = ctl.gate
+    assert gate._stats[1][False][2] == 1 and True not in gate._stats[1]
+    plan = ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(plan, 3, 0.01, drafted=True)
+    assert gate._stats[1][True][2] == 1
+
+
+def test_steps_that_also_computed_prompts_are_no_sample():
+    """A planned pure-decode step that ended up computing prompt tokens as well is not filed."""
+    ctl = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(warmup_steps=0))
+    plan = ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(plan, 3, 0.5, drafted=True, pure=False)
+    assert ctl.gate._stats == {}
+    plan = ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(plan, 3, 0.01, drafted=True)
+    assert ctl.gate._stats[1][True][2] == 1
+
+
+def test_unmeasured_bucket_borrows_its_neighbours_verdict():
+    gate = SpecGate(AdaptiveConfig(min_samples=2, max_explore=64))
+    for _ in range(2):
+        gate.observe(8, True, 8, 0.2)  # bucket of 8: speculation loses
+        gate.observe(8, False, 8, 0.1)
+    # A larger batch starts off (off measured smaller) and samples "on" only on the slow schedule.
+    choices = []
+    for _ in range(128):
+        on = gate.choose(32).on
+        gate.observe(32, on, 32, 0.4 if on else 0.2)
+        choices.append(on)
+    assert choices[:2] == [False, False]
+    # One burst of min_samples "on" steps at step 64; the next exploration starts at step 128.
+    assert choices[63:65] == [True, True] and choices.count(True) == 3
+    assert gate.preferred(32) is False
+    # A smaller batch is not covered by an "off" verdict from above: it tries "on" first.
+    assert gate.choose(2).on is True
+    for _ in range(2):
+        gate.observe(1, True, 10, 0.1)  # a single stream gains
+        gate.observe(1, False, 5, 0.1)
+    # Between "on" at 1 and "off" at 8 neither verdict carries over: untried, so "on" first.
+    assert gate.preferred(4) is True
+    assert gate.preferred(64) is False  # off measured at 8 and 32
+    gate2 = SpecGate(AdaptiveConfig(min_samples=2))
+    for _ in range(2):
+        gate2.observe(16, True, 20, 0.1)
+        gate2.observe(16, False, 10, 0.1)
+    assert gate2.choose(4).on is True and gate2.preferred(4) is True  # on measured larger: on here
+
+
+def test_draft_catch_up_is_spread_over_steps() -> None:
+    """A draft that missed whole prompts catches up a budget's worth of requests per step."""
+    from scheduler_harness import make_group
+
+    from tandem.spec.config import SpeculativeConfig
+    from tandem.spec.planner import SpecPlanner
+
+    config = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="d")
+    budget = config.adaptive_config.catch_up_tokens_per_step
+    planner = SpecPlanner(config)
+    reqs = []
+    for i in range(3):
+        r, _ = make_group(f"r{i}", list(range(budget + 1)), max_tokens=50)
+        r.token_ids.append(7)  # prompt computed, one sampled token: decoding, draft never fed
+        r.num_computed_tokens = r.num_prompt_tokens
+        reqs.append(r)
+    first = planner.plan(reqs, other_tokens=0, max_model_len=1000).num_draft
+    assert list(first) == ["r0"]  # one whole prompt fits the budget, a second would not
+    planner.observe(reqs[0], first["r0"], 0)
+    reqs[0].num_computed_tokens += 1
+    reqs[0].token_ids.append(8)
+    second = planner.plan(reqs, other_tokens=0, max_model_len=1000).num_draft
+    assert sorted(second) == ["r0", "r1"]  # r0 is caught up (one token behind); r1 takes the budget
+
+
+def test_a_draft_further_behind_than_the_budget_still_catches_up() -> None:
+    """A request whose prompt alone exceeds the catch-up budget still drafts (the closest such
+    request, one per step): a draft catches up only by drafting, so skipping it would be for good."""
+    from scheduler_harness import make_group
+
+    from tandem.spec.config import SpeculativeConfig
+    from tandem.spec.planner import SpecPlanner
+
+    config = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="d")
+    budget = config.adaptive_config.catch_up_tokens_per_step
+    planner = SpecPlanner(config)
+    reqs = []
+    for i, length in enumerate((3 * budget, 2 * budget)):
+        r, _ = make_group(f"r{i}", list(range(length)), max_tokens=50)
+        r.token_ids.append(7)
+        r.num_computed_tokens = r.num_prompt_tokens
+        reqs.append(r)
+    assert list(planner.plan(reqs, other_tokens=0, max_model_len=1000).num_draft) == ["r1"]  # the shorter one
+    # Up to a bound on what one step may add for everyone in it (the engine's step budget).
+    bounded = SpecPlanner(config, max_catch_up=2 * budget - 8)  # r1 is 2 * budget - 1 behind
+    assert bounded.plan(reqs, other_tokens=0, max_model_len=1000).num_draft == {}
+
+
+def test_a_new_request_drafts_to_measure_its_acceptance():
+    """Priced at the prior's mean (1/2), a draft pass here only breaks even, so a new request would
+    never draft and never learn that its drafts are accepted. The plan prices drafts at an
+    optimistic acceptance while evidence is thin: a new request drafts; one whose drafts keep being
+    rejected stops; once its history has faded, it tries again."""
+    ids = ["a"]
+
+    def controller(**kwargs: float) -> AdaptiveSpeculation:
+        ctl = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(**kwargs))
+        ctl.seed([(1, 0.004), (5, 0.004)], [(1, 0.002)])  # a draft pass: half a step
+        return ctl
+
+    assert sum(controller(explore_z=0.0).plan(ids, 0, draft_passes_cost=True).num_draft.values()) == 0
+    ctl = controller()  # the default optimism
+    assert ctl.plan(ids, 0, draft_passes_cost=True).num_draft["a"] >= 1
+    for _ in range(6):
+        ctl.observe_acceptance("a", 2, 0)
+    assert ctl.optimistic_alpha("a") < 0.3
+    waits = 0
+    while sum(ctl.plan(ids, 0, draft_passes_cost=True).num_draft.values()) == 0:
+        waits += 1
+        assert waits < 100, "a faded history must make the request draft again"
+    assert waits > 3  # but not at once
+
+
+def test_exploring_speculation_from_off_is_charged_its_switching_cost():
+    """Exploring "on" from "off" first feeds a draft model what it missed: the gate counts that
+    catch-up (in steps) into the exploration's cost, so it explores less often."""
+    gate = SpecGate(AdaptiveConfig(explore_every=8, explore_cost=0.01, max_explore=256))
+    assert gate.explore_interval(90.0, 100.0) == 34
+    for _ in range(50):
+        gate.observe_switch(1.0)  # a catch-up costs a whole step
+    assert abs(gate.switch_steps - 1.0) < 1e-4
+    assert gate.explore_interval(90.0, 100.0) == 134  # (3 * 1/9 + 1) / 1%
+    assert gate.explore_interval(100.0, 90.0) == 34  # exploring "off" switches nothing on
+
+
+def test_a_draft_catch_up_is_priced_over_the_requests_remaining_steps():
+    """A request whose draft must first catch up on its prompt pays that (per token, paid off over
+    its remaining steps) once it drafts: where drafting barely pays it does not start, where it
+    clearly pays it does; and while the gate explores "on", the catch-up it budgeted is not priced
+    again (else the exploration would draft nothing and measure nothing)."""
+
+    def controller(pass_cost: float) -> AdaptiveSpeculation:
+        ctl = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(explore_z=0.0))
+        ctl.seed([(1, 0.004), (5, 0.004)], [(1, pass_cost)], feed_cost=0.0001)  # 0.1 ms a token
+        for _ in range(3):
+            ctl.observe_acceptance("a", 4, 2)  # alpha about 0.63
+        return ctl
+
+    def backlog() -> dict[str, float]:
+        return {"a": 10.0}  # e.g. a 320-token prompt paid off over 32 steps: 1 ms a step
+
+    cheap, dear = controller(0.0005), controller(0.002)
+    for ctl in (cheap, dear):
+        ctl.gate.choose = lambda n: GateChoice(on=True)  # the gate has measured "on" as the better mode
+    assert cheap.plan(["a"], 0, True, backlog).num_draft["a"] >= 1
+    assert sum(dear.plan(["a"], 0, True, backlog).num_draft.values()) == 0
+    assert dear.plan(["a"], 0, True, dict).num_draft["a"] >= 1  # caught up, the same request drafts
+    exploring = controller(0.002)
+    exploring.gate.choose = lambda n: GateChoice(on=True, exploring=True)  # "on" chosen to be measured
+    assert exploring.plan(["a"], 0, True, backlog).num_draft["a"] >= 1
+
+
+def test_the_gate_pays_prompt_catch_up_as_a_running_mean():
+    """A new request's prompt fed to the draft is a cost of speculating, so "on" samples pay it, but
+    as a running mean per drafting step, not all in the one step the request arrived in."""
+    ctl = AdaptiveSpeculation(max_k=4)
+    plan = ctl.plan(["a"], other_tokens=0, draft_passes_cost=False)
+    ctl.observe_outcome(plan, 3, 0.004 + 0.010, drafted=True, feed_seconds=0.010)  # a 10 ms prompt feed
+    tokens, seconds, _ = ctl.gate._stats[1][True]
+    assert tokens == 3 and abs(seconds - (0.004 + 0.05 * 0.010)) < 1e-12  # the step, plus 1/20 of the feed
+    assert abs(ctl.feed_mean - 0.0005) < 1e-12
+    ctl.observe_feed(100, 0.008)
+    assert abs(ctl.feed_cost - 0.00008) < 1e-12  # the first sample sets it
+    ctl.observe_feed(100, 0.010)
+    assert 0.00008 < ctl.feed_cost < 0.0001
+
+
+def test_a_catch_up_pass_is_split_into_switching_and_prompt_costs():
+    """A draft pass that also caught drafts up costs more than a plain pass; that excess is returned
+    split in proportion to the tokens missed while speculation was off (switching) and new prompts'
+    tokens, and teaches the per-token catch-up cost. Plain passes teach the pass cost line."""
+    ctl = AdaptiveSpeculation(max_k=4)
+    ctl.seed([(1, 0.004), (5, 0.004)], [(1, 0.001), (8, 0.001)])
+    assert ctl.observe_draft_pass(DraftPass(num_requests=1, seconds=0.001)) == (0.0, 0.0)
+    assert ctl.draft_cost.count == 1
+    switch, prompt = ctl.observe_draft_pass(DraftPass(1, 0.005, catch_up_tokens=100, missed_tokens=25))
+    assert abs(switch - 0.001) < 1e-12 and abs(prompt - 0.003) < 1e-12  # 4 ms beyond the pass, 1/4 missed
+    assert abs(ctl.feed_cost - 0.00004) < 1e-12 and ctl.draft_cost.count == 1
