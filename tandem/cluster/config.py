@@ -18,10 +18,12 @@ class ClusterConfig:
     # least_load: a request whose priority is below 0 (ahead of the default) counts its KV demand
     # this many times, so high-priority work lands where there is headroom.
     high_priority_weight: float = 2.0
-    # prefix_aware: instances whose load is within this much (a fraction of their KV cache) of the
-    # least loaded one compete on cached prefix; beyond it, load decides (one hot prefix must not
-    # pile its requests onto one instance).
-    balance_threshold: float = 0.25
+    # prefix_aware: the cached prefix decides unless the instances are out of balance, as SGLang's
+    # router judges it: the busiest holds more than `balance_abs_threshold` requests more than the
+    # idlest and more than `balance_rel_threshold` times as many; then the idlest gets it (one hot
+    # prefix must not pile its requests onto one instance).
+    balance_abs_threshold: int = 4
+    balance_rel_threshold: float = 1.5
     # prefix_aware: prompt blocks dispatched to an instance recently count as cached there (its
     # report may not show them yet); this many block hashes per instance are remembered.
     recent_prefix_blocks: int = 16384
@@ -35,5 +37,5 @@ class ClusterConfig:
             )
         if not self.cpus_per_instance > 0:
             raise ValueError(f"cpus per instance must be positive, got {self.cpus_per_instance}")
-        if not 0 <= self.balance_threshold <= 1:
-            raise ValueError(f"balance_threshold must be in [0, 1], got {self.balance_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("balance thresholds must be >= 0 (absolute) and >= 1 (relative)")

@@ -8,9 +8,10 @@ prefixes). Pure Python: the cluster simulator can run the same code over simulat
 - `least_load` (Llumnix's virtual usage): an instance's load is the KV blocks its requests may
   come to hold (prompt plus max_tokens, times n; a high-priority request counts more) over its
   cache size; the least loaded instance gets the request.
-- `prefix_aware` (as SGLang's router): among instances within `balance_threshold` of the least
-  loaded, the one holding the longest cached prefix of the prompt (from its report, plus prompts
-  dispatched there since) gets it; with no prefix anywhere, the least loaded.
+- `prefix_aware` (as SGLang's router): while the instances' in-flight request counts are in
+  balance, the one holding the longest cached prefix of the prompt (from its report, plus prompts
+  dispatched there since) gets it, ties and no prefix anywhere going to the least loaded; out of
+  balance (see `ClusterConfig`), the one with the fewest requests in flight.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class InstanceView:
 
     num_blocks: int
     demand: float = 0.0  # KV blocks its routed, unfinished requests may hold (weighted)
+    inflight: int = 0  # routed, unfinished requests
     cached: set[int] = field(default_factory=set)  # prefix block hashes from its last summary
     recent: OrderedDict[int, None] = field(default_factory=OrderedDict)  # hashes dispatched since
     num_running: int = 0
@@ -64,9 +66,12 @@ class Dispatcher:
         return choice
 
     def _prefix_aware(self, req: EngineCoreRequest, candidates: list[int]) -> int:
+        cfg = self.config
+        counts = {i: self.instances[i].inflight for i in candidates}
+        busiest, idlest = max(counts.values()), min(counts.values())
+        if busiest - idlest > cfg.balance_abs_threshold and busiest > idlest * cfg.balance_rel_threshold:
+            return min(candidates, key=lambda i: (counts[i], self.instances[i].load, i))
         hashes = prefix_block_hashes(req.prompt_token_ids, self.block_size, req.cache_salt)
-        least = min(self.instances[i].load for i in candidates)
-        near = [i for i in candidates if self.instances[i].load <= least + self.config.balance_threshold]
 
         def matched(i: int) -> int:
             view = self.instances[i]
@@ -77,7 +82,7 @@ class Dispatcher:
                 n += 1
             return n
 
-        return max(near, key=lambda i: (matched(i), -self.instances[i].load, -i))
+        return max(candidates, key=lambda i: (matched(i), -self.instances[i].load, -i))
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -90,6 +95,7 @@ class Dispatcher:
             demand *= self.config.high_priority_weight
         view = self.instances[instance]
         view.demand += demand
+        view.inflight += 1
         self._demand[req.request_id] = (instance, demand)
         self.num_dispatched[instance] += 1
         if self.config.dispatch_policy == "prefix_aware":
@@ -104,7 +110,9 @@ class Dispatcher:
         entry = self._demand.pop(request_id, None)
         if entry is not None:
             instance, demand = entry
-            self.instances[instance].demand = max(0.0, self.instances[instance].demand - demand)
+            view = self.instances[instance]
+            view.demand = max(0.0, view.demand - demand)
+            view.inflight -= 1
 
     def observe(self, instance: int, stats: Stats) -> None:
         """An instance's report."""

@@ -60,7 +60,7 @@ def test_least_load_counts_future_kv_demand_and_releases_it():
 
 
 def test_prefix_aware_follows_the_cached_prefix_within_the_balance_bound():
-    cfg = ClusterConfig(num_instances=2, dispatch_policy="prefix_aware", balance_threshold=0.2)
+    cfg = ClusterConfig(num_instances=2, dispatch_policy="prefix_aware", balance_abs_threshold=4)
     d = Dispatcher(cfg, [100, 100], BS)
     system = list(range(10, 42))  # 8 blocks
     # Instance 1 reports the system prompt cached (as its prefix cache summarises it).
@@ -76,10 +76,15 @@ def test_prefix_aware_follows_the_cached_prefix_within_the_balance_bound():
     other = list(range(100, 132))
     d.routed(req("c", other), 0)
     assert d.choose(req("d", [*other, 5]), {0, 1}) == 0
-    # Too much load on the instance with the prefix: load decides.
-    for i in range(20):
-        d.routed(req(f"load{i}", [1] * 4, max_tokens=4), 1)  # 2 blocks each: load 0.4 against 0.1
+    # Out of balance (6 requests in flight against 1: more than 4 more, and over 1.5 times as
+    # many): the instance with the prefix is passed over.
+    for i in range(5):
+        d.routed(req(f"load{i}", [1] * 4, max_tokens=4), 1)
+    assert d.choose(req("e", [*system, 9]), {0, 1}) == 1  # 5 against 1: still in balance
+    d.routed(req("load5", [1] * 4, max_tokens=4), 1)
     assert d.choose(req("e", [*system, 9]), {0, 1}) == 0
+    d.release("load5")
+    assert d.choose(req("e", [*system, 9]), {0, 1}) == 1
 
 
 def test_dispatch_never_picks_a_dead_instance():
@@ -94,3 +99,5 @@ def test_cluster_config_is_validated():
         ClusterConfig(num_instances=0)
     with pytest.raises(ValueError, match="dispatch-policy"):
         ClusterConfig(dispatch_policy="random")
+    with pytest.raises(ValueError, match="balance"):
+        ClusterConfig(balance_rel_threshold=0.5)
