@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 # Below this a temperature is treated as greedy decoding, as in vLLM.
 GREEDY_EPS = 1e-5
@@ -56,6 +57,16 @@ class SamplingParams:
         if self.top_k == -1:  # vLLM's older spelling of "disabled"
             self.top_k = 0
         self.validate()
+
+    # `stop` and `stop_token_ids` accept None or a single string at construction; __post_init__ makes
+    # them lists. These read them as such (the type checker cannot follow __post_init__).
+    @property
+    def stop_strings(self) -> list[str]:
+        return cast("list[str]", self.stop)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return cast("list[int]", self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -125,11 +136,11 @@ class SamplingParams:
             check_int("logprobs")
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"SamplingParams.stop holds {len(self.stop)} strings, more than {MAX_STOP_STRINGS}")
-        for s in self.stop:
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop holds {len(self.stop_strings)} strings, more than {MAX_STOP_STRINGS}")
+        for s in self.stop_strings:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {_short(self.stop)}")
+                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {_short(self.stop_strings)}")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(
                     f"SamplingParams.stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
@@ -141,21 +152,21 @@ class SamplingParams:
                 raise ValueError(
                     f"SamplingParams.stop strings must be valid Unicode (no lone surrogates), got {s!r}"
                 ) from None
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        if len(self.stop_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(
-                f"SamplingParams.stop_token_ids holds {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}"
+                f"SamplingParams.stop_token_ids holds {len(self.stop_ids)} ids, more than {MAX_STOP_TOKEN_IDS}"
             )
-        for t in self.stop_token_ids:
+        for t in self.stop_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX:
                 raise ValueError(
                     f"SamplingParams.stop_token_ids must hold non-negative 32-bit integers, "
-                    f"got {_short(self.stop_token_ids)}"
+                    f"got {_short(self.stop_ids)}"
                 )
 
     def clone(self, **changes: object) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        values["stop"] = list(self.stop)
-        values["stop_token_ids"] = list(self.stop_token_ids)
+        values["stop"] = list(self.stop_strings)
+        values["stop_token_ids"] = list(self.stop_ids)
         values.update(changes)
         return SamplingParams(**values)
 

@@ -90,7 +90,7 @@ class Dispatcher:
         """`req` now runs on `instance` (new, or moved there)."""
         self.release(req.request_id)
         tokens = len(req.prompt_token_ids) + req.max_tokens
-        demand = -(-tokens // self.block_size) * req.params.n
+        demand: float = -(-tokens // self.block_size) * req.params.n
         if req.priority < 0:
             demand *= self.config.high_priority_weight
         view = self.instances[instance]

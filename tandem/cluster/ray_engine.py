@@ -36,7 +36,9 @@ def start_ray(config: ClusterConfig) -> None:
 def _actor_class() -> Any:
     import ray
 
-    @ray.remote(max_concurrency=2)  # `serve` holds one thread for the instance's life; `stop` needs another
+    # `serve` holds one thread for the instance's life; `stop` needs another. (Ray's typed overloads
+    # of `remote` leave out the actor options, max_concurrency among them.)
+    @ray.remote(max_concurrency=2)  # type: ignore[call-overload]
     class EngineInstance:
         """One engine instance: its own process, KV cache and threads."""
 
@@ -83,7 +85,7 @@ class InstanceGroup:
                 f"within {timeout:.0f}s (see `ray status`)"
             )
 
-    def connections(self, engine_config: EngineConfig) -> list[RayConnection]:
+    def connections(self, engine_config: EngineConfig) -> list[EngineConnection]:
         return [RayConnection(engine_config, self, i) for i in range(self.config.num_instances)]
 
     def remove(self) -> None:

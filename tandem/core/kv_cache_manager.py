@@ -137,8 +137,9 @@ class KVCacheManager:
         # own blocks: switch to those and drop the duplicates, or the request would hold its copy and
         # lock the cached one too, two blocks for one, and could then not fit a cache it fits alone.
         cached: list[int] = []
-        n = new
+        n: Node | None = new
         while n is not node:
+            assert n is not None, "extend() returns `node` or a descendant of it"
             cached[:0] = n.blocks
             n = n.parent
         for i, b in enumerate(cached, start):

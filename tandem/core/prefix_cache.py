@@ -134,6 +134,7 @@ class PrefixCache:
         """Cut `node` after its first `m` blocks; return the new upper part (the lower part keeps `node`)."""
         bs = self.block_size
         parent = node.parent
+        assert parent is not None, "a split node is never a root: roots have no blocks"
         upper = Node(
             node.key[: m * bs],
             node.blocks[:m],
@@ -151,14 +152,14 @@ class PrefixCache:
 
     # -- locking ---------------------------------------------------------
 
-    def lock(self, node: Node) -> None:
+    def lock(self, node: Node | None) -> None:
         while node is not None and not node.is_root:
             if node.lock == 0:
                 self.num_unlocked_blocks -= len(node.blocks)
             node.lock += 1
             node = node.parent
 
-    def unlock(self, node: Node) -> None:
+    def unlock(self, node: Node | None) -> None:
         while node is not None and not node.is_root:
             if node.lock <= 0:
                 raise RuntimeError("unlock of an unlocked prefix-cache node")
@@ -214,7 +215,7 @@ class PrefixCache:
 
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` blocks from unlocked leaves, least recently used first."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock == 0]
+        heap: list[tuple[int, int, Node]] = [(n.last_access, id(n), n) for n in self._leaves() if n.lock == 0]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_blocks:
@@ -224,6 +225,7 @@ class PrefixCache:
                 # Evict only the tail of a long leaf.
                 self._split(leaf, len(leaf.blocks) - need)  # `leaf` keeps the tail
             parent = leaf.parent
+            assert parent is not None, "_leaves() yields no roots"
             del parent.children[leaf.key[: self.block_size]]
             self.pool.free(leaf.blocks)
             freed += len(leaf.blocks)

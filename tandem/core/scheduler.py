@@ -258,18 +258,21 @@ class Scheduler:
 
         Planned before the queue is admitted, so the plan counts the prompt tokens this step is
         about to admit among the step's other tokens: the step is then not a pure-decode one."""
+        spec = self.spec
+        if spec is None:
+            return {}
         decoding = [
             r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.pending_children
         ]
         other = sum(r.num_tokens - r.num_computed_tokens for r in self.running) - len(decoding)
         other += self._expected_admissions(order)
-        out.spec_plan = plan = self.spec.plan(decoding, min(other, budget), self.max_model_len)
+        out.spec_plan = plan = spec.plan(decoding, min(other, budget), self.max_model_len)
         ks = dict(plan.num_draft)  # n-gram may propose fewer; the plan stays as made
         for r in decoding:
             k = ks.get(r.request_id, 0)
             if not k:
                 continue
-            proposal = self.spec.propose(r, k)
+            proposal = spec.propose(r, k)
             if proposal is not None:  # n-gram: may find fewer tokens than asked
                 ks[r.request_id] = len(proposal)
                 if proposal:
@@ -433,7 +436,7 @@ class Scheduler:
             if not sp.ignore_eos and token in req.eos_token_ids:
                 self._finish(req, RequestStatus.FINISHED_STOPPED, None)
                 return
-            if token in sp.stop_token_ids:
+            if token in sp.stop_ids:
                 self._finish(req, RequestStatus.FINISHED_STOPPED, token)
                 return
         if num_out >= req.max_tokens or req.num_tokens >= self.max_model_len:

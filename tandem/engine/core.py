@@ -154,13 +154,11 @@ class EngineCore:
         k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
         self.runner.warm(min(WARM_MAX_ROWS, config.max_num_seqs * (1 + k)))
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.spec = (
-            SpecPlanner(self.spec_config, max_catch_up=config.max_num_batched_tokens)
-            if self.spec_config is not None
-            else None
-        )
-        if self.spec is not None and self.spec_config.adaptive:
-            self._seed_costs(config, k, self.spec_config.adaptive_config)
+        self.spec: SpecPlanner | None = None
+        if self.spec_config is not None:
+            self.spec = SpecPlanner(self.spec_config, max_catch_up=config.max_num_batched_tokens)
+            if self.spec_config.adaptive:
+                self._seed_costs(self.spec, config, k, self.spec_config.adaptive_config)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -182,7 +180,7 @@ class EngineCore:
         # Steps in a row that failed (see `_isolate_fault`); a successful step resets it.
         self._faulted_steps = 0
 
-    def _seed_costs(self, config: EngineConfig, k: int, adaptive: AdaptiveConfig) -> None:
+    def _seed_costs(self, spec: SpecPlanner, config: EngineConfig, k: int, adaptive: AdaptiveConfig) -> None:
         """Time verification steps and draft passes of one request and of a full batch now, so the
         adaptive plan knows what speculation costs from its first step."""
         context = adaptive.seed_context
@@ -203,7 +201,7 @@ class EngineCore:
                 feed = max(0.0, catch_up - draft_seconds[0]) / (context - 1)
         except ValueError:  # a cache too small to time a pass in: learn online instead
             return
-        self.spec.seed_costs(
+        spec.seed_costs(
             [(r * q, s) for (r, q), s in zip(shapes, seconds)], list(zip(draft_requests, draft_seconds)), feed
         )
 
@@ -211,7 +209,7 @@ class EngineCore:
         if req.request_id in self._groups:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         params = req.params
-        self.limits.check(req.prompt_token_ids, req.max_tokens, params.n, params.stop_token_ids)
+        self.limits.check(req.prompt_token_ids, req.max_tokens, params.n, params.stop_ids)
         resumed = req.resumed_outputs
         if resumed is not None and len(resumed) != params.n:
             raise ValueError(f"resumed_outputs has {len(resumed)} entries for n={params.n} samples")
@@ -386,7 +384,7 @@ class EngineCore:
     def _forget_group(self, group_id: str) -> None:
         """Drop a user request's entry once none of its samples is left in the scheduler."""
         ids = self._groups.get(group_id)
-        if ids is not None and all(self.scheduler.requests.get(i) is None for i in ids):
+        if ids is not None and all(i is None or self.scheduler.requests.get(i) is None for i in ids):
             del self._groups[group_id]
 
     # -- faults ----------------------------------------------------------------

@@ -130,6 +130,13 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task] = []
 
     @property
+    def _outputs(self) -> OutputProcessor:
+        """The output processor, which `start` makes: no request reaches it before then."""
+        if self.outputs is None:
+            raise RuntimeError("the engine client is not started")
+        return self.outputs
+
+    @property
     def engine_pid(self) -> int | None:
         return self.connections[0].pid
 
@@ -197,12 +204,12 @@ class AsyncEngineClient:
         # engine) unregisters the request, so no error path leaves a stream behind.
         self.streams[req.request_id] = stream
         try:
-            self.outputs.add(req, prompt_text)
+            self._outputs.add(req, prompt_text)
             self._route(req, instance)
         except BaseException:
             self.streams.pop(req.request_id, None)
             self._unroute(req.request_id)
-            self.outputs.abort([req.request_id])
+            self._outputs.abort([req.request_id])
             raise
         return stream
 
@@ -231,7 +238,7 @@ class AsyncEngineClient:
         ids = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
         if not ids:
             return
-        self.outputs.abort(ids)
+        self._outputs.abort(ids)
         by_instance: dict[int, list[str]] = {}
         for rid in ids:
             instance = self._unroute(rid)
@@ -281,7 +288,7 @@ class AsyncEngineClient:
                     self.on_stats(instance, msg.stats)
             if not msg.outputs:
                 return
-            outs, stops, failed = self.outputs.process(msg.outputs)
+            outs, stops, failed = self._outputs.process(msg.outputs)
             for request_id, index, reason in stops:
                 self._send_to(self.routes.get(request_id, instance), m.StopSample(request_id, index, reason))
             if failed:
@@ -300,7 +307,7 @@ class AsyncEngineClient:
         elif isinstance(msg, m.Rejected):
             stream = self.streams.pop(msg.request_id, None)
             self._unroute(msg.request_id)
-            self.outputs.abort([msg.request_id])
+            self._outputs.abort([msg.request_id])
             if stream is not None:
                 stream.fail(ValueError(msg.message))
         elif isinstance(msg, m.Failed):
@@ -319,7 +326,7 @@ class AsyncEngineClient:
                 continue
             self._unroute(rid)
             stream = self.streams.pop(rid, None)
-            self.outputs.abort([rid])
+            self._outputs.abort([rid])
             if stream is not None:
                 stream.fail(EngineDeadError(reason))
         if not self._live and self.dead is None:
@@ -330,7 +337,7 @@ class AsyncEngineClient:
     def _resume(self, request_id: str) -> bool:
         """Send a request again, to a live instance, with what each sample has produced so far."""
         req = self.requests.get(request_id)
-        group = self.outputs.groups.get(request_id)
+        group = self._outputs.groups.get(request_id)
         if req is None or group is None:
             return False
         done = [s.finish_reason is not None for s in group.samples]

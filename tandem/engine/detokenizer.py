@@ -20,7 +20,7 @@ class IncrementalDetokenizer:
         self.stream = DecodeStream(
             ids=prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=params.skip_special_tokens
         )
-        self.stops = params.stop
+        self.stops = params.stop_strings
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.skip_special = params.skip_special_tokens

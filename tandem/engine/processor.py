@@ -58,7 +58,7 @@ class InputProcessor:
         if not ids:
             raise ValueError("the prompt is empty")
         max_tokens = self.limits.max_tokens_for(len(ids), params.max_tokens)
-        self.limits.check(ids, max_tokens, params.n, params.stop_token_ids)
+        self.limits.check(ids, max_tokens, params.n, params.stop_ids)
         req = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -225,7 +225,7 @@ class OutputProcessor:
             if sample.first_token_time is None:
                 sample.first_token_time = up.first_token_time or now
             if sample.logprobs is not None and up.new_logprobs:
-                self._add_logprobs(sample, token, up.new_logprobs[k])
+                self._add_logprobs(sample, sample.logprobs, token, up.new_logprobs[k])
             # A stop token (EOS or one of stop_token_ids) ends the text without being part of it.
             by_stop_token = finishing and up.finish_reason == "stop" and not isinstance(up.stop_reason, str)
             hit = sample.detok.update(token, decode=not by_stop_token)
@@ -241,7 +241,10 @@ class OutputProcessor:
             sample.num_preemptions = up.num_preemptions
             group.finished_time = up.finished_time or now
 
-    def _add_logprobs(self, sample: _Sample, token: int, lp: TokenLogprobs) -> None:
+    def _add_logprobs(
+        self, sample: _Sample, logprobs: list[dict[int, Logprob]], token: int, lp: TokenLogprobs
+    ) -> None:
+        """Append a token's logprobs to `logprobs` (the sample's list: it keeps them)."""
         decode = self.tokenizer.decode_token
         entry = {
             tid: Logprob(val, rank + 1, decode(tid))
@@ -249,7 +252,7 @@ class OutputProcessor:
         }
         if token not in entry:
             entry = {token: Logprob(lp.logprob, lp.rank, decode(token)), **entry}
-        sample.logprobs.append(entry)
+        logprobs.append(entry)
         sample.cumulative_logprob += lp.logprob
 
     def _output(self, group: _Group, finished: bool) -> RequestOutput:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 
 class Tokenizer:
@@ -36,11 +36,13 @@ class Tokenizer:
             check_text(text, "the prompt")
             raise ValueError(f"cannot tokenize the prompt: {exc}") from exc
 
+    # transformers types decode() as `str | list[str]` (the list for batched input); one sequence of
+    # ids decodes to one string.
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return cast(str, self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def decode_token(self, token_id: int) -> str:
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        return cast(str, self.hf.decode([token_id], skip_special_tokens=False))
 
     def apply_chat_template(
         self,
@@ -61,6 +63,8 @@ class Tokenizer:
             )
         except Exception as exc:  # jinja errors, missing keys
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
+        if not isinstance(text, str):  # tokenize=False renders one conversation to one string
+            raise ValueError(f"the chat template rendered {type(text).__name__}, not text")
         # The template already holds the special tokens (BOS and role markers).
         return self.encode(text, add_special_tokens=False)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine, PromptType
@@ -57,25 +57,25 @@ class LLM:
         (one int per prompt, lower runs first) matters under the `priority`
         scheduling policy.
         """
-        if isinstance(prompts, (str, dict)) or (
+        single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        )
+        # The type checker cannot tell one prompt of token ids from a list of prompts: say which.
+        batch = [cast("PromptType", prompts)] if single else list(cast("Sequence[PromptType]", prompts))
         if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
+            params = [SamplingParams()] * len(batch)
         elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
+            params = [sampling_params] * len(batch)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
+            if len(params) != len(batch):
                 raise ValueError(
-                    f"got {len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt"
+                    f"got {len(params)} sampling params for {len(batch)} prompts; pass one or one per prompt"
                 )
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        return self._run(prompts, params, priorities, use_tqdm)
+        priorities = list(priority) if priority is not None else [0] * len(batch)
+        if len(priorities) != len(batch):
+            raise ValueError(f"got {len(priorities)} priorities for {len(batch)} prompts")
+        return self._run(batch, params, priorities, use_tqdm)
 
     def chat(
         self,
@@ -85,7 +85,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        if messages and isinstance(messages[0], list):
+            conversations = messages
+        else:
+            conversations = [cast("list[dict[str, Any]]", messages)]
         tok = self.engine.tokenizer
         prompts = [
             {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt, chat_template)}

@@ -17,6 +17,7 @@ def fuzz_openapi(base_url: str, examples: int, check: Callable[[str, Any], None]
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
+    from schemathesis.core.result import Err
     from schemathesis.generation import GenerationMode
 
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
@@ -42,6 +43,8 @@ def fuzz_openapi(base_url: str, examples: int, check: Callable[[str, Any], None]
             run()
 
     for result in schema.get_all_operations():
+        if isinstance(result, Err):  # an operation the schema describes badly
+            raise result.err()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             run_operation(result.ok(), mode)
     return sent

@@ -51,7 +51,7 @@ def finish_result(r: RequestResult) -> RequestResult:
     return r
 
 
-def percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
     """Linear-interpolation percentile (numpy's default); 0 for no values."""
     if len(values) == 0:
         return 0.0

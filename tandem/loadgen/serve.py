@@ -136,7 +136,7 @@ async def run_once(
     try:  # the openai client ships with httpx2; plain httpx works the same
         import httpx2 as httpx
     except ImportError:  # pragma: no cover
-        import httpx
+        import httpx  # type: ignore[no-redef]  # one name for whichever of the two is installed
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem import kernels
+
+M = TypeVar("M", bound=nn.Module)
 
 # float32 rows that MKL's sgemv takes (bit-identical to transformers' own F.linear).
 _MKL_MAX_ROWS = 2
@@ -70,12 +73,13 @@ class PackedLinear(nn.Module):
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
-        if rows <= self.plain_max_rows:
-            if self.plain.dtype == torch.float32:
+        plain = self.plain  # None exactly when plain_max_rows is 0
+        if plain is not None and rows <= self.plain_max_rows:
+            if plain.dtype == torch.float32:
                 if rows <= _MKL_MAX_ROWS:
-                    return F.linear(x, self.plain, self.bias)
-                return torch.ops.tandem.gemv_f32(x, self.plain, self.bias)
-            return torch.ops.tandem.gemv_bf16(x, self.plain, self.bias)
+                    return F.linear(x, plain, self.bias)
+                return torch.ops.tandem.gemv_f32(x, plain, self.bias)
+            return torch.ops.tandem.gemv_bf16(x, plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
@@ -106,7 +110,7 @@ def _packable(weight: torch.Tensor) -> bool:
 LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module | None]
 
 
-def replace_linears(model: nn.Module, make: LinearFactory) -> nn.Module:
+def replace_linears(model: M, make: LinearFactory) -> M:
     """Swap each `nn.Linear` for `make(weight, bias)` (kept where that returns None), in place.
 
     A tied LM head (`lm_head is None`) becomes `make(embedding matrix, None)`: the embedding stays a
@@ -126,7 +130,7 @@ def replace_linears(model: nn.Module, make: LinearFactory) -> nn.Module:
     return model
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
+def pack_linears(model: M) -> M:
     """Swap float32/bfloat16 linear layers (tied LM head included) of a CPU model for `PackedLinear`."""
     if not onednn_available():
         return model

@@ -21,6 +21,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -34,7 +36,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         n = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
+        if self.q_norm is None or self.k_norm is None:  # both or neither
             # q and k side by side in one rotation: the same elementwise math, half the op count.
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 n, self.num_heads + self.num_kv_heads, self.head_dim
@@ -69,6 +71,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = rotary
+        # The backend every layer's attention shares: the runner prepares it once per pass.
+        self.backend = backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

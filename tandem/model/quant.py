@@ -26,7 +26,7 @@ from torch import nn
 from tandem import kernels
 from tandem.config import QUANTIZATION_METHODS
 from tandem.cpu import cpu_flags
-from tandem.model.linear import replace_linears
+from tandem.model.linear import M, replace_linears
 
 logger = logging.getLogger("tandem.model")
 
@@ -46,6 +46,9 @@ def _cpu_has_vnni() -> bool:
 
 class Int8Linear(nn.Module):
     """y = x @ (q * scale)^T + b with q int8 [out, in], scale [out]; activations int8 on the fast path."""
+
+    qweight: torch.Tensor  # buffers (register_buffer)
+    scale: torch.Tensor
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool | None = None
@@ -92,7 +95,7 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_model(model: nn.Module, method: str | None, use_kernel: bool | None = None) -> nn.Module:
+def quantize_model(model: M, method: str | None, use_kernel: bool | None = None) -> M:
     """Swap every projection (attention, MLP, LM head) for its int8 form, in place.
 
     The token embedding stays in float: it is a lookup, not a matmul. A tied LM head gets its own

@@ -10,6 +10,10 @@ from typing import Any
 METHODS = ("ngram", "draft_model")
 
 
+def _at_least(low: int) -> Callable[[Any], bool]:
+    return lambda v: v >= low
+
+
 @dataclass(frozen=True, slots=True)
 class AdaptiveConfig:
     """The adaptive controller's tuning, set as `speculative_config["adaptive"] = {...}`. The defaults
@@ -78,7 +82,7 @@ class AdaptiveConfig:
             ("seed_max_requests", 1),
             ("seed_context", 2),  # the catch-up cost per token is timed over seed_context - 1 tokens
         ):
-            self._check(name, int, lambda v, low=low: v >= low, f"an integer >= {low}")
+            self._check(name, int, _at_least(low), f"an integer >= {low}")
         self._check("max_explore", int, lambda v: v >= self.explore_every, "an integer >= explore_every")
 
     def _check(self, name: str, kind: type, ok: Callable[[Any], bool], what: str) -> None:
@@ -128,15 +132,16 @@ class SpeculativeConfig:
             method = "draft_model"
         # As vLLM: a bound given alone (None counts as not given) also sets the other one.
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        if lo is None and hi is None:
-            lo, hi = 1, 4
-        elif lo is None:
-            lo = hi
+        if lo is None:  # neither given: 1 to 4; one given: both
+            lo = 1 if hi is None else hi
+            if hi is None:
+                hi = 4
         elif hi is None:
             hi = lo
         adaptive = spec.get("adaptive", True)
         if isinstance(adaptive, dict):
-            adaptive, adaptive_config = True, AdaptiveConfig.from_dict(adaptive)
+            adaptive_config = AdaptiveConfig.from_dict(adaptive)
+            adaptive = True
         elif isinstance(adaptive, bool):
             adaptive_config = AdaptiveConfig()
         else:

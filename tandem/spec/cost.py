@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class LinearCost:
     """`y = a + b*x`, fitted by exponentially weighted least squares.
@@ -19,7 +21,7 @@ class LinearCost:
         self.shape: tuple[float, float] | None = None
         self._observed = self._predicted = 0.0
 
-    def set_shape(self, points: list[tuple[float, float]]) -> None:
+    def set_shape(self, points: Sequence[tuple[float, float]]) -> None:
         """The line through `points` (plain least squares) as the cost's shape."""
         fit = LinearCost(decay=1.0)
         for x, y in points:

@@ -87,7 +87,7 @@ class SpecPlanner:
         behind = [(self._behind(r), r.request_id) for r in decoding if r.request_id in ks]
         behind.sort()
         budget = self.config.adaptive_config.catch_up_tokens_per_step
-        out = {}
+        out: dict[str, int] = {}
         for extra, rid in behind:
             if extra <= budget or (not out and (self.max_catch_up is None or extra <= self.max_catch_up)):
                 budget -= extra

@@ -70,7 +70,7 @@ class Drafter:
             max_model_len,
             engine_config.quantization,
         )
-        self.backend = self.model.layers[0].self_attn.backend
+        self.backend = self.model.backend
         self.kv_caches = host.allocate_kv(mc, num_blocks)
         self.generators: dict[str, torch.Generator] = {}
         # request id -> how many leading positions hold valid draft KV

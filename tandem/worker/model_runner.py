@@ -38,7 +38,7 @@ class ModelRunner:
             max_model_len,
             engine_config.quantization,
         )
-        self.backend = self.model.layers[0].self_attn.backend
+        self.backend = self.model.backend
         self.kv_caches = self.allocate_kv(model_config, num_blocks)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(engine_config.seed))
         self.generators: dict[str, torch.Generator] = {}
@@ -67,9 +67,12 @@ class ModelRunner:
         with `draft`, a draft-model proposal pass) computes them. The passes write KV into blocks
         no request holds yet, so this runs before serving. Raises ValueError if the cache is too
         small for the shapes."""
-        model = self.drafter.model if draft else self.model
-        caches = self.drafter.kv_caches if draft else self.kv_caches
-        backend = self.drafter.backend if draft else self.backend
+        if not draft:
+            model, caches, backend = self.model, self.kv_caches, self.backend
+        elif self.drafter is not None:
+            model, caches, backend = self.drafter.model, self.drafter.kv_caches, self.drafter.backend
+        else:
+            raise ValueError("draft=True needs a draft model")
         longest = context + max(q for _, q in shapes)
         blocks = list(range(-(-longest // self.block_size)))
         if len(blocks) > caches[0].shape[1]:
@@ -292,7 +295,7 @@ class ModelRunner:
         for i, row in enumerate(rows):
             r, sp = row.request, row.request.sampling
             if r.num_output_tokens + len(row.history) < sp.min_tokens:
-                stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
+                stops = list(sp.stop_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
                 if stops:
                     if blocked is None:
                         blocked = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)

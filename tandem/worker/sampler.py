@@ -85,13 +85,17 @@ class Sampler:
 
     @staticmethod
     def _penalize(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-        seen = sb.prompt_mask | (sb.output_counts > 0)
-        rep = sb.repetition[:, None]
+        mask, output_counts = sb.prompt_mask, sb.output_counts
+        repetition, frequency, presence = sb.repetition, sb.frequency, sb.presence
+        if mask is None or output_counts is None or repetition is None or frequency is None or presence is None:
+            raise RuntimeError("a SamplingBatch's penalty tensors are set together or not at all")
+        seen = mask | (output_counts > 0)
+        rep = repetition[:, None]
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalized, logits)
-        counts = sb.output_counts.to(logits.dtype)
-        logits = logits - sb.frequency[:, None] * counts
-        return logits - sb.presence[:, None] * (counts > 0).to(logits.dtype)
+        counts = output_counts.to(logits.dtype)
+        logits = logits - frequency[:, None] * counts
+        return logits - presence[:, None] * (counts > 0).to(logits.dtype)
 
     def _probs(self, logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p: unnormalized probabilities of the given rows."""

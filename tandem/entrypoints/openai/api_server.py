@@ -26,7 +26,7 @@ from tandem.config import EngineConfig
 from tandem.engine.core_client import AsyncEngineClient
 from tandem.entrypoints.openai import protocol as p
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request, validation_error
-from tandem.entrypoints.openai.serving import ServerState
+from tandem.entrypoints.openai.serving import ServerState, started
 from tandem.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from tandem.entrypoints.openai.serving_completions import create_completion
 from tandem.entrypoints.openai.tenants import Tenant
@@ -162,31 +162,31 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
     async def tokenize(body: p.TokenizeRequest, t: TenantDep) -> Any:
         state.check_model(body.model)
         engine = state.engine
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
-        if body.messages is not None:
+        if body.messages is not None and body.prompt is None:
             ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt)
-        else:
+        elif body.prompt is not None and body.messages is None:
             try:
-                engine.inputs.check_prompt_text(body.prompt)
+                started(engine.inputs).check_prompt_text(body.prompt)
                 ids = await state.offload(
-                    len(body.prompt), engine.tokenizer.encode, body.prompt, body.add_special_tokens
+                    len(body.prompt), started(engine.tokenizer).encode, body.prompt, body.add_special_tokens
                 )
             except ValueError as exc:
                 raise bad_request(exc, "prompt") from exc
+        else:
+            raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         return p.TokenizeResponse(
-            count=len(ids), max_model_len=engine.limits.max_model_len, tokens=ids
+            count=len(ids), max_model_len=started(engine.limits).max_model_len, tokens=ids
         ).model_dump()
 
     @app.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest, t: TenantDep) -> Any:
         state.check_model(body.model)
         engine = state.engine
-        vocab = engine.limits.vocab_size
+        vocab = started(engine.limits).vocab_size
         bad = [x for x in body.tokens if not 0 <= x < vocab]
         if bad:
             raise bad_request(f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        text = await state.offload(len(body.tokens), engine.tokenizer.decode, body.tokens, False)
+        text = await state.offload(len(body.tokens), started(engine.tokenizer).decode, body.tokens, False)
         return p.DetokenizeResponse(prompt=text).model_dump()
 
     return GuardMiddleware(app, state)

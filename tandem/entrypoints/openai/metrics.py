@@ -7,6 +7,7 @@ advanced by the difference to the previous snapshot.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Any
@@ -14,11 +15,11 @@ from typing import Any
 from tandem.outputs import RequestOutput
 
 # vLLM's buckets.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TTFT_BUCKETS += (20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+ITL_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 ITL_BUCKETS += (20.0, 40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+REQUEST_BUCKETS: tuple[float, ...] = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 REQUEST_BUCKETS += (120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -196,7 +197,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         for i in range(num_instances):
-            g.labels(self.model_name, str(i)).set_function(lambda i=i: dispatched(i))
+            g.labels(self.model_name, str(i)).set_function(functools.partial(dispatched, i))
         Gauge(
             "tandem:requests_resumed",
             "Requests resumed on another instance after theirs died.",

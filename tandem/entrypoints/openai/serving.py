@@ -7,7 +7,7 @@ import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tandem.engine.core_client import (
     AsyncEngineClient,
@@ -24,6 +24,20 @@ from tandem.entrypoints.openai.protocol import SamplingFields
 from tandem.entrypoints.openai.tenants import Tenant, Tenants
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+def _engine_starting() -> OpenAIError:
+    return OpenAIError(503, "the engine is starting", code="engine_starting", headers={"Retry-After": "1"})
+
+
+def started(value: T | None) -> T:
+    """A field of the engine client that its start() sets (limits, tokenizer, inputs). None only
+    before then, and `ServerState.engine` lets no request past until then: a 503 all the same."""
+    if value is None:
+        raise _engine_starting()
+    return value
 
 # Prompts bigger than this (characters, or token ids) are tokenized and validated off the event
 # loop, so one large request never stalls the server's other requests.
@@ -66,9 +80,7 @@ class ServerState:
     @property
     def engine(self) -> AsyncEngineClient:
         if self.client is None or self.client.inputs is None:
-            raise OpenAIError(
-                503, "the engine is starting", code="engine_starting", headers={"Retry-After": "1"}
-            )
+            raise _engine_starting()
         if self.client.dead is not None:
             raise OpenAIError(500, f"the engine is not running: {self.client.dead}", code="engine_dead")
         return self.client
@@ -173,7 +185,7 @@ async def prepare(
         for i, prompt in enumerate(prompts):
             try:
                 out.append(
-                    engine.inputs.process(
+                    started(engine.inputs).process(
                         f"{base_id}-{i}",
                         prompt,
                         params,
@@ -281,6 +293,13 @@ class EngineCall:
                     return
 
         self._watcher = asyncio.ensure_future(watcher())
+
+    def outputs(self) -> list[RequestOutput]:
+        """The final outputs, once `finish` has returned True (every request has finished)."""
+        outs = [out for out in self.last if out is not None]
+        if len(outs) != len(self.last):
+            raise RuntimeError("the engine call has not finished")
+        return outs
 
     async def finish(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> bool:
         """Wait until every request has finished (a non-streaming response). False if the client

@@ -29,6 +29,7 @@ from tandem.entrypoints.openai.serving import (
     prepare,
     sampled_and_top,
     sampling_params,
+    started,
     token_text,
 )
 from tandem.entrypoints.openai.sse import SSEResponse
@@ -56,22 +57,23 @@ async def chat_prompt_ids(
     engine = state.engine
     convo = conversation(messages)
     size = sum(len(m["content"]) for m in convo)
-    if size > engine.inputs.max_prompt_chars:
+    if size > started(engine.inputs).max_prompt_chars:
         raise bad_request(
-            f"the messages ({size} characters) cannot fit in max_model_len ({engine.limits.max_model_len} tokens)",
+            f"the messages ({size} characters) cannot fit in max_model_len ({started(engine.limits).max_model_len} tokens)",
             "messages",
         )
     try:
-        return await state.offload(size, engine.tokenizer.apply_chat_template, convo, add_generation_prompt)
+        return await state.offload(size, started(engine.tokenizer).apply_chat_template, convo, add_generation_prompt)
     except ValueError as exc:
         raise bad_request(exc, "messages") from exc
 
 
 def _logprobs(c: CompletionOutput, start: int, end: int, k: int, decode: Any) -> ChatLogprobs:
     content = []
-    for pos in range(start, min(end, len(c.logprobs or ()))):
+    logprobs = c.logprobs or []
+    for pos in range(start, min(end, len(logprobs))):
         token = c.token_ids[pos]
-        sampled, ranked = sampled_and_top(c.logprobs[pos], token)
+        sampled, ranked = sampled_and_top(logprobs[pos], token)
         text = token_text(sampled, decode(token))
         top = [
             TopLogprob(token=(s := token_text(p, decode(t))), logprob=p.logprob, bytes=list(s.encode()))
@@ -101,7 +103,7 @@ async def create_chat_completion(
     ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt)
     request_id = random_id("chatcmpl")
     prepared = await prepare(state, request_id, [{"prompt_token_ids": ids}], params, body, tenant)
-    decode = state.engine.tokenizer.decode_token
+    decode = started(state.engine.tokenizer).decode_token
     with EngineCall(state, tenant, prepared) as call:
         call.start()
         if body.stream:
@@ -113,12 +115,12 @@ async def create_chat_completion(
             )
         if not await call.finish(receive):
             return None  # the client went away
-    out = call.last[0]
+    out = call.outputs()[0]
     choices = [
         ChatChoice(
             index=c.index,
             message=ChatResponseMessage(content=c.text),
-            logprobs=_logprobs(c, 0, len(c.token_ids), logprobs, decode) if body.logprobs else None,
+            logprobs=_logprobs(c, 0, len(c.token_ids), logprobs, decode) if logprobs is not None else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
@@ -186,10 +188,10 @@ async def _stream(
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
             )
-            c = ChatCompletionChunk(
+            last = ChatCompletionChunk(
                 id=request_id, created=created, model=state.model_name, choices=[], usage=usage
             )
-            yield f"data: {c.model_dump_json()}\n\n"
+            yield f"data: {last.model_dump_json()}\n\n"
     except (RuntimeError, ValueError) as exc:
         yield error_for(exc).sse()
     except OpenAIError as exc:

@@ -23,6 +23,7 @@ from tandem.entrypoints.openai.serving import (
     prepare,
     sampled_and_top,
     sampling_params,
+    started,
     token_text,
 )
 from tandem.entrypoints.openai.sse import SSEResponse
@@ -43,9 +44,10 @@ def _prompts(prompt: Any) -> list[Any]:
 def _logprobs(c: CompletionOutput, start: int, end: int, offset: int, decode: Any) -> tuple[Any, int]:
     """Completion-style logprobs of tokens [start, end) of a sample; returns them and the next text offset."""
     lp = CompletionLogprobs()
-    for pos in range(start, min(end, len(c.logprobs or ()))):
+    logprobs = c.logprobs or []
+    for pos in range(start, min(end, len(logprobs))):
         token = c.token_ids[pos]
-        sampled, ranked = sampled_and_top(c.logprobs[pos], token)
+        sampled, ranked = sampled_and_top(logprobs[pos], token)
         text = token_text(sampled, decode(token))
         lp.tokens.append(text)
         lp.token_logprobs.append(sampled.logprob)
@@ -70,7 +72,7 @@ async def create_completion(
     params = sampling_params(body, body.max_tokens, body.logprobs)
     request_id = random_id("cmpl")
     prepared = await prepare(state, request_id, _prompts(body.prompt), params, body, tenant)
-    tokenizer = state.engine.tokenizer
+    tokenizer = started(state.engine.tokenizer)
     decode = tokenizer.decode_token
     n = params.n
     with EngineCall(state, tenant, prepared) as call:
@@ -93,7 +95,7 @@ async def create_completion(
             return None  # the client went away
     choices = []
     completion_tokens = 0
-    for i, out in enumerate(call.last):
+    for i, out in enumerate(call.outputs()):
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             lp = _logprobs(c, 0, len(c.token_ids), 0, decode)[0] if body.logprobs is not None else None
@@ -177,10 +179,10 @@ async def _stream(
                 completion_tokens=completion_tokens,
                 total_tokens=call.num_prompt_tokens + completion_tokens,
             )
-            c = CompletionChunk(
+            last = CompletionChunk(
                 id=request_id, created=created, model=state.model_name, choices=[], usage=usage
             )
-            yield f"data: {c.model_dump_json()}\n\n"
+            yield f"data: {last.model_dump_json()}\n\n"
     except (RuntimeError, ValueError) as exc:
         yield error_for(exc).sse()
     except OpenAIError as exc:

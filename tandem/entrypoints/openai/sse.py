@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -20,5 +20,7 @@ class SSEResponse(StreamingResponse):
             # On a client disconnect Starlette cancels the sending task, and the generator may be
             # left suspended at a `yield`, or never started if the client left before the headers
             # went out. Close it now and end its engine requests (`on_close` is idempotent).
-            await self.body_iterator.aclose()
+            body = self.body_iterator
+            if isinstance(body, AsyncGenerator):  # our streams are; Starlette's type does not say so
+                await body.aclose()
             self.on_close()
