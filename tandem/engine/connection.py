@@ -86,7 +86,17 @@ class EngineConnection:
     async def handshake(self, extra_eos_token_ids: list[int], timeout: float) -> m.Ready:
         """Hello from the loop, Init to it, Ready (with the core's limits) back."""
         await asyncio.wait_for(self._expect(m.Hello), timeout)
-        self.send(m.encoder().encode(m.Init(extra_eos_token_ids)))
+        init = m.encoder().encode(m.Init(extra_eos_token_ids))
+        # Hello came back on the other socket: this one's connection may still be settling.
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                self.send(init)
+                break
+            except EngineDeadError:
+                if self.exit_reason() is not None or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.01)
         return await asyncio.wait_for(self._expect(m.Ready), timeout)
 
     async def _expect(self, kind: type) -> Any:

@@ -177,6 +177,8 @@ class EngineCore:
         self.stats = EngineStats()
         # user request id -> ids of its samples' Requests
         self._groups: dict[str, list[str | None]] = {}
+        # user request id -> the front end's run of it this engine has (echoed in its outputs)
+        self._incarnations: dict[str, int] = {}
         # Steps in a row that failed (see `_isolate_fault`); a successful step resets it.
         self._faulted_steps = 0
 
@@ -248,11 +250,13 @@ class EngineCore:
                 self.scheduler.add_request(r)
                 ids.append(r.request_id)
         self._groups[req.request_id] = ids
+        self._incarnations[req.request_id] = req.incarnation
         self.stats.num_prompt_tokens += len(req.prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             ids = self._groups.pop(rid, None)
+            self._incarnations.pop(rid, None)
             if ids is not None:
                 self._end(ids, RequestStatus.FINISHED_ABORTED)
 
@@ -281,7 +285,11 @@ class EngineCore:
                 continue
             self._end(ids, RequestStatus.FINISHED_ERROR, message)
             self.stats.num_request_faults += 1
-            out += [SampleOutput(rid, i, [], None, "error", None, error=message) for i in range(len(ids))]
+            run = self._incarnations.pop(rid, 0)
+            out += [
+                SampleOutput(rid, i, [], None, "error", None, error=message, incarnation=run)
+                for i in range(len(ids))
+            ]
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -317,6 +325,7 @@ class EngineCore:
             index=req.sample_index,
             new_token_ids=new,
             new_logprobs=None if lps is None else lps[: len(new)],
+            incarnation=self._incarnations.get(req.group_id, 0),
         )
         if req.is_finished:
             so.finish_reason = req.status.finish_reason
@@ -386,6 +395,7 @@ class EngineCore:
         ids = self._groups.get(group_id)
         if ids is not None and all(i is None or self.scheduler.requests.get(i) is None for i in ids):
             del self._groups[group_id]
+            self._incarnations.pop(group_id, None)
 
     # -- faults ----------------------------------------------------------------
 

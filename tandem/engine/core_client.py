@@ -116,7 +116,10 @@ class AsyncEngineClient:
         self.dispatcher: DispatchHook | None = None
         # request id -> the request as first sent (to resume it elsewhere if its instance dies)
         self.requests: dict[str, EngineCoreRequest] = {}
+        # request id -> the incarnation (run) of it the client follows; outputs of others are stale
+        self.incarnations: dict[str, int] = {}
         self.num_resumed = 0
+        self.num_migrated = 0
         self.dead: str | None = None
         self.limits: EngineLimits | None = None
         self.tokenizer: Tokenizer | None = None
@@ -214,8 +217,10 @@ class AsyncEngineClient:
         return stream
 
     def _route(self, req: EngineCoreRequest, instance: int) -> None:
-        """Send `req` to `instance` and record that it runs there."""
+        """Send `req` to `instance`, as the request's next incarnation, and record that it runs there."""
+        req = replace(req, incarnation=self.incarnations.get(req.request_id, -1) + 1)
         payload = self._encode(m.Add(req))
+        self.incarnations[req.request_id] = req.incarnation
         self.routes[req.request_id] = instance
         self.requests[req.request_id] = req
         if self.dispatcher is not None:
@@ -225,6 +230,7 @@ class AsyncEngineClient:
     def _unroute(self, request_id: str) -> int | None:
         """Forget where a request runs (it ended); returns the instance it ran on."""
         self.requests.pop(request_id, None)
+        self.incarnations.pop(request_id, None)
         if self.dispatcher is not None:
             self.dispatcher.release(request_id)
         return self.routes.pop(request_id, None)
@@ -286,9 +292,18 @@ class AsyncEngineClient:
                     self.dispatcher.observe(instance, msg.stats)
                 if self.on_stats is not None:
                     self.on_stats(instance, msg.stats)
-            if not msg.outputs:
+            # Only the run of a request the client follows speaks for it: what a run it has left
+            # (the request moved, or resumed elsewhere, perhaps back to the same instance) sent
+            # before it was aborted is dropped, so no token comes twice.
+            updates = [
+                so
+                for so in msg.outputs
+                if self.routes.get(so.request_id) == instance
+                and self.incarnations.get(so.request_id) == so.incarnation
+            ]
+            if not updates:
                 return
-            outs, stops, failed = self._outputs.process(msg.outputs)
+            outs, stops, failed = self._outputs.process(updates)
             for request_id, index, reason in stops:
                 self._send_to(self.routes.get(request_id, instance), m.StopSample(request_id, index, reason))
             if failed:
@@ -323,19 +338,33 @@ class AsyncEngineClient:
         logger.error("%s; %d request(s) in flight on it", reason, len(lost))
         for rid in lost:
             if self._live and self._resume(rid):
+                self.num_resumed += 1
                 continue
-            self._unroute(rid)
-            stream = self.streams.pop(rid, None)
-            self._outputs.abort([rid])
-            if stream is not None:
-                stream.fail(EngineDeadError(reason))
+            self._lose(rid, EngineDeadError(reason))
         if not self._live and self.dead is None:
             self.dead = reason
             if self.on_dead is not None:
                 self.on_dead(reason)
 
-    def _resume(self, request_id: str) -> bool:
-        """Send a request again, to a live instance, with what each sample has produced so far."""
+    def migrate(self, request_id: str, instance: int) -> bool:
+        """Move a running request to another live instance: its source aborts it, the destination
+        recomputes its KV from the tokens produced so far and goes on; its stream sees nothing.
+        False (and nothing done) if it is not running or already there."""
+        source = self.routes.get(request_id)
+        if source is None or source == instance or instance not in self._live:
+            return False
+        self._send_to(source, m.Abort([request_id]))
+        if self._resume(request_id, instance):
+            self.num_migrated += 1
+            return True
+        # The destination could not take it: it goes on where it was, from where it had got to.
+        if not self._resume(request_id, source):
+            self._lose(request_id, EngineDeadError(f"request {request_id} could not be moved or kept"))
+        return False
+
+    def _resume(self, request_id: str, instance: int | None = None) -> bool:
+        """Send a request again, to `instance` or a live one the dispatcher picks, with what each
+        sample has produced so far."""
         req = self.requests.get(request_id)
         group = self._outputs.groups.get(request_id)
         if req is None or group is None:
@@ -346,10 +375,18 @@ class AsyncEngineClient:
         started = any(done) or any(outputs)
         resumed = replace(req, resumed_outputs=outputs if started else None)
         try:
-            instance = self.dispatcher.choose(resumed, self._live) if self.dispatcher else min(self._live)
+            if instance is None:
+                instance = self.dispatcher.choose(resumed, self._live) if self.dispatcher else min(self._live)
             self._route(resumed, instance)
         except (EngineDeadError, ValueError):
             return False
-        self.num_resumed += 1
         logger.info("request %s resumed on instance %d", request_id, instance)
         return True
+
+    def _lose(self, request_id: str, error: BaseException) -> None:
+        """End a request the client can no longer run anywhere: its stream gets `error`."""
+        self._unroute(request_id)
+        stream = self.streams.pop(request_id, None)
+        self._outputs.abort([request_id])
+        if stream is not None:
+            stream.fail(error)

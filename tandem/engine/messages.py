@@ -38,6 +38,10 @@ class EngineCoreRequest:
     # it has already produced (None for a sample that has finished). The engine recomputes their
     # KV and goes on from there; they count as output (max_tokens, penalties, min_tokens).
     resumed_outputs: list[list[int] | None] | None = None
+    # Which of the front end's runs of this request this is (a request moved or resumed elsewhere
+    # is sent again with the next number); echoed in its outputs, so the front end can tell a run
+    # it has left behind from the one it follows, even on the same instance.
+    incarnation: int = 0
 
 
 @dataclass(slots=True)
@@ -58,6 +62,8 @@ class SampleOutput:
     finished_time: float | None = None
     # Set (with finish_reason "error") when the engine failed this request alone.
     error: str | None = None
+    # The request's `incarnation`.
+    incarnation: int = 0
 
 
 # -- API process -> engine ---------------------------------------------------

@@ -1,0 +1,75 @@
+"""Moving running requests between instances (by recompute: the source aborts, the destination
+resumes from the tokens produced so far), at random moments and many times over: every stream
+gets exactly the single engine's greedy tokens, each once, and both instances end with no request
+and no KV held. Two engine processes behind one front end; no Ray needed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tandem.engine.connection import ProcessConnection
+from tandem.engine.core_client import AsyncEngineClient
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 9, 11, 13, 17], [21, 22, 23], [30, 31, 32, 33, 34, 35], [40, 41], [50, 52, 54, 56]]
+CASES = [
+    SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, presence_penalty=1.0),
+    SamplingParams(n=2, temperature=0.0, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, min_tokens=30),
+    SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, repetition_penalty=1.2),
+]
+
+
+async def run(config: EngineConfig, seed: int) -> tuple[dict[int, list[list[int]]], int, dict]:
+    stats: dict[int, object] = {}
+    client = AsyncEngineClient(
+        config,
+        on_stats=lambda i, s: stats.__setitem__(i, s),
+        connections=[ProcessConnection(config), ProcessConnection(config)],
+    )
+    await client.start(timeout=300)
+    try:
+        assert client.inputs is not None
+        rng = random.Random(seed)
+        streams = []
+        for i, (prompt, params) in enumerate(zip(PROMPTS, CASES)):
+            req, text = client.inputs.process(f"r{i}", {"prompt_token_ids": prompt}, params)
+            streams.append(client.add(req, text, asyncio.Event(), instance=i % 2))
+        finals: dict[int, list[list[int]]] = {}
+        while len(finals) < len(streams):
+            await asyncio.sleep(rng.uniform(0.002, 0.03))
+            for i, stream in enumerate(streams):
+                rid = f"r{i}"
+                if rid in client.routes and rng.random() < 0.4:
+                    client.migrate(rid, 1 - client.routes[rid])
+                out = stream.take()
+                if out is not None and out.finished:
+                    finals[i] = [list(c.token_ids) for c in out.outputs]
+        assert client.streams == {} and client.routes == {} and client.requests == {}
+        # Both instances report nothing running and no block held.
+        for _ in range(200):
+            if len(stats) == 2 and all(s.num_running == 0 and s.kv_usage == 0.0 for s in stats.values()):
+                break
+            await asyncio.sleep(0.05)
+        return finals, client.num_migrated, dict(stats)
+    finally:
+        await client.shutdown()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_migrating_at_random_moments_changes_no_token(llama_dir, seed):
+    config = EngineConfig(model=str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4, max_num_seqs=8)
+    finals, migrated, stats = asyncio.run(run(config, seed))
+    assert migrated >= 10, migrated
+    assert all(s.num_running == 0 and s.kv_usage == 0.0 for s in stats.values()), stats
+    offline = LLM(str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4)
+    for i, (prompt, params) in enumerate(zip(PROMPTS, CASES)):
+        expected = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert finals[i] == [list(c.token_ids) for c in expected.outputs], i
