@@ -74,12 +74,16 @@ class InputProcessor:
     def check_prompt_text(self, text: str) -> None:
         """Refuse a prompt text that cannot fit the context whatever it tokenizes to, or that is
         not valid Unicode, before spending time on tokenizing it."""
-        if len(text) > self.max_prompt_chars:
+        self.check_length(len(text), "the prompt")
+        check_text(text, "the prompt")
+
+    def check_length(self, num_chars: int, what: str) -> None:
+        """Refuse `num_chars` characters of prompt text (`what`) that cannot fit in max_model_len."""
+        if num_chars > self.max_prompt_chars:
             raise ValueError(
-                f"the prompt ({len(text)} characters) cannot fit in max_model_len "
+                f"{what} ({num_chars} characters) cannot fit in max_model_len "
                 f"({self.limits.max_model_len} tokens)"
             )
-        check_text(text, "the prompt")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -57,12 +57,8 @@ async def chat_prompt_ids(
     engine = state.engine
     convo = conversation(messages)
     size = sum(len(m["content"]) for m in convo)
-    if size > started(engine.inputs).max_prompt_chars:
-        raise bad_request(
-            f"the messages ({size} characters) cannot fit in max_model_len ({started(engine.limits).max_model_len} tokens)",
-            "messages",
-        )
     try:
+        started(engine.inputs).check_length(size, "the messages")
         return await state.offload(size, started(engine.tokenizer).apply_chat_template, convo, add_generation_prompt)
     except ValueError as exc:
         raise bad_request(exc, "messages") from exc
