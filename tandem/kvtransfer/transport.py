@@ -1,0 +1,154 @@
+"""Point-to-point message transports between engine processes: a small header plus one bulk payload.
+
+Every engine binds one inbox (a ZeroMQ PULL socket) and sends to peers' inboxes through PUSH
+sockets it connects on first use. The header is msgpack bytes; the payload (KV blocks) travels
+- `zmq`: as a second ZeroMQ frame, sent without a copy on the sender's side (tcp:// between
+  hosts, ipc:// on one host);
+- `shm`: in a POSIX shared-memory segment the sender fills and the receiver maps, copies out of
+  and unlinks; only the header and the segment's name cross the socket (same host only).
+Which one an engine uses is `EngineConfig.kv_transport`; `benchmarks/kv_transfer.py` measures them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+KV_TRANSPORTS = ("zmq", "shm")
+# Messages a peer's inbox may queue before a send fails (a peer that stopped reading is dead to us).
+SEND_HWM = 1024
+
+
+@dataclass(slots=True)
+class Message:
+    """One received message; `release()` once the payload has been copied out of."""
+
+    header: bytes
+    payload: memoryview | None
+    _shm: Any = None
+
+    def release(self) -> None:
+        shm, self._shm = self._shm, None
+        self.payload = None
+        if shm is not None:
+            shm.close()
+            shm.unlink()
+
+
+class TransportError(RuntimeError):
+    """A message could not be handed to the transport (the peer's queue is full or gone)."""
+
+
+class KVTransport:
+    """An inbox bound at `address`, and senders to other inboxes."""
+
+    kind = "zmq"
+
+    def __init__(self, bind: str) -> None:
+        """`bind`: `tcp://HOST` (a free port is picked) or `ipc://PATH`."""
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self.socket = self._ctx.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if bind.startswith("tcp://"):
+            port = self.socket.bind_to_random_port(bind)
+            self.address = f"{bind}:{port}"
+        else:
+            self.socket.bind(bind)
+            self.address = bind
+        self._peers: dict[str, Any] = {}
+
+    def _peer(self, address: str) -> Any:
+        sock = self._peers.get(address)
+        if sock is None:
+            zmq = self._zmq
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._peers[address] = sock
+        return sock
+
+    def send(self, peer: str, header: bytes, payload: Any = None) -> None:
+        """Queue a message for `peer` (never blocks). `payload`: any buffer (kept alive until sent)."""
+        zmq = self._zmq
+        frames = [header] if payload is None else [header, self._wrap(payload)]
+        try:
+            self._peer(peer).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again as exc:
+            raise TransportError(f"KV peer {peer} is not taking messages") from exc
+
+    def _wrap(self, payload: Any) -> Any:
+        return payload
+
+    def recv(self) -> Message | None:
+        """The next message if one has arrived (never blocks)."""
+        zmq = self._zmq
+        try:
+            frames = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        header = frames[0].bytes
+        if len(frames) == 1:
+            return Message(header, None)
+        return self._unwrap(header, frames[1])
+
+    def _unwrap(self, header: bytes, frame: Any) -> Message:
+        return Message(header, frame.buffer)
+
+    def close(self) -> None:
+        for sock in self._peers.values():
+            sock.close(linger=0)
+        self.socket.close(linger=0)
+        self._ctx.term()
+
+
+class ShmTransport(KVTransport):
+    """Payloads through a shared-memory segment per message; the socket carries header and name."""
+
+    kind = "shm"
+
+    def _wrap(self, payload: Any) -> Any:
+        from multiprocessing import shared_memory
+
+        src = memoryview(payload).cast("B")
+        name = f"tandem-kv-{os.getpid()}-{secrets.token_hex(6)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, src.nbytes))
+        _untrack(shm)
+        try:
+            shm.buf[: src.nbytes] = src
+        finally:
+            shm.close()
+        return f"{name}:{src.nbytes}".encode()
+
+    def _unwrap(self, header: bytes, frame: Any) -> Message:
+        from multiprocessing import shared_memory
+
+        name, size = frame.bytes.decode().rsplit(":", 1)
+        shm = shared_memory.SharedMemory(name=name)
+        _untrack(shm)
+        return Message(header, shm.buf[: int(size)], shm)
+
+
+def _untrack(shm: Any) -> None:
+    """Keep Python's resource tracker out of it: the receiver unlinks what the sender created, and
+    the tracker would report (and unlink) segments it saw created but not unlinked by its process."""
+    from multiprocessing import resource_tracker
+
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")
+    except Exception:  # noqa: BLE001 - the tracker may not know the segment; nothing to undo then
+        pass
+
+
+def make_transport(kind: str, bind: str) -> KVTransport:
+    if kind == "zmq":
+        return KVTransport(bind)
+    if kind == "shm":
+        return ShmTransport(bind)
+    raise ValueError(f"kv_transport must be one of {', '.join(KV_TRANSPORTS)}, got {kind!r}")
