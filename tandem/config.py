@@ -186,6 +186,15 @@ class EngineConfig:
     # "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": k};
     # plus "adaptive": true, false or a dict of tandem.spec.config.AdaptiveConfig's settings.
     speculative_config: dict[str, Any] | None = None
+    # Moving a request's KV to another instance (tandem/kvtransfer): the transport ("zmq": frames
+    # over tcp:// or ipc://; "shm": a shared-memory segment per message, same host only); how long
+    # either end waits on the other before giving the transfer up; and the staged copy of a live
+    # migration: copy stages while more than `migration_stop_blocks` full blocks are new since
+    # the last one, at most `migration_max_stages`, then pause the request and copy the rest.
+    kv_transport: str = "zmq"
+    kv_transfer_timeout_s: float = 10.0
+    migration_max_stages: int = 4
+    migration_stop_blocks: int = 2
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -202,6 +211,12 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
+        if self.kv_transport not in ("zmq", "shm"):
+            raise ValueError(f"kv_transport must be 'zmq' or 'shm', got {self.kv_transport!r}")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s!r}")
+        if self.migration_max_stages < 0 or self.migration_stop_blocks < 0:
+            raise ValueError("migration_max_stages and migration_stop_blocks must be >= 0")
         if not self.starvation_timeout_s > 0:
             raise ValueError(f"starvation_timeout_s must be positive, got {self.starvation_timeout_s!r}")
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):

@@ -39,7 +39,8 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def _reserve(self, n: int) -> bool:
+    def reserve(self, n: int) -> bool:
+        """Make `n` blocks free (evicting idle cached prefixes if need be); False if they cannot be."""
         if n > self.pool.num_free and self.cache is not None:
             self.cache.evict(n - self.pool.num_free)
         return n <= self.pool.num_free
@@ -60,7 +61,7 @@ class KVCacheManager:
         first = start // self.block_size
         last = min(len(table), self.blocks_for(end))
         shared = [i for i in range(first, last) if self.pool.refcount(table[i]) > 1]
-        if not self._reserve(num_new + len(shared)):
+        if not self.reserve(num_new + len(shared)):
             return False
         for i in shared:
             (dst,) = self.pool.allocate(1)

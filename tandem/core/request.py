@@ -18,10 +18,12 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     # The engine failed to compute this request (a fault attributed to it alone); others go on.
     FINISHED_ERROR = 6
+    # Held out of scheduling with its blocks kept: its KV is being handed to another instance.
+    PAUSED = 7
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ERROR
 
     @property
     def finish_reason(self) -> str | None:

@@ -23,6 +23,11 @@ priority order, and a waiting request may preempt running requests of lower
 priority (larger `priority` value) to get the seats and blocks it needs (only
 requests the admission order puts after it, and only when that can make room).
 
+A running request can be paused (`pause`): it leaves the batch but keeps its blocks and seat, while
+its KV is copied to another instance; `unpause` puts it back. The other end `adopt`s a request
+whose KV arrived from elsewhere straight into the running set, in seats it reserved beforehand
+(`reserved_seats`), so a hand-over never waits for admission.
+
 Waiting requests are admitted in the order `core/policy.py` gives (tenant
 fair share, then starved requests, then the policy). With prefix caching, an
 admitted request first takes its longest cached prefix and computes only the
@@ -102,6 +107,9 @@ class Scheduler:
         # Preempted requests go to the front, new ones to the back; `_admission_order` decides.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.paused: list[Request] = []
+        # Seats promised to requests whose KV is on its way here (see `adopt`).
+        self.reserved_seats = 0
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -144,7 +152,44 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self.paused)
+
+    @property
+    def seats_taken(self) -> int:
+        """Sequence slots held: running and paused requests (with their pending forks) and reservations."""
+        return (
+            sum(r.num_seats for r in self.running)
+            + sum(r.num_seats for r in self.paused)
+            + self.reserved_seats
+        )
+
+    # -- hand-over between instances -------------------------------------
+
+    def pause(self, req: Request) -> None:
+        """Take a running request out of the batch; it keeps its blocks and its seat."""
+        if req.status != RequestStatus.RUNNING:
+            raise RuntimeError(f"pause of request {req.request_id} in state {req.status.name}")
+        self.running.remove(req)
+        self.paused.append(req)
+        req.status = RequestStatus.PAUSED
+
+    def unpause(self, req: Request) -> None:
+        if req.status != RequestStatus.PAUSED:
+            raise RuntimeError(f"unpause of request {req.request_id} in state {req.status.name}")
+        self.paused.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+
+    def adopt(self, req: Request) -> None:
+        """Run a request whose blocks and `num_computed_tokens` were filled elsewhere (it holds its
+        blocks already; its seats were reserved). Its pending forks come with it."""
+        for r in (req, *req.pending_children):
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
+        for r in (req, *req.pending_children):
+            self.requests[r.request_id] = r
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     @property
     def num_waiting(self) -> int:
@@ -214,7 +259,7 @@ class Scheduler:
 
         if len(out.preempted) > num_priority_preempted or stalled:
             return out
-        seats = sum(r.num_seats for r in self.running)
+        seats = self.seats_taken
         quotas = (
             bool(self.config.tenants)
             or self.config.default_quota.max_running is not None
@@ -282,7 +327,7 @@ class Scheduler:
     def _expected_admissions(self, order: list[Request]) -> int:
         """Tokens of the queued requests this step will likely admit: those that fit in the free
         seats and the available blocks now (tenant quotas and running requests' growth aside)."""
-        seats = sum(r.num_seats for r in self.running)
+        seats = self.seats_taken
         free = self.kv.num_available
         tokens = 0
         for req in order:
@@ -340,7 +385,7 @@ class Scheduler:
         victims.sort(key=lambda r: (r.priority, r.arrival_time))
 
         def fits(freed_seats: int, freed_blocks: int) -> bool:
-            seats = sum(r.num_seats for r in self.running) - freed_seats
+            seats = self.seats_taken - freed_seats
             return seats + cand.num_seats <= self.max_num_seqs and need_blocks <= (
                 self.kv.num_available + freed_blocks
             )
@@ -454,10 +499,12 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.PAUSED:
+                self.paused.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
             else:  # a pending child of a leader that has not forked yet
-                for leader in self.running + self.waiting:
+                for leader in self.running + self.paused + self.waiting:
                     if req in leader.pending_children:
                         leader.pending_children.remove(req)
             self._finish(req, status, reason, already_removed=True)

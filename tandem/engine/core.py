@@ -216,26 +216,9 @@ class EngineCore:
         if resumed is not None and len(resumed) != params.n:
             raise ValueError(f"resumed_outputs has {len(resumed)} entries for n={params.n} samples")
 
-        def member(i: int, outputs: list[int] | None = None) -> Request:
-            return Request(
-                request_id=req.request_id if i == 0 else f"{req.request_id}#{i}",
-                prompt_token_ids=req.prompt_token_ids,
-                sampling=params,
-                max_tokens=req.max_tokens,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=req.arrival_time,
-                priority=req.priority,
-                tenant=req.tenant,
-                cache_salt=req.cache_salt,
-                group_id=req.request_id,
-                sample_index=i,
-                seed=sample_seed(params.seed, i),
-                token_ids=[*req.prompt_token_ids, *outputs] if outputs else [],
-            )
-
         if resumed is None:
             # A leader computes the prompt once; the other samples fork off its blocks.
-            members = [member(i) for i in range(params.n)]
+            members = [self.make_member(req, i) for i in range(params.n)]
             members[0].pending_children = members[1:]
             self.scheduler.add_request(members[0])
             ids: list[str | None] = [r.request_id for r in members]
@@ -246,12 +229,53 @@ class EngineCore:
                 if outputs is None:
                     ids.append(None)
                     continue
-                r = member(i, outputs)
+                r = self.make_member(req, i, outputs)
                 self.scheduler.add_request(r)
                 ids.append(r.request_id)
         self._groups[req.request_id] = ids
         self._incarnations[req.request_id] = req.incarnation
         self.stats.num_prompt_tokens += len(req.prompt_token_ids)
+
+    def make_member(self, req: EngineCoreRequest, index: int, outputs: list[int] | None = None) -> Request:
+        """The scheduler's Request for sample `index` of `req`, with `outputs` already produced."""
+        params = req.params
+        return Request(
+            request_id=req.request_id if index == 0 else f"{req.request_id}#{index}",
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=params,
+            max_tokens=req.max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            tenant=req.tenant,
+            cache_salt=req.cache_salt,
+            group_id=req.request_id,
+            sample_index=index,
+            seed=sample_seed(params.seed, index),
+            token_ids=[*req.prompt_token_ids, *outputs] if outputs else [],
+        )
+
+    def samples(self, request_id: str) -> list[Request | None] | None:
+        """A user request's samples as the scheduler holds them (None: one that has ended), or None."""
+        ids = self._groups.get(request_id)
+        if ids is None:
+            return None
+        return [None if i is None else self.scheduler.requests.get(i) for i in ids]
+
+    def install(self, req: EngineCoreRequest, members: list[Request | None]) -> None:
+        """Run a request whose samples arrive with their KV computed elsewhere (blocks filled,
+        seats reserved); the leaders among `members` (those no other member will fork) run now."""
+        if req.request_id in self._groups:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        forked = {id(c) for r in members if r is not None for c in r.pending_children}
+        for r in members:
+            if r is not None and id(r) not in forked:
+                self.scheduler.adopt(r)
+        self._groups[req.request_id] = [None if r is None else r.request_id for r in members]
+        self._incarnations[req.request_id] = req.incarnation
+
+    def incarnation(self, request_id: str) -> int | None:
+        return self._incarnations.get(request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -309,6 +333,10 @@ class EngineCore:
         changed = self.scheduler.update(sched, result)
         update_seconds = time.perf_counter() - start
         out = [self._sample_output(req, before, result) for req in changed]
+        # Only once every output has its incarnation: samples finishing together share the group entry.
+        for req in changed:
+            if req.is_finished:
+                self._forget(req)
         elapsed = time.perf_counter() - start
         generated = sum(len(so.new_token_ids) for so in out)
         self._count_step(sched, result, generated, elapsed)
@@ -335,7 +363,6 @@ class EngineCore:
             so.first_scheduled_time = req.first_scheduled_time
             so.first_token_time = req.first_token_time
             so.finished_time = req.finished_time
-            self._forget(req)
             if self.spec is not None:
                 self.spec.forget(req.request_id)
         elif req.num_output_tokens == len(new):

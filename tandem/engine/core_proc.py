@@ -23,10 +23,13 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine import messages as m
+from tandem.kvtransfer.plane import KVPlane, inbox_address
 
 logger = logging.getLogger("tandem.engine")
 
 IDLE_POLL_MS = 200
+# Idle but a KV transfer is under way: wake this often to advance it and check its timeouts.
+TRANSFER_POLL_MS = 5
 STATS_INTERVAL_S = 0.2
 # The prefix-cache summary in a snapshot: at most this often, at most this many block hashes.
 PREFIX_REPORT_INTERVAL_S = 1.0
@@ -57,13 +60,17 @@ def serve_engine(config: EngineConfig, in_addr: str, out_addr: str, alive: Calla
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(out_addr)
     code = 0
+    loop: EngineLoop | None = None
     try:
-        EngineLoop(config, inp, out, alive).run()
+        loop = EngineLoop(config, inp, out, alive, kv_bind=inbox_address(in_addr))
+        loop.run()
     except Exception as exc:  # report, then stop: the front end fails the requests in flight
         logger.error("engine core failed:\n%s", traceback.format_exc())
         out.send(m.encoder().encode(m.Failed(f"{type(exc).__name__}: {exc}")))
         code = 1
     finally:
+        if loop is not None and loop.kv is not None:
+            loop.kv.close()
         inp.close(linger=0)
         out.close()
         ctx.term()
@@ -71,12 +78,20 @@ def serve_engine(config: EngineConfig, in_addr: str, out_addr: str, alive: Calla
 
 
 class EngineLoop:
-    def __init__(self, config: EngineConfig, inp: Any, out: Any, alive: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        inp: Any,
+        out: Any,
+        alive: Callable[[], bool],
+        kv_bind: str | None = None,
+    ) -> None:
         import zmq
 
         self.inp, self.out = inp, out
         self.alive = alive
         self.core: Any = None
+        self.kv: KVPlane | None = None
         self.enc = m.encoder()
         self.dec = m.engine_decoder()
         self.poller = zmq.Poller()
@@ -105,25 +120,42 @@ class EngineLoop:
         from tandem.engine.core import EngineCore
 
         self.core = EngineCore(config, tuple(init.extra_eos_token_ids))
-        self._send(m.Ready(os.getpid(), self.core.limits, self.core.kv.cache is not None))
+        if kv_bind is not None:
+            self.kv = KVPlane(self.core, kv_bind, self._send)
+            self.poller.register(self.kv.socket, zmq.POLLIN)
+        kv_address = None if self.kv is None else self.kv.address
+        self._send(m.Ready(os.getpid(), self.core.limits, self.core.kv.cache is not None, kv_address))
         logger.info("engine core ready: %d KV blocks of %d tokens", self.core.num_blocks, config.block_size)
 
     def _send(self, msg: object) -> None:
         self.out.send(self.enc.encode(msg), copy=False)
 
     def _recv(self, timeout_ms: int) -> object | None:
-        if not self.poller.poll(timeout_ms):
+        """The next message from the front end; KV transfer messages met meanwhile are handled."""
+        import zmq
+
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.kv is not None and ready.get(self.kv.socket):
+            self.kv.handle()
+            self.dirty = True
+        if not ready.get(self.inp):
             return None
-        return self.dec.decode(self.inp.recv(copy=False).buffer)
+        try:
+            return self.dec.decode(self.inp.recv(flags=zmq.NOBLOCK, copy=False).buffer)
+        except zmq.Again:
+            return None
 
     def run(self) -> None:
         core = self.core
         steps = 0
         while not self.stopping:
             busy = core.has_unfinished_requests()
-            self._drain(0 if busy else IDLE_POLL_MS)
+            transferring = self.kv is not None and self.kv.active
+            self._drain(0 if busy else TRANSFER_POLL_MS if transferring else IDLE_POLL_MS)
             if self.stopping:
                 break
+            if self.kv is not None:
+                self.kv.tick()
             if core.has_unfinished_requests():
                 outputs = core.step()
                 steps += 1
@@ -134,6 +166,8 @@ class EngineLoop:
                 stats = self._stats() if due else None
                 if outputs or stats is not None:
                     self._send(m.Outputs(outputs, stats))
+                if self.kv is not None:
+                    self.kv.tick()
                 if steps % 256 == 0 and not self.alive():
                     break
             else:
@@ -161,6 +195,14 @@ class EngineLoop:
             self.stats_due = True
         elif isinstance(msg, m.StopSample):
             core.stop_sample(msg.request_id, msg.index, msg.reason)
+        elif isinstance(msg, m.MigrateOut):
+            if self.kv is None:
+                self._send(m.Migrated(msg.request.request_id, msg.transfer_id, False, "no KV transport"))
+            else:
+                self.kv.sender.start(msg)
+        elif isinstance(msg, m.MigrateCancel):
+            if self.kv is not None:
+                self.kv.sender.cancel(msg.request_id, msg.transfer_id)
         elif isinstance(msg, m.Shutdown):
             self.stopping = True
 

@@ -4,9 +4,10 @@ Every message is a msgspec struct, encoded as MessagePack and sent over a ZeroMQ
 The payloads are plain dataclasses defined here (`EngineCoreRequest` in, `SampleOutput` out) or in
 `core` (`EngineLimits`): whoever sends or receives them imports data, never the engine.
 
-API -> engine: Init (once), Add, Abort, StopSample, Shutdown.
+API -> engine: Init (once), Add, Abort, StopSample, MigrateOut, MigrateCancel, Shutdown.
 Engine -> API: Hello (once, process up), Ready (once, core built), Outputs (a step's deltas plus,
-periodically, Stats), Rejected (an Add the core refused), Failed (fatal error, then the process exits).
+periodically, Stats), Rejected (an Add the core refused), Migrated (a MigrateOut's outcome),
+Failed (fatal error, then the process exits).
 """
 
 from __future__ import annotations
@@ -87,6 +88,22 @@ class StopSample(msgspec.Struct, tag="stop"):
     reason: str
 
 
+class MigrateOut(msgspec.Struct, tag="migrate"):
+    """Move this running request, KV and all, to the engine whose KV inbox is `peer`
+    (tandem/kvtransfer/sender.py); `request` is as first sent, with the incarnation its run there gets."""
+
+    request: EngineCoreRequest
+    transfer_id: str
+    peer: str
+
+
+class MigrateCancel(msgspec.Struct, tag="migrate_cancel"):
+    """Give a migration up (its destination is gone); the request stays where it is."""
+
+    request_id: str
+    transfer_id: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -103,6 +120,8 @@ class Ready(msgspec.Struct, tag="ready"):
     limits: EngineLimits
     # The engine's KV block size and whether it caches prefixes (what prefix-aware dispatch needs).
     prefix_caching: bool = False
+    # Where other engines send it KV (tandem/kvtransfer); None: it takes no transfers.
+    kv_address: str | None = None
 
 
 class Stats(msgspec.Struct):
@@ -141,12 +160,27 @@ class Rejected(msgspec.Struct, tag="rejected"):
     message: str
 
 
+class Migrated(msgspec.Struct, tag="migrated"):
+    """A MigrateOut's outcome, sent after the request's last outputs from this engine. With `ok` the
+    destination runs the request now (its outputs carry the new incarnation); without, it stays here
+    (`reason`: "not_running" when it was not running, so it has no KV worth moving)."""
+
+    request_id: str
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+    # Paused (stop-and-copy) until the destination confirmed, and what was sent.
+    downtime_s: float = 0.0
+    num_bytes: int = 0
+    num_stages: int = 0
+
+
 class Failed(msgspec.Struct, tag="failed"):
     message: str
 
 
-ToEngine = Init | Add | Abort | StopSample | Shutdown
-FromEngine = Hello | Ready | Outputs | Rejected | Failed
+ToEngine = Init | Add | Abort | StopSample | MigrateOut | MigrateCancel | Shutdown
+FromEngine = Hello | Ready | Outputs | Rejected | Migrated | Failed
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -16,6 +16,11 @@ from tandem.worker.drafter import Drafter
 from tandem.worker.sampler import Sampler, SamplingBatch
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for sampling the token at `position` of a request seeded with `seed`."""
+    return (seed ^ (position * 0x9E3779B97F4A7C15)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -103,6 +108,35 @@ class ModelRunner:
     def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return model_config.kv_elements_per_token * block_size * itemsize
+
+    # -- moving KV between instances -----------------------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks' KV in every layer, one contiguous tensor
+        `(layers, 2, len(block_ids), block_size, kv_heads, head_dim)` (the draft model's KV is not
+        included: a receiving drafter catches up on its own)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([cache.index_select(1, ids) for cache in self.kv_caches])
+
+    def write_blocks(self, block_ids: list[int], data: memoryview) -> None:
+        """Write KV that `read_blocks` produced (on another instance, as bytes) into these blocks."""
+        import warnings
+
+        cache = self.kv_caches[0]
+        shape = (len(self.kv_caches), 2, len(block_ids), *cache.shape[2:])
+        expected = self.kv_bytes_per_block(self.model_config, self.block_size, self.dtype) * len(block_ids)
+        if data.nbytes != expected:
+            raise ValueError(
+                f"KV payload of {data.nbytes} bytes for {len(block_ids)} blocks (expected {expected})"
+            )
+        if not block_ids:
+            return
+        with warnings.catch_warnings():  # a received buffer is read-only; it is only read from
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=self.dtype).view(shape)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, dst in enumerate(self.kv_caches):
+            dst.index_copy_(1, ids, src[layer].to(self.device))
 
     def forget_drafts(self, request_ids: list[str]) -> None:
         """The draft KV of these requests is no longer trusted (a step over them failed part-way):
@@ -302,14 +336,19 @@ class ModelRunner:
                     blocked[i, torch.tensor(stops, device=dev)] = True
 
         generators: list[torch.Generator | None] = []
+        seeded: set[str] = set()
         for row in rows:
             r = row.request
             gen = None
             if r.seed is not None and not r.sampling.greedy:
                 gen = self.generators.get(r.request_id)
                 if gen is None:
-                    gen = torch.Generator(device=dev).manual_seed(r.seed)
-                    self.generators[r.request_id] = gen
+                    gen = self.generators[r.request_id] = torch.Generator(device=dev)
+                if r.request_id not in seeded:
+                    # Seeded from (seed, position), not run on from the first token: a request resumed
+                    # or moved to another instance draws exactly what it would have drawn here.
+                    gen.manual_seed(position_seed(r.seed, r.num_tokens))
+                    seeded.add(r.request_id)
             generators.append(gen)
         return SamplingBatch(
             temperature=temperature,
