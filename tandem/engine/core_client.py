@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from tandem.config import EngineConfig
@@ -49,6 +50,19 @@ class DispatchHook(Protocol):
     def observe(self, instance: int, stats: m.Stats) -> None: ...
 
     def forget_instance(self, instance: int) -> None: ...
+
+
+@dataclass(slots=True)
+class LiveMove:
+    """A live migration the client has asked for and not yet heard the outcome of."""
+
+    source: int
+    destination: int
+    incarnation: int  # the destination's run of the request
+    transfer_id: str
+    started: float
+    # The destination's outputs, held until the source's Migrated says it owns the request.
+    held: list[m.SampleOutput] = field(default_factory=list)
 
 
 class RequestAbortedError(RuntimeError):
@@ -107,10 +121,13 @@ class AsyncEngineClient:
         on_dead: Callable[[str], None] | None = None,
         connections: list[EngineConnection] | None = None,
         make_dispatcher: Callable[[list[m.Ready]], DispatchHook] | None = None,
+        on_migrated: Callable[[m.Migrated], None] | None = None,
     ) -> None:
         self.config = config
         self.on_stats = on_stats
         self.on_dead = on_dead
+        # Told each live migration's outcome (metrics).
+        self.on_migrated = on_migrated
         self.connections = connections if connections is not None else [ProcessConnection(config)]
         self.make_dispatcher = make_dispatcher
         self.dispatcher: DispatchHook | None = None
@@ -118,8 +135,16 @@ class AsyncEngineClient:
         self.requests: dict[str, EngineCoreRequest] = {}
         # request id -> the incarnation (run) of it the client follows; outputs of others are stale
         self.incarnations: dict[str, int] = {}
+        # request id -> the last incarnation handed out (never reused, even by a move that failed)
+        self._issued: dict[str, int] = {}
+        # request id -> its live migration under way
+        self.moves: dict[str, LiveMove] = {}
+        # each instance's KV inbox (None: it takes no transfers)
+        self.kv_addresses: list[str | None] = []
         self.num_resumed = 0
         self.num_migrated = 0
+        self.num_live_migrations = 0
+        self.num_live_aborted = 0
         self.dead: str | None = None
         self.limits: EngineLimits | None = None
         self.tokenizer: Tokenizer | None = None
@@ -157,6 +182,7 @@ class AsyncEngineClient:
         readies = await asyncio.gather(*(c.handshake(extra, timeout) for c in self.connections))
         # Instances of one model share its limits but for their caches: validate against the smallest.
         self.limits = min((r.limits for r in readies), key=lambda lim: lim.num_blocks)
+        self.kv_addresses = [r.kv_address for r in readies]
         self.inputs = InputProcessor(self.tokenizer, self.limits)
         self.outputs = OutputProcessor(self.tokenizer)
         if self.make_dispatcher is not None:
@@ -218,8 +244,9 @@ class AsyncEngineClient:
 
     def _route(self, req: EngineCoreRequest, instance: int) -> None:
         """Send `req` to `instance`, as the request's next incarnation, and record that it runs there."""
-        req = replace(req, incarnation=self.incarnations.get(req.request_id, -1) + 1)
+        req = replace(req, incarnation=self._issued.get(req.request_id, -1) + 1)
         payload = self._encode(m.Add(req))
+        self._issued[req.request_id] = req.incarnation
         self.incarnations[req.request_id] = req.incarnation
         self.routes[req.request_id] = instance
         self.requests[req.request_id] = req
@@ -231,6 +258,10 @@ class AsyncEngineClient:
         """Forget where a request runs (it ended); returns the instance it ran on."""
         self.requests.pop(request_id, None)
         self.incarnations.pop(request_id, None)
+        self._issued.pop(request_id, None)
+        move = self.moves.pop(request_id, None)
+        if move is not None:  # its destination may hold a copy already
+            self._send_to(move.destination, m.Abort([request_id]))
         if self.dispatcher is not None:
             self.dispatcher.release(request_id)
         return self.routes.pop(request_id, None)
@@ -295,30 +326,17 @@ class AsyncEngineClient:
             # Only the run of a request the client follows speaks for it: what a run it has left
             # (the request moved, or resumed elsewhere, perhaps back to the same instance) sent
             # before it was aborted is dropped, so no token comes twice.
-            updates = [
-                so
-                for so in msg.outputs
-                if self.routes.get(so.request_id) == instance
-                and self.incarnations.get(so.request_id) == so.incarnation
-            ]
-            if not updates:
-                return
-            outs, stops, failed = self._outputs.process(updates)
-            for request_id, index, reason in stops:
-                self._send_to(self.routes.get(request_id, instance), m.StopSample(request_id, index, reason))
-            if failed:
-                self._send_to(instance, m.Abort(failed))
-            for out in outs:
-                stream = self.streams.get(out.request_id)
-                if stream is None:
+            updates = []
+            for so in msg.outputs:
+                if self.routes.get(so.request_id) == instance and self.incarnations.get(so.request_id) == so.incarnation:
+                    updates.append(so)
                     continue
-                if out.error is not None:
-                    stream.fail(RequestFailedError(out.error))
-                else:
-                    stream.put(out)
-                if out.finished:
-                    del self.streams[out.request_id]
-                    self._unroute(out.request_id)
+                move = self.moves.get(so.request_id)
+                if move is not None and move.destination == instance and move.incarnation == so.incarnation:
+                    move.held.append(so)
+            self._deliver(instance, updates)
+        elif isinstance(msg, m.Migrated):
+            self._migrated(instance, msg)
         elif isinstance(msg, m.Rejected):
             stream = self.streams.pop(msg.request_id, None)
             self._unroute(msg.request_id)
@@ -328,12 +346,113 @@ class AsyncEngineClient:
         elif isinstance(msg, m.Failed):
             raise EngineDeadError(f"the engine failed: {msg.message}")
 
+    def _deliver(self, instance: int, updates: list[m.SampleOutput]) -> None:
+        """Outputs of the runs the client follows, from `instance`, to their streams."""
+        if not updates:
+            return
+        outs, stops, failed = self._outputs.process(updates)
+        for request_id, index, reason in stops:
+            self._send_to(self.routes.get(request_id, instance), m.StopSample(request_id, index, reason))
+            move = self.moves.get(request_id)
+            if move is not None:
+                self._send_to(move.destination, m.StopSample(request_id, index, reason))
+        if failed:
+            self._send_to(instance, m.Abort(failed))
+        for out in outs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.error is not None:
+                stream.fail(RequestFailedError(out.error))
+            else:
+                stream.put(out)
+            if out.finished:
+                del self.streams[out.request_id]
+                self._unroute(out.request_id)
+
+    # -- live migration -----------------------------------------------------------
+
+    def migrate_live(self, request_id: str, instance: int) -> bool:
+        """Move a request to `instance` with its KV cache (tandem/kvtransfer/sender.py): it keeps
+        running where it is while its blocks are copied, pauses for the last ones, and goes on
+        there; its stream sees nothing. A request with nothing computed yet is moved by
+        recompute instead. False (and nothing done) if it cannot be moved now."""
+        source = self.routes.get(request_id)
+        peer = self.kv_addresses[instance] if 0 <= instance < len(self.kv_addresses) else None
+        req = self.requests.get(request_id)
+        if (
+            req is None
+            or source is None
+            or source == instance
+            or instance not in self._live
+            or request_id in self.moves
+        ):
+            return False
+        if peer is None or self.kv_addresses[source] is None:
+            return self.migrate(request_id, instance)
+        run = self._issued.get(request_id, 0) + 1
+        self._issued[request_id] = run
+        transfer_id = f"{request_id}@{run}"
+        try:
+            msg = self._encode(m.MigrateOut(replace(req, incarnation=run), transfer_id, peer))
+            self.connections[source].send(msg)
+        except (EngineDeadError, ValueError):
+            return False
+        self.moves[request_id] = LiveMove(source, instance, run, transfer_id, time.monotonic())
+        return True
+
+    def _migrated(self, instance: int, msg: m.Migrated) -> None:
+        """A live migration's outcome, from its source (after its last outputs of the request)."""
+        move = self.moves.get(msg.request_id)
+        if move is None or move.transfer_id != msg.transfer_id or move.source != instance:
+            return
+        del self.moves[msg.request_id]
+        rid = msg.request_id
+        if not msg.ok:
+            self._send_to(move.destination, m.Abort([rid]))  # a copy it may have installed
+            if msg.reason == "not_running":
+                self.migrate(rid, move.destination)
+            else:
+                self.num_live_aborted += 1
+        else:
+            self.num_live_migrations += 1
+            self.incarnations[rid] = move.incarnation
+            self.routes[rid] = move.destination
+            req = self.requests.get(rid)
+            if req is not None:
+                self.requests[rid] = replace(req, incarnation=move.incarnation)
+                if self.dispatcher is not None:
+                    self.dispatcher.release(rid)
+                    self.dispatcher.routed(req, move.destination)
+            if move.destination not in self._live:  # it died after taking the request over
+                self._send_to(instance, m.Abort([rid]))
+                if not (self._live and self._resume(rid)):
+                    self._lose(rid, EngineDeadError(f"engine instance {move.destination} died"))
+            else:
+                self._deliver(move.destination, move.held)
+                group = self._outputs.groups.get(rid)
+                for i, sample in enumerate(group.samples if group is not None else []):
+                    if sample.finish_reason is not None:  # a stop string the front end found meanwhile
+                        self._send_to(move.destination, m.StopSample(rid, i, "stop"))
+        if self.on_migrated is not None:
+            self.on_migrated(msg)
+
     def _instance_died(self, instance: int, reason: str) -> None:
         """Resume the instance's requests on the others from the tokens they had produced (the
         client sees no error); with no instance left, fail them, and the client is dead."""
         self._live.discard(instance)
         if self.dispatcher is not None:
             self.dispatcher.forget_instance(instance)
+        for rid, move in list(self.moves.items()):
+            if move.destination == instance:
+                # The source keeps the request (or, if it handed over already, its Migrated says so
+                # and the request is resumed from there).
+                self._send_to(move.source, m.MigrateCancel(rid, move.transfer_id))
+            elif move.source == instance:
+                # The request is resumed below; a copy the destination may have installed must go.
+                del self.moves[rid]
+                self._send_to(move.destination, m.Abort([rid]))
+                self.num_live_aborted += 1
         lost = [rid for rid, i in self.routes.items() if i == instance]
         logger.error("%s; %d request(s) in flight on it", reason, len(lost))
         for rid in lost:
@@ -351,7 +470,7 @@ class AsyncEngineClient:
         recomputes its KV from the tokens produced so far and goes on; its stream sees nothing.
         False (and nothing done) if it is not running or already there."""
         source = self.routes.get(request_id)
-        if source is None or source == instance or instance not in self._live:
+        if source is None or source == instance or instance not in self._live or request_id in self.moves:
             return False
         self._send_to(source, m.Abort([request_id]))
         if self._resume(request_id, instance):

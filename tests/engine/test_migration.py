@@ -1,7 +1,8 @@
-"""Moving running requests between instances (by recompute: the source aborts, the destination
-resumes from the tokens produced so far), at random moments and many times over: every stream
-gets exactly the single engine's greedy tokens, each once, and both instances end with no request
-and no KV held. Two engine processes behind one front end; no Ray needed."""
+"""Moving running requests between instances, live (the KV cache copied in stages, then a short
+pause) or by recompute (the source aborts, the destination resumes from the tokens produced so
+far), at random moments and many times over: every stream gets exactly the single engine's greedy
+tokens, each once, and both instances end with no request and no KV held. Two engine processes
+behind one front end; no Ray needed."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ CASES = [
 ]
 
 
-async def run(config: EngineConfig, seed: int) -> tuple[dict[int, list[list[int]]], int, dict]:
+async def run(config: EngineConfig, seed: int, live: bool) -> tuple[dict[int, list[list[int]]], int, dict]:
     stats: dict[int, object] = {}
     client = AsyncEngineClient(
         config,
@@ -48,25 +49,27 @@ async def run(config: EngineConfig, seed: int) -> tuple[dict[int, list[list[int]
             for i, stream in enumerate(streams):
                 rid = f"r{i}"
                 if rid in client.routes and rng.random() < 0.4:
-                    client.migrate(rid, 1 - client.routes[rid])
+                    move = client.migrate_live if live else client.migrate
+                    move(rid, 1 - client.routes[rid])
                 out = stream.take()
                 if out is not None and out.finished:
                     finals[i] = [list(c.token_ids) for c in out.outputs]
-        assert client.streams == {} and client.routes == {} and client.requests == {}
+        assert client.streams == {} and client.routes == {} and client.requests == {} and client.moves == {}
         # Both instances report nothing running and no block held.
         for _ in range(200):
             if len(stats) == 2 and all(s.num_running == 0 and s.kv_usage == 0.0 for s in stats.values()):
                 break
             await asyncio.sleep(0.05)
-        return finals, client.num_migrated, dict(stats)
+        moved = client.num_live_migrations if live else client.num_migrated
+        return finals, moved, dict(stats)
     finally:
         await client.shutdown()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_migrating_at_random_moments_changes_no_token(llama_dir, seed):
+@pytest.mark.parametrize(("seed", "live"), [(0, True), (1, True), (0, False)])
+def test_migrating_at_random_moments_changes_no_token(llama_dir, seed, live):
     config = EngineConfig(model=str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4, max_num_seqs=8)
-    finals, migrated, stats = asyncio.run(run(config, seed))
+    finals, migrated, stats = asyncio.run(run(config, seed, live))
     assert migrated >= 10, migrated
     assert all(s.num_running == 0 and s.kv_usage == 0.0 for s in stats.values()), stats
     offline = LLM(str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4)
