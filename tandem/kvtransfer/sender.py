@@ -172,6 +172,8 @@ class Sender:
         for out in list(self.transfers.values()):
             if out.state == COPYING:
                 self._advance(out)
+            elif self.core.samples(out.request_id) is None:  # aborted meanwhile (the client left)
+                self._abort(out, "the request ended")
             elif now > out.deadline:
                 self._abort(out, f"no answer from the destination in {self.timeout:g}s")
 

@@ -5,6 +5,8 @@ hand, so tests place migrations at exact points (mid-prefill, first token, mid-d
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,6 +31,14 @@ class Node:
     def pump(self) -> None:
         self.plane.handle()
         self.plane.tick()
+
+    def pump_until(self, cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+        """Handle messages as they arrive (ZeroMQ delivers in the background) until `cond()`."""
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            self.plane.socket.poll(10)
+            self.pump()
 
     def check_idle(self) -> None:
         """No request, reservation or block left but idle cached prefixes."""

@@ -6,6 +6,7 @@ seat or reservation behind on either side."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -103,3 +104,121 @@ def test_with_prefix_cache_hits_and_speculation(llama_dir, tmp_path):
     assert cluster.migrated >= 4, cluster.abandoned
     for i, (prompt, p) in enumerate(cases):
         assert cluster.requests[f"r{i}"].tokens[0] == reference(cfg, prompt, p)[0], i
+
+
+# -- refusals, faults, aborts: the request stays whole, nothing is left held ---------------------
+
+
+def start(cluster: Cluster, prompt: list[int], params: SamplingParams, ticks: int) -> None:
+    cluster.add(EngineCoreRequest("r0", prompt, params, params.max_tokens, 0.0), 0)
+    for _ in range(ticks):
+        cluster.tick()
+
+
+def finish(cluster: Cluster, cfg: EngineConfig, prompt: list[int], params: SamplingParams) -> None:
+    cluster.settle()
+    assert [cluster.requests["r0"].tokens[j] for j in range(params.n)] == reference(cfg, prompt, params)
+    for node in cluster.nodes:
+        node.check_idle()
+
+
+@pytest.mark.parametrize("short", ["seats", "blocks"])
+def test_destination_without_room_refuses(llama_dir, tmp_path, short):
+    cfg = config(llama_dir)
+    cluster = Cluster(cfg, tmp_path)
+    try:
+        start(cluster, PROMPTS[0], GREEDY, 4)
+        a, b = cluster.nodes
+        if short == "seats":
+            b.core.scheduler.reserved_seats = b.core.scheduler.max_num_seqs
+        else:
+            hog = b.core.kv.pool.allocate(b.core.kv.pool.num_free)
+        assert cluster.migrate("r0", 1)
+        a.pump_until(lambda: bool(a.reports) or (b.pump() or False), "the refusal")
+        cluster._reports(a)
+        assert cluster.abandoned and cluster.requests["r0"].node == 0
+        if short == "seats":
+            b.core.scheduler.reserved_seats = 0
+        else:
+            b.core.kv.pool.free(hog)
+        finish(cluster, cfg, PROMPTS[0], GREEDY)
+    finally:
+        cluster.close()
+
+
+def test_silent_destination_times_out(llama_dir, tmp_path):
+    # The destination takes the reservation, then never answers again (hung or dead): the source
+    # gives the transfer up after the timeout and the request goes on there; the destination
+    # frees its reservation on its own timeout.
+    cfg = config(llama_dir, kv_transfer_timeout_s=0.3, migration_max_stages=0)
+    cluster = Cluster(cfg, tmp_path)
+    try:
+        start(cluster, PROMPTS[0], GREEDY, 4)
+        a, b = cluster.nodes
+        assert cluster.migrate("r0", 1)
+        b.pump_until(lambda: b.plane.active, "the reservation")
+        a.pump_until(lambda: bool(a.core.scheduler.paused), "the hand-over")  # which b never reads
+        deadline = time.monotonic() + 5
+        while not cluster.abandoned and time.monotonic() < deadline:
+            cluster._outputs(0, a.step())
+            cluster._reports(a)
+        assert cluster.abandoned and "no answer" in cluster.abandoned[0]
+        assert not a.core.scheduler.paused
+        time.sleep(0.35)
+        b.plane.receiver.tick()
+        assert not b.plane.active and b.core.scheduler.reserved_seats == 0
+        b.pump_until(lambda: b.core.samples("r0") is None and not b.plane.active, "nothing installed")
+        finish(cluster, cfg, PROMPTS[0], GREEDY)
+    finally:
+        cluster.close()
+
+
+def test_cancel_by_front_end_and_late_cancel_after_install(llama_dir, tmp_path):
+    cfg = config(llama_dir, migration_max_stages=0)
+    cluster = Cluster(cfg, tmp_path)
+    try:
+        start(cluster, PROMPTS[0], GREEDY, 4)
+        a, b = cluster.nodes
+        # Cancelled while the destination reserves: the request stays at the source.
+        assert cluster.migrate("r0", 1)
+        b.pump_until(lambda: b.plane.active, "the reservation")
+        a.plane.sender.cancel("r0", "r0@1")
+        cluster._reports(a)
+        b.pump_until(lambda: not b.plane.active, "the cancel")
+        assert cluster.abandoned == ["the destination is gone"]
+        a.pump_until(lambda: not a.plane.socket.poll(50), "the stale Accepted")  # ignored
+        # The source gives up after the destination has installed it (its answer is late): the
+        # destination's run is aborted on Cancel, the source's goes on.
+        assert cluster.migrate("r0", 1)
+        b.pump_until(lambda: b.plane.active, "the reservation")
+        a.pump_until(lambda: bool(a.core.scheduler.paused), "the hand-over")
+        b.pump_until(lambda: b.core.samples("r0") is not None, "the install")
+        a.plane.sender.cancel("r0", "r0@2")  # before a reads Installed
+        cluster._reports(a)
+        assert not a.core.scheduler.paused and a.core.samples("r0") is not None
+        b.pump_until(lambda: b.core.samples("r0") is None, "the installed run's abort")
+        assert cluster.requests["r0"].node == 0
+        finish(cluster, cfg, PROMPTS[0], GREEDY)
+    finally:
+        cluster.close()
+
+
+def test_abort_during_migration_leaves_nothing(llama_dir, tmp_path):
+    cfg = config(llama_dir, migration_stop_blocks=0, migration_max_stages=8)
+    cluster = Cluster(cfg, tmp_path)
+    try:
+        start(cluster, PROMPTS[0], GREEDY, 4)
+        a, b = cluster.nodes
+        assert cluster.migrate("r0", 1)
+        b.pump_until(lambda: b.plane.active, "the reservation")
+        a.plane.handle()  # Accepted: the first stage goes out
+        a.pump_until(lambda: a.plane.sender.transfers["r0@1"].num_stages == 1, "the first stage")
+        a.core.abort_requests(["r0"])  # the client went away, whatever state the transfer is in
+        a.plane.tick()  # the sender sees it gone: Cancel
+        assert not a.plane.active
+        b.pump_until(lambda: not b.plane.active and b.core.samples("r0") is None, "the cancel")
+        del cluster.requests["r0"]
+        for node in cluster.nodes:
+            node.check_idle()
+    finally:
+        cluster.close()
