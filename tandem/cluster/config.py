@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DISPATCH_POLICIES = ("round_robin", "least_load", "prefix_aware")
+MIGRATION_TRIGGERS = ("imbalance", "priority")
+MIGRATION_MODES = ("live", "recompute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,17 @@ class ClusterConfig:
     # prefix_aware: prompt blocks dispatched to an instance recently count as cached there (its
     # report may not show them yet); this many block hashes per instance are remembered.
     recent_prefix_blocks: int = 16384
+    # Moving running requests between instances (tandem/cluster/rebalance.py). Triggers: "imbalance"
+    # (the busiest instance's load, as least_load counts it, exceeds the idlest's by more than
+    # `imbalance_threshold`), "priority" (a high-priority request waits on an instance: a
+    # lower-priority one there moves to where there is room). Draining an instance (scale in)
+    # always migrates. Mode "live" copies the KV (tandem/kvtransfer); "recompute" resends the
+    # request, which recomputes its KV where it lands.
+    migration_triggers: tuple[str, ...] = ()
+    migration_mode: str = "live"
+    migration_interval_s: float = 0.05
+    imbalance_threshold: float = 0.2
+    max_concurrent_migrations: int = 4
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
@@ -37,5 +50,16 @@ class ClusterConfig:
             )
         if not self.cpus_per_instance > 0:
             raise ValueError(f"cpus per instance must be positive, got {self.cpus_per_instance}")
+        unknown = set(self.migration_triggers) - set(MIGRATION_TRIGGERS)
+        if unknown:
+            raise ValueError(
+                f"--migration-triggers takes {', '.join(MIGRATION_TRIGGERS)}; got {', '.join(sorted(unknown))}"
+            )
+        if self.migration_mode not in MIGRATION_MODES:
+            raise ValueError(f"--migration-mode must be live or recompute, got {self.migration_mode!r}")
+        if not self.migration_interval_s > 0 or self.max_concurrent_migrations < 1:
+            raise ValueError("migration_interval_s must be positive and max_concurrent_migrations at least 1")
+        if not self.imbalance_threshold >= 0:
+            raise ValueError(f"--imbalance-threshold must be >= 0, got {self.imbalance_threshold}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance thresholds must be >= 0 (absolute) and >= 1 (relative)")

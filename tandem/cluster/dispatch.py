@@ -105,6 +105,11 @@ class Dispatcher:
             while len(view.recent) > self.config.recent_prefix_blocks:
                 view.recent.popitem(last=False)
 
+    def demand_of(self, request_id: str) -> float:
+        """The KV demand a routed request counts for (0 if unknown)."""
+        entry = self._demand.get(request_id)
+        return 0.0 if entry is None else entry[1]
+
     def release(self, request_id: str) -> None:
         """`request_id` ended (finished, aborted, failed) or left its instance."""
         entry = self._demand.pop(request_id, None)

@@ -154,6 +154,13 @@ class AsyncEngineClient:
         # request id -> index of the connection (instance) that runs it now
         self.routes: dict[str, int] = {}
         self._live: set[int] = set()
+        # Instances being drained (scale in): live, but no new request goes there.
+        self.draining: set[int] = set()
+        # Instances shut down after a drain.
+        self.retired: set[int] = set()
+        # request id -> dispatch order (for the migration policy: most recent first)
+        self.seqs: dict[str, int] = {}
+        self._seq = 0
         self._enc = m.encoder()
         self._tasks: list[asyncio.Task] = []
 
@@ -197,7 +204,10 @@ class AsyncEngineClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(c.shutdown(timeout) for c in self.connections), return_exceptions=True)
+        await asyncio.gather(
+            *(c.shutdown(timeout) for i, c in enumerate(self.connections) if i not in self.retired),
+            return_exceptions=True,
+        )
 
     # -- requests ------------------------------------------------------------
 
@@ -223,7 +233,7 @@ class AsyncEngineClient:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if instance is None:
-            instance = self.dispatcher.choose(req, self._live) if self.dispatcher is not None else 0
+            instance = self.dispatcher.choose(req, self.dispatchable) if self.dispatcher is not None else 0
         if instance not in self._live:
             raise EngineDeadError(f"engine instance {instance} is not running")
         if req.request_id in self.streams:
@@ -242,6 +252,31 @@ class AsyncEngineClient:
             raise
         return stream
 
+    @property
+    def live(self) -> set[int]:
+        return set(self._live)
+
+    @property
+    def dispatchable(self) -> set[int]:
+        """Live instances that take new requests (not draining)."""
+        return self._live - self.draining
+
+    async def retire(self, instance: int, timeout: float = 5.0) -> None:
+        """Shut a drained instance down (scale in); it must hold no request."""
+        if any(i == instance for i in self.routes.values()) or any(
+            mv.source == instance or mv.destination == instance for mv in self.moves.values()
+        ):
+            raise RuntimeError(f"engine instance {instance} still runs requests")
+        self.retired.add(instance)
+        self._live.discard(instance)
+        self.draining.discard(instance)
+        if self.dispatcher is not None:
+            self.dispatcher.forget_instance(instance)
+        task = self._tasks[instance]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await self.connections[instance].shutdown(timeout)
+
     def _route(self, req: EngineCoreRequest, instance: int) -> None:
         """Send `req` to `instance`, as the request's next incarnation, and record that it runs there."""
         req = replace(req, incarnation=self._issued.get(req.request_id, -1) + 1)
@@ -249,6 +284,9 @@ class AsyncEngineClient:
         self._issued[req.request_id] = req.incarnation
         self.incarnations[req.request_id] = req.incarnation
         self.routes[req.request_id] = instance
+        if req.request_id not in self.seqs:
+            self._seq += 1
+            self.seqs[req.request_id] = self._seq
         self.requests[req.request_id] = req
         if self.dispatcher is not None:
             self.dispatcher.routed(req, instance)
@@ -259,6 +297,7 @@ class AsyncEngineClient:
         self.requests.pop(request_id, None)
         self.incarnations.pop(request_id, None)
         self._issued.pop(request_id, None)
+        self.seqs.pop(request_id, None)
         move = self.moves.pop(request_id, None)
         if move is not None:  # its destination may hold a copy already
             self._send_to(move.destination, m.Abort([request_id]))
@@ -495,7 +534,8 @@ class AsyncEngineClient:
         resumed = replace(req, resumed_outputs=outputs if started else None)
         try:
             if instance is None:
-                instance = self.dispatcher.choose(resumed, self._live) if self.dispatcher else min(self._live)
+                targets = self.dispatchable or self._live
+                instance = self.dispatcher.choose(resumed, targets) if self.dispatcher else min(targets)
             self._route(resumed, instance)
         except (EngineDeadError, ValueError):
             return False

@@ -214,6 +214,31 @@ def add_serve_parser(sub: Any) -> None:
         choices=["round_robin", "least_load", "prefix_aware"],
         help="how new requests are spread over the instances",
     )
+    c.add_argument(
+        "--migration-triggers",
+        default="",
+        help="comma-separated: imbalance (move requests off the busiest instance), priority (make room "
+        "for waiting high-priority requests); draining an instance (POST /admin/instances/N/drain) always migrates",
+    )
+    c.add_argument(
+        "--migration-mode",
+        default="live",
+        choices=["live", "recompute"],
+        help="live: copy the KV cache between instances; recompute: resend the request",
+    )
+    c.add_argument(
+        "--imbalance-threshold",
+        type=float,
+        default=0.2,
+        help="the imbalance trigger fires when the busiest instance's load (KV demand over KV size) "
+        "exceeds the idlest's by more than this",
+    )
+    c.add_argument(
+        "--kv-transport",
+        default="zmq",
+        choices=["zmq", "shm"],
+        help="how KV blocks move between instances: zmq (tcp/ipc frames) or shm (shared memory, one host)",
+    )
     srv.set_defaults(func=_serve)
 
 

@@ -7,6 +7,8 @@ behind one front end; no Ray needed."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import random
 
 import pytest
@@ -74,5 +76,56 @@ def test_migrating_at_random_moments_changes_no_token(llama_dir, seed, live):
     assert all(s.num_running == 0 and s.kv_usage == 0.0 for s in stats.values()), stats
     offline = LLM(str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4)
     for i, (prompt, params) in enumerate(zip(PROMPTS, CASES)):
+        expected = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert finals[i] == [list(c.token_ids) for c in expected.outputs], i
+
+
+async def kill_during_moves(config: EngineConfig, victim: int, delay: float) -> tuple[dict, dict]:
+    """Three requests on instance 0 move live to instance 1; `delay` seconds later the `victim`
+    instance is SIGKILLed. Returns each request's tokens and the survivor's last stats."""
+    stats: dict[int, object] = {}
+    conns = [ProcessConnection(config), ProcessConnection(config)]
+    client = AsyncEngineClient(config, on_stats=lambda i, s: stats.__setitem__(i, s), connections=conns)
+    await client.start(timeout=300)
+    try:
+        assert client.inputs is not None
+        streams = []
+        for i, (prompt, params) in enumerate(zip(PROMPTS[:3], CASES[:3])):
+            req, text = client.inputs.process(f"r{i}", {"prompt_token_ids": prompt}, params)
+            streams.append(client.add(req, text, asyncio.Event(), instance=0))
+        while not all(s.started for s in streams):
+            await asyncio.sleep(0.005)
+        for i in range(3):
+            assert client.migrate_live(f"r{i}", 1)
+        await asyncio.sleep(delay)
+        os.kill(conns[victim].pid, signal.SIGKILL)
+        finals: dict[int, list[list[int]]] = {}
+        while len(finals) < 3:
+            await asyncio.sleep(0.01)
+            for i, stream in enumerate(streams):
+                out = stream.take()
+                if out is not None and out.finished:
+                    finals[i] = [list(c.token_ids) for c in out.outputs]
+        assert client.streams == {} and client.moves == {}
+        survivor = 1 - victim
+        for _ in range(200):
+            s = stats.get(survivor)
+            if s is not None and s.num_running == 0 and s.kv_usage == 0.0:
+                break
+            await asyncio.sleep(0.05)
+        return finals, stats[survivor]
+    finally:
+        await client.shutdown()
+
+
+@pytest.mark.parametrize(("victim", "delay"), [(1, 0.0), (1, 0.03), (0, 0.0), (0, 0.03)])
+def test_instance_killed_mid_migration(llama_dir, victim, delay):
+    # Destination killed: the requests stay on (or come back to) the source. Source killed: they
+    # are resumed on the destination (recompute), whatever it had received is dropped.
+    config = EngineConfig(model=str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4, max_num_seqs=8)
+    finals, survivor = asyncio.run(kill_during_moves(config, victim, delay))
+    assert survivor.num_running == 0 and survivor.kv_usage == 0.0
+    offline = LLM(str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4)
+    for i, (prompt, params) in enumerate(zip(PROMPTS[:3], CASES[:3])):
         expected = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
         assert finals[i] == [list(c.token_ids) for c in expected.outputs], i

@@ -62,6 +62,7 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
             on_dead=state.engine_died,
             connections=connections,
             make_dispatcher=make_dispatcher,
+            on_migrated=state.metrics.observe_migration,
         )
         state.metrics.track_admission(
             lambda: state.client.num_inflight if state.client else 0,
@@ -71,13 +72,19 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
         try:
             await state.client.start()
             dispatcher = state.client.dispatcher
-            if dispatcher is not None:
+            if dispatcher is not None and cluster is not None:
+                from tandem.cluster.migrator import Migrator
+
                 client = state.client
                 state.metrics.track_cluster(
                     len(client.connections),
                     lambda i: dispatcher.num_dispatched[i],
                     lambda: client.num_resumed,
+                    lambda: len(client.moves),
                 )
+                state.migrator = Migrator(cluster, client)
+                if cluster.migration_triggers:
+                    state.migrator.start()
             logger.info(
                 "engine core process pid=%d ready; serving model %r",
                 state.client.engine_pid,
@@ -85,6 +92,8 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
             )
             yield
         finally:
+            if state.migrator is not None:
+                await state.migrator.stop()
             await state.client.shutdown()
             if group is not None:
                 group.remove()
@@ -130,6 +139,19 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
     @app.post("/v1/chat/completions")
     async def chat(body: p.ChatCompletionRequest, request: Request, t: TenantDep) -> Any:
         return respond(await create_chat_completion(state, body, t, request.receive))
+
+    @app.post("/admin/instances/{instance}/drain")
+    async def drain(instance: int, t: TenantDep) -> Any:
+        """Scale in: move every request off an engine instance (live migration), then shut it down."""
+        if state.migrator is None:
+            raise OpenAIError(404, "this server runs one engine instance (no cluster to drain)")
+        try:
+            seconds = await state.migrator.drain(instance)
+        except ValueError as exc:
+            raise OpenAIError(409, str(exc)) from None
+        except TimeoutError as exc:
+            raise OpenAIError(503, str(exc)) from None
+        return {"instance": instance, "drained": True, "seconds": round(seconds, 3)}
 
     @app.get("/v1/models")
     async def models(t: TenantDep) -> Any:
@@ -363,6 +385,9 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             ray_address=args.ray_address,
             dispatch_policy=args.dispatch_policy,
             cpus_per_instance=float(config.num_threads or 1),
+            migration_triggers=tuple(t for t in (args.migration_triggers or "").split(",") if t),
+            migration_mode=args.migration_mode,
+            imbalance_threshold=args.imbalance_threshold,
         )
     app = build_app(state, config, cluster)
     uv_config = uvicorn.Config(

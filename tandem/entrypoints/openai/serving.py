@@ -62,6 +62,8 @@ class ServerState:
     metrics_api_key: str | None = None
     metrics_on_api_port: bool = True
     client: AsyncEngineClient | None = None
+    # The cluster's migration policy and drains (tandem.cluster.migrator.Migrator), with --num-instances > 1.
+    migrator: Any = None
     draining: bool = False
     exit_code: int = 0
     request_exit: Callable[[], None] | None = None

@@ -1,0 +1,96 @@
+"""Which running requests move, and where: the migration policy of the global scheduler.
+
+Like dispatch, it decides from reports and its own bookkeeping only (pure Python; the cluster
+simulator runs it over simulated instances). Each round (`ClusterConfig.migration_interval_s`)
+`plan` proposes moves, at most `max_concurrent_migrations` under way at once:
+
+- drain: every request on a draining instance goes to the least loaded other one (scale in);
+- priority: on an instance where a high-priority request (priority < 0) waits, the lowest-priority
+  running request there moves to the least loaded instance, if that one is less loaded;
+- imbalance: while the busiest instance's load exceeds the idlest's by more than the threshold,
+  the busiest's most recently dispatched running request moves (Llumnix's choice: it holds the
+  least KV, so it is the cheapest to move, and has the most work left), if moving it narrows
+  the gap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.cluster.config import ClusterConfig
+from tandem.cluster.dispatch import InstanceView
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    request_id: str
+    instance: int
+    priority: int
+    started: bool  # has produced tokens: it runs (its KV is worth moving live)
+    seq: int  # dispatch order; larger is more recent
+    demand: float  # KV blocks it may come to hold, as the dispatcher counts it
+
+
+class Rebalancer:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.num_planned = {"drain": 0, "priority": 0, "imbalance": 0}
+
+    def plan(
+        self,
+        instances: list[InstanceView],
+        live: set[int],
+        draining: set[int],
+        requests: list[RequestView],
+        moving: int,
+    ) -> list[tuple[str, int]]:
+        """Moves (request id, destination) to start now; `moving`: moves under way."""
+        room = self.config.max_concurrent_migrations - moving
+        targets = sorted(live - draining)
+        if room <= 0 or not targets:
+            return []
+        load = {i: instances[i].load for i in live}
+        moves: list[tuple[str, int]] = []
+
+        def move(r: RequestView, dest: int, why: str) -> None:
+            nonlocal room
+            moves.append((r.request_id, dest))
+            room -= 1
+            load[r.instance] -= r.demand / max(1, instances[r.instance].num_blocks)
+            load[dest] += r.demand / max(1, instances[dest].num_blocks)
+            self.num_planned[why] += 1
+
+        by_instance: dict[int, list[RequestView]] = {}
+        for r in requests:
+            by_instance.setdefault(r.instance, []).append(r)
+
+        for src in sorted(draining & live):
+            for r in sorted(by_instance.get(src, []), key=lambda r: r.seq):
+                if room <= 0:
+                    return moves
+                move(r, min(targets, key=lambda i: (load[i], i)), "drain")
+
+        triggers = self.config.migration_triggers
+        if "priority" in triggers:
+            for src in targets:
+                here = by_instance.get(src, [])
+                waiting = [r.priority for r in here if not r.started and r.priority < 0]
+                if not waiting or room <= 0:
+                    continue
+                victims = [r for r in here if r.started and r.priority > min(waiting)]
+                others = [i for i in targets if i != src and load[i] < load[src]]
+                if victims and others:
+                    victim = max(victims, key=lambda r: (r.priority, r.seq))
+                    move(victim, min(others, key=lambda i: (load[i], i)), "priority")
+
+        if "imbalance" in triggers and room > 0 and len(targets) > 1:
+            src = max(targets, key=lambda i: (load[i], -i))
+            dest = min(targets, key=lambda i: (load[i], i))
+            gap = load[src] - load[dest]
+            movable = [r for r in by_instance.get(src, []) if r.started]
+            if gap > self.config.imbalance_threshold and len(movable) > 1:
+                r = max(movable, key=lambda r: r.seq)
+                shift = r.demand / max(1, instances[src].num_blocks) + r.demand / max(1, instances[dest].num_blocks)
+                if shift < 2 * gap:  # the gap narrows (it would not if the request outweighs it)
+                    move(r, dest, "imbalance")
+        return moves
