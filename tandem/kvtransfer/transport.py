@@ -11,13 +11,15 @@ Which one an engine uses is `EngineConfig.kv_transport`; `benchmarks/kv_transfer
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 KV_TRANSPORTS = ("zmq", "shm")
-# Messages a peer's inbox may queue before a send fails (a peer that stopped reading is dead to us).
+# Messages that may queue toward one peer, on each side of the connection, before a send fails (a
+# peer that stopped reading, or that nobody listens at, is dead to us).
 SEND_HWM = 1024
 
 
@@ -33,8 +35,10 @@ class Message:
         shm, self._shm = self._shm, None
         self.payload = None
         if shm is not None:
-            shm.close()
+            # Unlink first: close() raises while a view of the payload is still alive, and the
+            # segment must not outlive the message even then.
             shm.unlink()
+            shm.close()
 
 
 class TransportError(RuntimeError):
@@ -53,7 +57,9 @@ class KVTransport:
         self._zmq = zmq
         self._ctx = zmq.Context()
         self.socket = self._ctx.socket(zmq.PULL)
-        self.socket.setsockopt(zmq.RCVHWM, 0)
+        # Bounded, so that a sender to an inbox nobody reads runs into SEND_HWM instead of growing
+        # this process's memory without limit.
+        self.socket.setsockopt(zmq.RCVHWM, SEND_HWM)
         self.socket.setsockopt(zmq.LINGER, 0)
         if bind.startswith("tcp://"):
             port = self.socket.bind_to_random_port(bind)
@@ -70,21 +76,35 @@ class KVTransport:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError:
+                sock.close()  # an unclosed socket would make close()'s ctx.term() wait forever
+                raise
             self._peers[address] = sock
         return sock
 
     def send(self, peer: str, header: bytes, payload: Any = None) -> None:
-        """Queue a message for `peer` (never blocks). `payload`: any buffer (kept alive until sent)."""
+        """Queue a message for `peer` (never blocks). `payload`: a C-contiguous buffer or CPU tensor,
+        kept alive until sent and not to be written to until then (`zmq` sends it without a copy);
+        `b""` arrives as an empty payload, None as no payload."""
         zmq = self._zmq
-        frames = [header] if payload is None else [header, self._wrap(payload)]
+        frames = [header] if payload is None else [header, self._wrap(_as_buffer(payload))]
+        sent = False
         try:
             self._peer(peer).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            sent = True
         except zmq.Again as exc:
             raise TransportError(f"KV peer {peer} is not taking messages") from exc
+        finally:
+            if not sent and len(frames) > 1:
+                self._discard(frames[1])
 
     def _wrap(self, payload: Any) -> Any:
         return payload
+
+    def _discard(self, frame: Any) -> None:
+        """Undo `_wrap` for a message that was not queued."""
 
     def recv(self) -> Message | None:
         """The next message if one has arrived (never blocks)."""
@@ -109,7 +129,12 @@ class KVTransport:
 
 
 class ShmTransport(KVTransport):
-    """Payloads through a shared-memory segment per message; the socket carries header and name."""
+    """Payloads through a shared-memory segment per message; the socket carries header and name.
+
+    The receiver unlinks a segment when it releases the message (or its resource tracker does, if
+    it dies first). A message still queued when its receiver never takes it (a dead peer; `close()`
+    with messages in flight) leaves its segment in /dev/shm: the sender cannot tell which of its
+    queued names were delivered."""
 
     kind = "shm"
 
@@ -121,7 +146,10 @@ class ShmTransport(KVTransport):
         shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, src.nbytes))
         _untrack(shm)
         try:
-            shm.buf[: src.nbytes] = src
+            _buffer(shm)[: src.nbytes] = src
+        except BaseException:
+            shm.unlink()
+            raise
         finally:
             shm.close()
         return f"{name}:{src.nbytes}".encode()
@@ -130,9 +158,34 @@ class ShmTransport(KVTransport):
         from multiprocessing import shared_memory
 
         name, size = frame.bytes.decode().rsplit(":", 1)
+        # Tracked in this process (attaching registers it, unlink() in release() unregisters it), so
+        # that its resource tracker unlinks the segment if this process dies before releasing.
         shm = shared_memory.SharedMemory(name=name)
-        _untrack(shm)
-        return Message(header, shm.buf[: int(size)], shm)
+        return Message(header, _buffer(shm)[: int(size)], shm)
+
+    def _discard(self, frame: Any) -> None:
+        from multiprocessing import shared_memory
+
+        shm = shared_memory.SharedMemory(name=frame.decode().rsplit(":", 1)[0])
+        shm.unlink()
+        shm.close()
+
+
+def _as_buffer(payload: Any) -> Any:
+    """A torch tensor as its bytes (tensors have no buffer interface; bfloat16 has no numpy dtype)."""
+    if not type(payload).__module__.startswith("torch"):
+        return payload
+    import torch
+
+    if not isinstance(payload, torch.Tensor):
+        return payload
+    return payload.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _buffer(shm: Any) -> memoryview:
+    buf = shm.buf
+    assert buf is not None, "the segment is closed"
+    return buf
 
 
 def _untrack(shm: Any) -> None:
@@ -140,10 +193,9 @@ def _untrack(shm: Any) -> None:
     the tracker would report (and unlink) segments it saw created but not unlinked by its process."""
     from multiprocessing import resource_tracker
 
-    try:
+    # The tracker may not know the segment (nothing to undo then).
+    with contextlib.suppress(Exception):
         resource_tracker.unregister(shm._name, "shared_memory")
-    except Exception:  # noqa: BLE001 - the tracker may not know the segment; nothing to undo then
-        pass
 
 
 def make_transport(kind: str, bind: str) -> KVTransport:
