@@ -8,6 +8,7 @@ import logging
 import time
 
 from tandem.cluster.config import ClusterConfig
+from tandem.cluster.dispatch import Dispatcher
 from tandem.cluster.rebalance import Rebalancer, RequestView
 from tandem.engine.core_client import AsyncEngineClient
 
@@ -41,7 +42,7 @@ class Migrator:
         """Plan and start this round's moves; returns how many started."""
         client = self.client
         dispatcher = client.dispatcher
-        if dispatcher is None or client.dead is not None:
+        if not isinstance(dispatcher, Dispatcher) or client.dead is not None:
             return 0
         views = []
         for rid, instance in client.routes.items():

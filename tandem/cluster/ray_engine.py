@@ -152,8 +152,6 @@ class RayConnection(EngineConnection):
         if self.actor is None:
             return
         self.actor.stop.remote()
-        done, _ = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: ray.wait([self._ref], timeout=timeout)
-        )
-        if not done:
-            ray.kill(self.actor)
+        await asyncio.get_running_loop().run_in_executor(None, lambda: ray.wait([self._ref], timeout=timeout))
+        # Its loop has ended (or hangs): the actor's process goes too (a drained instance leaves nothing).
+        ray.kill(self.actor)

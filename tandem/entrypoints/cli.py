@@ -125,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
         model = default_model_path()
         # The embedded model is served under a short name rather than its install path.
         args.served_model_name = args.served_model_name or "tandem-default"
-    config = EngineConfig(model=model, **engine_kwargs(args))
+    config = EngineConfig(model=model, kv_transport=args.kv_transport, **engine_kwargs(args))
     # A bad checkpoint folder or speculative config fails here, before any process starts.
     ModelConfig.from_pretrained(model)
     from tandem.spec.config import SpeculativeConfig
@@ -207,6 +207,12 @@ def add_serve_parser(sub: Any) -> None:
     )
     c.add_argument(
         "--ray-address", default=None, help="join this Ray cluster ('auto': the one on this host)"
+    )
+    c.add_argument(
+        "--cpus-per-instance",
+        type=float,
+        default=None,
+        help="CPUs Ray reserves for each instance (default: --num-threads, or 1)",
     )
     c.add_argument(
         "--dispatch-policy",

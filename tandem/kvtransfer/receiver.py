@@ -180,9 +180,9 @@ class Receiver:
             r.first_scheduled_time = st.first_scheduled_time
             r.first_token_time = st.first_token_time
             members.append(r)
-        for st, r in zip(samples, members):
-            if st is not None and r is not None:
-                r.pending_children = [m for j in st.pending if (m := members[j]) is not None]
+        for st, leader in zip(samples, members):
+            if st is not None and leader is not None:
+                leader.pending_children = [c for j in st.pending if (c := members[j]) is not None]
         return members
 
     def on_cancel(self, msg: wire.Cancel) -> None:

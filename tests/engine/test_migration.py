@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import random
+import signal
 
 import pytest
 

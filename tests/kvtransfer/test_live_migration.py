@@ -9,8 +9,8 @@ import random
 import time
 
 import pytest
-
 from cluster_harness import Cluster
+
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.engine.messages import EngineCoreRequest
@@ -98,7 +98,7 @@ def test_with_prefix_cache_hits_and_speculation(llama_dir, tmp_path):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     cfg = config(llama_dir, speculative_config=spec)
     shared = PROMPTS[0][:24]
-    cases = [(shared + [7, 8], GREEDY), (shared + [9], GREEDY), (shared + [7, 8, 9, 10], GREEDY)]
+    cases = [([*shared, 7, 8], GREEDY), ([*shared, 9], GREEDY), ([*shared, 7, 8, 9, 10], GREEDY)]
     moves = {2: [(0, 1)], 6: [(1, 1), (2, 1)], 14: [(0, 0)], 20: [(2, 0)]}
     cluster = run(cfg, tmp_path, cases, moves)
     assert cluster.migrated >= 4, cluster.abandoned

@@ -1,7 +1,9 @@
-"""Several engine instances on Ray behind one server: outputs equal the single engine's, requests are
-spread over the instances, and an instance killed mid-decode (SIGKILL of its actor process) costs
-the clients nothing: its requests resume on the other instance from the tokens streamed so far.
-With no instance left, requests get a clear error and the server exits non-zero.
+"""Several engine instances on Ray behind one server, with live migration on imbalance: outputs
+equal the single engine's, requests are spread over the instances, draining an instance moves its
+running requests (KV and all) to the others and shuts it down without a client noticing, and an
+instance killed mid-decode (SIGKILL of its actor process) costs the clients nothing: its requests
+resume on another instance from the tokens streamed so far. With no instance left, requests get a
+clear error and the server exits non-zero.
 
 One server (its own local Ray cluster) for the module; the suite's only Ray start.
 """
@@ -28,8 +30,9 @@ BODY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    args = ["--num-instances", "2", "--num-threads", "1", "--num-kv-blocks", "256", "--max-num-seqs", "4"]
+    args = ["--num-instances", "3", "--num-threads", "1", "--num-kv-blocks", "256", "--max-num-seqs", "4"]
     args += ["--served-model-name", "tiny", "--dispatch-policy", "least_load", "--block-size", "4"]
+    args += ["--migration-triggers", "imbalance", "--cpus-per-instance", "0.5"]
     s = RemoteServer(llama_dir, *args, startup_timeout=300)
     yield s
     s.stop()
@@ -76,8 +79,35 @@ def test_outputs_equal_the_single_engine_and_spread_over_instances(server, offli
         assert results[i].status_code == 200, results[i].text
         assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, 16)
     m = server.metrics()
-    dispatched = [m[f'tandem:instance_requests_dispatched{{instance="{i}"}}'] for i in (0, 1)]
+    dispatched = [m[f'tandem:instance_requests_dispatched{{instance="{i}"}}'] for i in (0, 1, 2)]
     assert sum(dispatched) >= len(PROMPTS) and min(dispatched) >= 1, dispatched
+    assert len(instance_pids()) == 3
+
+
+def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, offline):
+    results: dict = {}
+    threads = post_all(server, 200, results)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.metrics()['tandem:instance_num_requests_running{instance="2"}'] > 0:
+            break
+        time.sleep(0.05)
+    with server.http() as http:
+        resp = http.post("/admin/instances/2/drain", timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert http.post("/admin/instances/2/drain").status_code == 409  # not running any more
+    for t in threads:
+        t.join(240)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[i].status_code == 200, results[i].text
+        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, 200), i
+    m = server.metrics()
+    assert m['tandem:migrations_total{outcome="completed"}'] >= 1, m
+    assert m["tandem:kv_transfer_bytes_total"] > 0
+    assert m["tandem:migration_downtime_seconds_count"] >= 1
+    deadline = time.monotonic() + 30
+    while len(instance_pids()) != 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert len(instance_pids()) == 2
 
 

@@ -384,7 +384,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             num_instances=args.num_instances,
             ray_address=args.ray_address,
             dispatch_policy=args.dispatch_policy,
-            cpus_per_instance=float(config.num_threads or 1),
+            cpus_per_instance=args.cpus_per_instance or float(config.num_threads or 1),
             migration_triggers=tuple(t for t in (args.migration_triggers or "").split(",") if t),
             migration_mode=args.migration_mode,
             imbalance_threshold=args.imbalance_threshold,

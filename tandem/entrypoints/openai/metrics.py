@@ -15,6 +15,7 @@ from typing import Any
 from tandem.outputs import RequestOutput
 
 # vLLM's buckets.
+MIGRATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TTFT_BUCKETS += (20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -114,6 +115,19 @@ class ServerMetrics:
         self.instance_kv_usage = Gauge(
             "tandem:instance_kv_cache_usage_perc", "KV cache usage, per engine instance.", im, registry=reg
         )
+        self.migrations = Counter(
+            "tandem:migrations_total",
+            "Live migrations by outcome: completed, aborted (the request stayed where it was), "
+            "recomputed (it had nothing computed, so it was resent instead).",
+            [*m, "outcome"],
+            registry=reg,
+        )
+        self.migration_downtime = hist(
+            "migration_downtime_seconds",
+            "A live migration's stop-and-copy: the request paused until its destination took it over.",
+            MIGRATION_BUCKETS,
+        )
+        self.kv_transfer_bytes = counter("kv_transfer_bytes_total", "KV cache bytes sent between instances.")
         # Per instance: the last snapshot's gauges and cumulative counters.
         self._latest: dict[int, Any] = {}
         self._last: dict[int, dict[str, int]] = {}
@@ -184,12 +198,19 @@ class ServerMetrics:
         ):
             Gauge(f"tandem:{name}", doc, m, registry=self.registry).labels(self.model_name).set_function(fn)
 
-    def track_cluster(self, num_instances: int, dispatched: Any, resumed: Any) -> None:
-        """Gauges read at scrape time: requests dispatched to each instance (`dispatched(i)`), and
-        requests resumed on another instance after theirs died (`resumed()`)."""
+    def track_cluster(self, num_instances: int, dispatched: Any, resumed: Any, migrating: Any) -> None:
+        """Gauges read at scrape time: requests dispatched to each instance (`dispatched(i)`),
+        requests resumed on another instance after theirs died (`resumed()`), and live migrations
+        under way (`migrating()`)."""
         from prometheus_client import Gauge
 
         m = ["model_name"]
+        Gauge(
+            "tandem:migrations_running",
+            "Live migrations under way (KV being copied between instances).",
+            m,
+            registry=self.registry,
+        ).labels(self.model_name).set_function(migrating)
         g = Gauge(
             "tandem:instance_requests_dispatched",
             "Requests the dispatcher has sent to each instance (resumed ones included).",
@@ -204,6 +225,17 @@ class ServerMetrics:
             m,
             registry=self.registry,
         ).labels(self.model_name).set_function(resumed)
+
+    def observe_migration(self, msg: Any) -> None:
+        """A live migration's outcome (engine.messages.Migrated)."""
+        if msg.ok:
+            self.migrations.labels(self.model_name, "completed").inc()
+            self.migration_downtime.observe(msg.downtime_s)
+        elif msg.reason == "not_running":
+            self.migrations.labels(self.model_name, "recomputed").inc()
+        else:
+            self.migrations.labels(self.model_name, "aborted").inc()
+        self.kv_transfer_bytes.inc(msg.num_bytes)
 
     def observe_rejected(self, tenant: str) -> None:
         self.tenant_requests.labels(self.model_name, tenant, "rejected").inc()
