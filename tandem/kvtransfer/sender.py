@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.core.request import Request, RequestStatus
 from tandem.engine import messages as m
 from tandem.kvtransfer import wire
+from tandem.kvtransfer.transport import MAX_PAYLOAD_BYTES
 
 if TYPE_CHECKING:
     from tandem.engine.core import EngineCore
@@ -68,6 +69,7 @@ class Sender:
         self.max_stages = cfg.migration_max_stages
         self.stop_blocks = cfg.migration_stop_blocks
         self.transfers: dict[str, Outgoing] = {}
+        self.block_bytes = core.runner.kv_bytes_per_block(core.model_config, core.kv.block_size, core.runner.dtype)
 
     @property
     def active(self) -> bool:
@@ -93,9 +95,7 @@ class Sender:
             request=msg.request,
             num_seats=sum(r.num_seats for r in leaders),
             num_blocks=len(computed) + len(leaders),
-            block_bytes=self.core.runner.kv_bytes_per_block(
-                self.core.model_config, bs, self.core.runner.dtype
-            ),
+            block_bytes=self.block_bytes,
         )
         if not self._send(out, begin):
             return
@@ -190,15 +190,25 @@ class Sender:
             if b not in out.sent
         ]
         if len(new) > self.stop_blocks and out.num_stages < self.max_stages:
-            data = self.core.runner.read_blocks(new)
-            if not self._send(out, wire.Blocks(out.transfer_id, new), data):
-                return
-            self.core.kv.pool.incref(new)
-            out.sent.update(dict.fromkeys(new))
+            for chunk in self._chunks(new):
+                if not self._send_blocks(out, wire.Blocks(out.transfer_id, chunk), chunk):
+                    return
+                self.core.kv.pool.incref(chunk)
+                out.sent.update(dict.fromkeys(chunk))
             out.num_stages += 1
-            out.num_bytes += data.numel() * data.element_size()
             return
         self._hand_over(out, leaders)
+
+    def _chunks(self, blocks: list[int]) -> list[list[int]]:
+        """`blocks` split into messages of at most MAX_PAYLOAD_BYTES (at least one, maybe empty)."""
+        per = max(1, MAX_PAYLOAD_BYTES // self.block_bytes)
+        return [blocks[i : i + per] for i in range(0, len(blocks), per)] or [[]]
+
+    def _send_blocks(self, out: Outgoing, msg: Any, blocks: list[int]) -> bool:
+        data = self.core.runner.read_blocks(blocks) if blocks else None
+        if data is not None:
+            out.num_bytes += data.numel() * data.element_size()
+        return self._send(out, msg, data)
 
     def _hand_over(self, out: Outgoing, leaders: list[Request]) -> None:
         core = self.core
@@ -218,11 +228,13 @@ class Sender:
             states[r.sample_index] = self._state(r, bs)
             for c in r.pending_children:
                 states[c.sample_index] = wire.SampleState([], 0, [], [])
-        data = core.runner.read_blocks(last)
         out.state = HANDING_OVER
         out.deadline = out.paused_at + self.timeout
-        out.num_bytes += data.numel() * data.element_size()
-        self._send(out, wire.Handover(out.transfer_id, self.address, last, states), data)
+        *chunks, final = self._chunks(last)
+        for chunk in chunks:
+            if not self._send_blocks(out, wire.Blocks(out.transfer_id, chunk), chunk):
+                return
+        self._send_blocks(out, wire.Handover(out.transfer_id, self.address, final, states), final)
 
     def _state(self, r: Request, bs: int) -> wire.SampleState:
         return wire.SampleState(

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 KV_TRANSPORTS = ("zmq", "shm")
+# Senders split KV into messages of at most this many bytes: past ~8 MiB a message's throughput
+# falls on every transport here (fresh receive buffers to page in; benchmarks/kv_transfer.py).
+MAX_PAYLOAD_BYTES = 4 << 20
 # Messages that may queue toward one peer, on each side of the connection, before a send fails (a
 # peer that stopped reading, or that nobody listens at, is dead to us).
 SEND_HWM = 1024

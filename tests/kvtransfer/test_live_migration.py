@@ -71,7 +71,9 @@ def test_one_migration_at_each_point(llama_dir, tmp_path, tick):
     assert cluster.migrated + cluster.recomputed == 2, cluster.abandoned
     assert cluster.migrated == {0: 0, 2: 1, 6: 2, 12: 2}[tick]
     for i, (prompt, params) in enumerate(cases):
-        assert [cluster.requests[f"r{i}"].tokens[j] for j in range(params.n)] == reference(cfg, prompt, params)
+        assert [cluster.requests[f"r{i}"].tokens[j] for j in range(params.n)] == reference(
+            cfg, prompt, params
+        )
 
 
 @pytest.mark.parametrize(
@@ -222,3 +224,16 @@ def test_abort_during_migration_leaves_nothing(llama_dir, tmp_path):
             node.check_idle()
     finally:
         cluster.close()
+
+
+def test_transfers_split_into_small_messages(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("tandem.kvtransfer.sender.MAX_PAYLOAD_BYTES", 1)  # one block per message
+    cfg = config(llama_dir, migration_stop_blocks=0)
+    cases = [
+        (PROMPTS[0], GREEDY),
+        (PROMPTS[2], SamplingParams(n=2, temperature=0.0, max_tokens=20, ignore_eos=True)),
+    ]
+    cluster = run(cfg, tmp_path, cases, {8: [(0, 1), (1, 1)], 16: [(0, 0)]})
+    assert cluster.migrated == 3, cluster.abandoned
+    for i, (prompt, p) in enumerate(cases):
+        assert [cluster.requests[f"r{i}"].tokens[j] for j in range(p.n)] == reference(cfg, prompt, p), i
