@@ -7,7 +7,7 @@ The payloads are plain dataclasses defined here (`EngineCoreRequest` in, `Sample
 API -> engine: Init (once), Add, Abort, StopSample, MigrateOut, MigrateCancel, Shutdown.
 Engine -> API: Hello (once, process up), Ready (once, core built), Outputs (a step's deltas plus,
 periodically, Stats), Rejected (an Add the core refused), Migrated (a MigrateOut's outcome),
-Failed (fatal error, then the process exits).
+TransferDropped (a destination gave an incoming transfer up), Failed (fatal error, then the process exits).
 """
 
 from __future__ import annotations
@@ -95,6 +95,9 @@ class MigrateOut(msgspec.Struct, tag="migrate"):
     request: EngineCoreRequest
     transfer_id: str
     peer: str
+    # Prefill/decode hand-off: sent with the request's Add; the request need not run yet. Its blocks
+    # go as its prefill computes them, and it is handed over once its first token is sampled.
+    after_prefill: bool = False
 
 
 class MigrateCancel(msgspec.Struct, tag="migrate_cancel"):
@@ -173,6 +176,17 @@ class Migrated(msgspec.Struct, tag="migrated"):
     downtime_s: float = 0.0
     num_bytes: int = 0
     num_stages: int = 0
+    # From MigrateOut to the destination's confirmation.
+    transfer_s: float = 0.0
+
+
+class TransferDropped(msgspec.Struct, tag="transfer_dropped"):
+    """From a transfer's destination: its source went silent past the timeout, so the blocks
+    reserved for it were freed (the source may be hung; the front end moves the request)."""
+
+    request_id: str
+    transfer_id: str
+    reason: str
 
 
 class Failed(msgspec.Struct, tag="failed"):
@@ -180,7 +194,7 @@ class Failed(msgspec.Struct, tag="failed"):
 
 
 ToEngine = Init | Add | Abort | StopSample | MigrateOut | MigrateCancel | Shutdown
-FromEngine = Hello | Ready | Outputs | Rejected | Migrated | Failed
+FromEngine = Hello | Ready | Outputs | Rejected | Migrated | TransferDropped | Failed
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -2,7 +2,8 @@
 
 The engine loop polls `socket` with its own input, calls `handle()` when it is readable and `tick()`
 after each step (stages, hand-overs, timeouts); what the front end must hear (`Migrated`) goes
-through `report`, so it follows the request's last outputs on the same channel.
+through `report` (`Migrated` from a source, `TransferDropped` from a destination), so it follows
+the request's last outputs on the same channel.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tandem.engine import messages as m
 from tandem.kvtransfer import wire
 from tandem.kvtransfer.receiver import Receiver
 from tandem.kvtransfer.sender import Sender
@@ -31,14 +31,14 @@ def inbox_address(engine_in_addr: str) -> str:
 
 
 class KVPlane:
-    def __init__(self, core: EngineCore, bind: str, report: Callable[[m.Migrated], None]) -> None:
+    def __init__(self, core: EngineCore, bind: str, report: Callable[[Any], None]) -> None:
         self.transport = make_transport(core.config.kv_transport, bind)
         self.address = self.transport.address
         self.socket = self.transport.socket
         self._enc = wire.encoder()
         self._dec = wire.decoder()
         self.sender = Sender(core, self.address, self._send, report)
-        self.receiver = Receiver(core, self._send)
+        self.receiver = Receiver(core, self._send, report)
 
     @property
     def active(self) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.request import Request
+from tandem.engine import messages as m
 from tandem.engine.messages import EngineCoreRequest
 from tandem.kvtransfer import wire
 
@@ -52,10 +53,12 @@ class Receiver:
         self,
         core: EngineCore,
         send: Callable[[str, Any, Any], None],
+        report: Callable[[Any], None] = lambda msg: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.core = core
         self.send = send
+        self.report = report
         self.clock = clock
         self.timeout = core.config.kv_transfer_timeout_s
         self.transfers: dict[str, Incoming] = {}
@@ -114,6 +117,7 @@ class Receiver:
             self._reply(inc.reply_to, wire.Installed(inc.transfer_id, False, str(exc)))
 
     def _receive(self, inc: Incoming, block_ids: list[int], payload: memoryview | None) -> None:
+        inc.deadline = self.clock() + self.timeout  # an empty stage is the source's heartbeat
         kv = self.core.kv
         new = [b for b in block_ids if b not in inc.mapped]
         short = len(new) - len(inc.reserved)
@@ -132,7 +136,6 @@ class Receiver:
         except ValueError as exc:
             raise TransferFailed(str(exc)) from exc
         inc.num_bytes += payload.nbytes
-        inc.deadline = self.clock() + self.timeout
 
     def on_handover(self, msg: wire.Handover, payload: memoryview | None) -> None:
         inc = self.transfers.get(msg.transfer_id)
@@ -199,6 +202,8 @@ class Receiver:
         for inc in [t for t in self.transfers.values() if now > t.deadline]:
             logger.warning("KV transfer %s timed out; its blocks are released", inc.transfer_id)
             self._drop(inc)
+            reason = f"no word from the source in {self.timeout:g}s"
+            self.report(m.TransferDropped(inc.request.request_id, inc.transfer_id, reason))
 
     def _drop(self, inc: Incoming) -> None:
         if self.transfers.pop(inc.transfer_id, None) is None:

@@ -11,6 +11,12 @@ what it reserved on Cancel (or on its own timeout).
 
 Every block a stage sent holds an extra reference until the transfer ends, so its id cannot be
 reused for other tokens while the destination still maps it.
+
+A prefill/decode hand-off (`after_prefill`) is the same transfer started with the request's Add:
+the destination reserves the prompt's blocks at once, each step's newly computed full blocks go as
+a stage (the copy overlaps the prefill, chunk by chunk, with no stage limit), and the hand-over
+comes as soon as the first token is sampled. While the request waits or computes without filling
+a block, empty stages every third of the timeout tell the destination the source lives.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class Outgoing:
     paused_at: float = 0.0
     num_stages: int = 0
     num_bytes: int = 0
+    handoff: bool = False  # prefill/decode: hand over at the first token
+    last_sent: float = 0.0
 
 
 class Sender:
@@ -76,29 +84,44 @@ class Sender:
         return bool(self.transfers)
 
     def start(self, msg: m.MigrateOut) -> None:
-        rid = msg.request.request_id
+        req = msg.request
+        rid = req.request_id
         now = self.clock()
         if msg.transfer_id in self.transfers or any(t.request_id == rid for t in self.transfers.values()):
             self._refuse(msg, "already migrating")
             return
+        bs = self.core.kv.block_size
         leaders = self._leaders(rid)
-        if leaders is None:
+        if msg.after_prefill:
+            if self.core.samples(rid) is None:
+                self._refuse(msg, "not_found")
+                return
+            # The prompt's blocks, and one more per sample for its first tokens after the fork.
+            num_seats = req.params.n
+            num_blocks = -(-len(req.prompt_token_ids) // bs) + req.params.n
+        elif leaders is None:
             self._refuse(msg, "not_running")
             return
-        bs = self.core.kv.block_size
-        computed = self._unique(b for r in leaders for b in r.block_ids[: -(-r.num_computed_tokens // bs)])
-        out = Outgoing(msg.transfer_id, rid, msg.peer, ACCEPTING, now + self.timeout, now)
+        else:
+            computed = self._unique(b for r in leaders for b in r.block_ids[: -(-r.num_computed_tokens // bs)])
+            num_seats = sum(r.num_seats for r in leaders)
+            num_blocks = len(computed) + len(leaders)
+        # A hand-off streams its stages without waiting for Accepted: the destination reads them
+        # after the Begin (one ordered channel) and drops them if it refused.
+        state = COPYING if msg.after_prefill else ACCEPTING
+        out = Outgoing(msg.transfer_id, rid, msg.peer, state, now + self.timeout, now)
+        out.handoff = msg.after_prefill
+        out.last_sent = now
         self.transfers[msg.transfer_id] = out
         begin = wire.Begin(
             transfer_id=msg.transfer_id,
             reply_to=self.address,
-            request=msg.request,
-            num_seats=sum(r.num_seats for r in leaders),
-            num_blocks=len(computed) + len(leaders),
+            request=req,
+            num_seats=num_seats,
+            num_blocks=num_blocks,
             block_bytes=self.block_bytes,
         )
-        if not self._send(out, begin):
-            return
+        self._send(out, begin)
 
     def _refuse(self, msg: m.MigrateOut, reason: str) -> None:
         self.report(m.Migrated(msg.request.request_id, msg.transfer_id, False, reason))
@@ -132,10 +155,12 @@ class Sender:
 
     def on_accepted(self, msg: wire.Accepted) -> None:
         out = self.transfers.get(msg.transfer_id)
-        if out is None or out.state != ACCEPTING:
+        if out is None:
             return
         if not msg.ok:
             self._abort(out, msg.reason, cancel=False)
+            return
+        if out.state != ACCEPTING:
             return
         out.state = COPYING
         out.deadline = self.clock() + self.timeout
@@ -181,6 +206,9 @@ class Sender:
         """Send the next stage, or pause the request and hand it over."""
         leaders = self._leaders(out.request_id)
         if leaders is None:
+            if out.handoff and self.core.samples(out.request_id) is not None:
+                self._heartbeat(out)  # waiting (or preempted): its prefill has not run yet
+                return
             self._abort(out, "the request ended or was preempted")
             return
         bs = self.core.kv.block_size
@@ -189,15 +217,31 @@ class Sender:
             for b in self._unique(b for r in leaders for b in r.block_ids[: r.num_computed_tokens // bs])
             if b not in out.sent
         ]
-        if len(new) > self.stop_blocks and out.num_stages < self.max_stages:
+        if out.handoff:
+            prefilled = all(r.num_output_tokens >= 1 and not r.pending_children for r in leaders)
+            stage = bool(new) and not prefilled
+        else:
+            prefilled = False
+            stage = len(new) > self.stop_blocks and out.num_stages < self.max_stages
+        if stage:
             for chunk in self._chunks(new):
                 if not self._send_blocks(out, wire.Blocks(out.transfer_id, chunk), chunk):
                     return
                 self.core.kv.pool.incref(chunk)
                 out.sent.update(dict.fromkeys(chunk))
             out.num_stages += 1
+            out.last_sent = self.clock()
+            return
+        if out.handoff and not prefilled:
+            self._heartbeat(out)
             return
         self._hand_over(out, leaders)
+
+    def _heartbeat(self, out: Outgoing) -> None:
+        now = self.clock()
+        if now - out.last_sent > self.timeout / 3:
+            out.last_sent = now
+            self._send(out, wire.Blocks(out.transfer_id, []))
 
     def _chunks(self, blocks: list[int]) -> list[list[int]]:
         """`blocks` split into messages of at most MAX_PAYLOAD_BYTES (at least one, maybe empty)."""

@@ -20,7 +20,7 @@ from tandem.kvtransfer.plane import KVPlane
 class Node:
     def __init__(self, config: EngineConfig, bind: str) -> None:
         self.core = EngineCore(config)
-        self.reports: list[m.Migrated] = []
+        self.reports: list[m.Migrated | m.TransferDropped] = []
         self.plane = KVPlane(self.core, bind, self.reports.append)
 
     def step(self) -> list[SampleOutput]:
@@ -56,6 +56,7 @@ class Tracked:
     node: int
     run: int
     tokens: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     pending: tuple[int, int, str] | None = None  # (destination, its run, transfer id)
     held: list[SampleOutput] = field(default_factory=list)
@@ -68,6 +69,8 @@ class Cluster:
         self.requests: dict[str, Tracked] = {}
         self.migrated = 0
         self.recomputed = 0
+        self.stages: list[int] = []  # per completed migration
+        self.dropped: list[m.TransferDropped] = []
         self.abandoned: list[str] = []
 
     def close(self) -> None:
@@ -78,7 +81,7 @@ class Cluster:
         self.nodes[node].core.add_request(req)
         self.requests[req.request_id] = Tracked(req, node, 0)
 
-    def migrate(self, rid: str, dest: int) -> bool:
+    def migrate(self, rid: str, dest: int, after_prefill: bool = False) -> bool:
         t = self.requests[rid]
         if t.pending is not None or t.node == dest or len(t.finished) == t.req.params.n:
             return False
@@ -87,14 +90,22 @@ class Cluster:
         tid = f"{rid}@{run}"
         t.pending = (dest, run, tid)
         peer = self.nodes[dest].plane.address
-        self.nodes[t.node].plane.sender.start(m.MigrateOut(replace(t.req, incarnation=run), tid, peer))
+        msg = m.MigrateOut(replace(t.req, incarnation=run), tid, peer, after_prefill)
+        self.nodes[t.node].plane.sender.start(msg)
         return True
+
+    def add_disaggregated(self, req: EngineCoreRequest, prefill: int, decode: int) -> None:
+        """Prefill/decode: the request runs its prefill on `prefill` and is handed to `decode`."""
+        self.add(req, prefill)
+        assert self.migrate(req.request_id, decode, after_prefill=True)
 
     def _accept(self, so: SampleOutput) -> None:
         t = self.requests[so.request_id]
         toks = t.tokens.setdefault(so.index, [])
         assert so.index not in t.finished, f"{so.request_id}[{so.index}] got tokens after finishing"
         toks.extend(so.new_token_ids)
+        if so.new_logprobs is not None:
+            t.logprobs.setdefault(so.index, []).extend(so.new_logprobs)
         if so.finish_reason is not None:
             t.finished.add(so.index)
 
@@ -112,6 +123,9 @@ class Cluster:
         reports = list(node.reports)
         node.reports.clear()
         for r in reports:
+            if isinstance(r, m.TransferDropped):
+                self.dropped.append(r)
+                continue
             t = self.requests.get(r.request_id)
             if t is None or t.pending is None or t.pending[2] != r.transfer_id:
                 continue
@@ -121,6 +135,7 @@ class Cluster:
             if r.ok:
                 t.node, t.run = dest, run
                 self.migrated += 1
+                self.stages.append(r.num_stages)
                 for so in held:
                     self._accept(so)
             elif r.reason == "not_running":  # nothing computed worth moving: resume it there instead
