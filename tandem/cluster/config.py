@@ -40,6 +40,16 @@ class ClusterConfig:
     migration_interval_s: float = 0.05
     imbalance_threshold: float = 0.2
     max_concurrent_migrations: int = 4
+    # Prefill/decode disaggregation: instances 0..P-1 prefill, P..P+D-1 decode (num_instances = P+D).
+    # Prompts shorter than `pd_min_prompt_tokens` skip it (prefilled where they decode): their
+    # transfer would cost more than it saves (benchmarks/pd.py measures the crossover).
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    pd_min_prompt_tokens: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_instances > 0
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:
@@ -61,5 +71,12 @@ class ClusterConfig:
             raise ValueError("migration_interval_s must be positive and max_concurrent_migrations at least 1")
         if not self.imbalance_threshold >= 0:
             raise ValueError(f"--imbalance-threshold must be >= 0, got {self.imbalance_threshold}")
+        if self.prefill_instances or self.decode_instances:
+            if self.prefill_instances < 1 or self.decode_instances < 1:
+                raise ValueError("--prefill-instances and --decode-instances must both be at least 1")
+            if self.prefill_instances + self.decode_instances != self.num_instances:
+                raise ValueError("num_instances must be prefill_instances + decode_instances")
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError(f"--pd-min-prompt-tokens must be >= 0, got {self.pd_min_prompt_tokens}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance thresholds must be >= 0 (absolute) and >= 1 (relative)")

@@ -65,6 +65,10 @@ class Dispatcher:
             choice = self._prefix_aware(req, candidates)
         return choice
 
+    def least_loaded(self, candidates: set[int]) -> int:
+        """The least loaded of `candidates` (as least_load judges), without routing anything."""
+        return min(sorted(candidates), key=lambda i: (self.instances[i].load, i))
+
     def _prefix_aware(self, req: EngineCoreRequest, candidates: list[int]) -> int:
         cfg = self.config
         counts = {i: self.instances[i].inflight for i in candidates}

@@ -52,7 +52,12 @@ class Migrator:
                 continue
             demand = dispatcher.demand_of(rid)
             views.append(RequestView(rid, instance, req.priority, stream.started, client.seqs.get(rid, 0), demand))
-        plan = self.rebalancer.plan(dispatcher.instances, client.live, client.draining, views, len(client.moves))
+        live = client.live
+        pd = client.disaggregation
+        if pd is not None:  # prefill instances hand their requests off on their own
+            live &= set(pd.decode) | client.draining
+            views = [v for v in views if v.instance in live]
+        plan = self.rebalancer.plan(dispatcher.instances, live, client.draining, views, len(client.moves))
         started = 0
         for rid, dest in plan:
             ok = client.migrate_live(rid, dest) if self.config.migration_mode == "live" else client.migrate(rid, dest)

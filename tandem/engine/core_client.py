@@ -47,9 +47,22 @@ class DispatchHook(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def least_loaded(self, candidates: set[int]) -> int: ...
+
     def observe(self, instance: int, stats: m.Stats) -> None: ...
 
     def forget_instance(self, instance: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Disaggregation:
+    """Prefill/decode roles of the instances: a new request with at least `min_prompt_tokens`
+    prompt tokens is prefilled on a prefill instance and handed to a decode instance at its first
+    token; a shorter one runs wholly on a decode instance."""
+
+    prefill: frozenset[int]
+    decode: frozenset[int]
+    min_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -61,6 +74,7 @@ class LiveMove:
     incarnation: int  # the destination's run of the request
     transfer_id: str
     started: float
+    after_prefill: bool = False
     # The destination's outputs, held until the source's Migrated says it owns the request.
     held: list[m.SampleOutput] = field(default_factory=list)
 
@@ -121,13 +135,16 @@ class AsyncEngineClient:
         on_dead: Callable[[str], None] | None = None,
         connections: list[EngineConnection] | None = None,
         make_dispatcher: Callable[[list[m.Ready]], DispatchHook] | None = None,
-        on_migrated: Callable[[m.Migrated], None] | None = None,
+        on_migrated: Callable[[m.Migrated | m.TransferDropped], None] | None = None,
+        disaggregation: Disaggregation | None = None,
     ) -> None:
         self.config = config
         self.on_stats = on_stats
         self.on_dead = on_dead
         # Told each live migration's outcome (metrics).
         self.on_migrated = on_migrated
+        self.disaggregation = disaggregation
+        self.num_pd_fallbacks = 0
         self.connections = connections if connections is not None else [ProcessConnection(config)]
         self.make_dispatcher = make_dispatcher
         self.dispatcher: DispatchHook | None = None
@@ -232,8 +249,9 @@ class AsyncEngineClient:
         dispatcher's choice, or the first); outputs arrive on the returned stream."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        handoff = None
         if instance is None:
-            instance = self.dispatcher.choose(req, self.dispatchable) if self.dispatcher is not None else 0
+            instance, handoff = self._place(req)
         if instance not in self._live:
             raise EngineDeadError(f"engine instance {instance} is not running")
         if req.request_id in self.streams:
@@ -245,6 +263,8 @@ class AsyncEngineClient:
         try:
             self._outputs.add(req, prompt_text)
             self._route(req, instance)
+            if handoff is not None:
+                self._start_move(req.request_id, instance, handoff, after_prefill=True)
         except BaseException:
             self.streams.pop(req.request_id, None)
             self._unroute(req.request_id)
@@ -276,6 +296,22 @@ class AsyncEngineClient:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await self.connections[instance].shutdown(timeout)
+
+    def _place(self, req: EngineCoreRequest) -> tuple[int, int | None]:
+        """Where a new request runs, and (prefill/decode) the decode instance it is handed to."""
+        dispatcher = self.dispatcher
+        if dispatcher is None:
+            return 0, None
+        pd = self.disaggregation
+        if pd is None:
+            return dispatcher.choose(req, self.dispatchable), None
+        decode = self.dispatchable & set(pd.decode)
+        prefill = self.dispatchable & set(pd.prefill)
+        if not decode:  # no decode instance left: the prefill instances do everything
+            return dispatcher.choose(req, prefill or self._live), None
+        if not prefill or len(req.prompt_token_ids) < pd.min_prompt_tokens:
+            return dispatcher.choose(req, decode), None
+        return dispatcher.choose(req, prefill), dispatcher.least_loaded(decode)
 
     def _route(self, req: EngineCoreRequest, instance: int) -> None:
         """Send `req` to `instance`, as the request's next incarnation, and record that it runs there."""
@@ -376,6 +412,8 @@ class AsyncEngineClient:
             self._deliver(instance, updates)
         elif isinstance(msg, m.Migrated):
             self._migrated(instance, msg)
+        elif isinstance(msg, m.TransferDropped):
+            self._dropped(instance, msg)
         elif isinstance(msg, m.Rejected):
             stream = self.streams.pop(msg.request_id, None)
             self._unroute(msg.request_id)
@@ -417,28 +455,34 @@ class AsyncEngineClient:
         there; its stream sees nothing. A request with nothing computed yet is moved by
         recompute instead. False (and nothing done) if it cannot be moved now."""
         source = self.routes.get(request_id)
-        peer = self.kv_addresses[instance] if 0 <= instance < len(self.kv_addresses) else None
-        req = self.requests.get(request_id)
         if (
-            req is None
+            request_id not in self.requests
             or source is None
             or source == instance
             or instance not in self._live
             or request_id in self.moves
         ):
             return False
-        if peer is None or self.kv_addresses[source] is None:
+        if self.kv_addresses[instance] is None or self.kv_addresses[source] is None:
             return self.migrate(request_id, instance)
-        run = self._issued.get(request_id, 0) + 1
-        self._issued[request_id] = run
-        transfer_id = f"{request_id}@{run}"
         try:
-            msg = self._encode(m.MigrateOut(replace(req, incarnation=run), transfer_id, peer))
-            self.connections[source].send(msg)
+            self._start_move(request_id, source, instance)
         except (EngineDeadError, ValueError):
             return False
-        self.moves[request_id] = LiveMove(source, instance, run, transfer_id, time.monotonic())
         return True
+
+    def _start_move(self, request_id: str, source: int, instance: int, after_prefill: bool = False) -> None:
+        """Tell `source` to hand the request to `instance`, KV and all, as its next incarnation."""
+        peer = self.kv_addresses[instance]
+        if peer is None:
+            raise ValueError(f"engine instance {instance} takes no KV transfers")
+        req = self.requests[request_id]
+        run = self._issued.get(request_id, 0) + 1
+        transfer_id = f"{request_id}@{run}"
+        msg = self._encode(m.MigrateOut(replace(req, incarnation=run), transfer_id, peer, after_prefill))
+        self.connections[source].send(msg)
+        self._issued[request_id] = run
+        self.moves[request_id] = LiveMove(source, instance, run, transfer_id, time.monotonic(), after_prefill)
 
     def _migrated(self, instance: int, msg: m.Migrated) -> None:
         """A live migration's outcome, from its source (after its last outputs of the request)."""
@@ -453,6 +497,9 @@ class AsyncEngineClient:
                 self.migrate(rid, move.destination)
             else:
                 self.num_live_aborted += 1
+                if move.after_prefill:  # the hand-off failed: the decode side computes it all
+                    self.num_pd_fallbacks += 1
+                    self.migrate(rid, self._decode_target(move.destination))
         else:
             self.num_live_migrations += 1
             self.incarnations[rid] = move.incarnation
@@ -473,6 +520,29 @@ class AsyncEngineClient:
                 for i, sample in enumerate(group.samples if group is not None else []):
                     if sample.finish_reason is not None:  # a stop string the front end found meanwhile
                         self._send_to(move.destination, m.StopSample(rid, i, "stop"))
+        if self.on_migrated is not None:
+            self.on_migrated(msg)
+
+    def _decode_target(self, preferred: int) -> int:
+        """`preferred` if it lives, else another live decode instance (any live one without)."""
+        if preferred in self._live:
+            return preferred
+        pd = self.disaggregation
+        targets = (pd.decode & self.dispatchable if pd else set()) or self.dispatchable or self._live
+        return min(targets) if targets else preferred
+
+    def _dropped(self, instance: int, msg: m.TransferDropped) -> None:
+        """A destination gave a transfer up (its source went silent): the request is moved there
+        by recompute, its source told to drop it."""
+        move = self.moves.get(msg.request_id)
+        if move is None or move.transfer_id != msg.transfer_id or move.destination != instance:
+            return
+        del self.moves[msg.request_id]
+        self.num_live_aborted += 1
+        if move.after_prefill:
+            self.num_pd_fallbacks += 1
+        logger.warning("transfer of %s dropped by instance %d: %s", msg.request_id, instance, msg.reason)
+        self.migrate(msg.request_id, instance)
         if self.on_migrated is not None:
             self.on_migrated(msg)
 
@@ -534,7 +604,9 @@ class AsyncEngineClient:
         resumed = replace(req, resumed_outputs=outputs if started else None)
         try:
             if instance is None:
-                targets = self.dispatchable or self._live
+                pd = self.disaggregation
+                # Prefill/decode: resumed (recomputed) on a decode instance.
+                targets = set(pd.decode & self.dispatchable if pd else ()) or self.dispatchable or self._live
                 instance = self.dispatcher.choose(resumed, targets) if self.dispatcher else min(targets)
             self._route(resumed, instance)
         except (EngineDeadError, ValueError):

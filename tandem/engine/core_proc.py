@@ -154,8 +154,8 @@ class EngineLoop:
             self._drain(0 if busy else TRANSFER_POLL_MS if transferring else IDLE_POLL_MS)
             if self.stopping:
                 break
-            if self.kv is not None:
-                self.kv.tick()
+            if self.kv is not None and self.kv.tick():
+                self.dirty = True
             if core.has_unfinished_requests():
                 outputs = core.step()
                 steps += 1
@@ -192,6 +192,9 @@ class EngineLoop:
                 self._send(m.Rejected(msg.request.request_id, str(exc)))
         elif isinstance(msg, m.Abort):
             core.abort_requests(msg.request_ids)
+            if self.kv is not None:
+                for rid in msg.request_ids:
+                    self.kv.receiver.drop_request(rid)
             self.stats_due = True
         elif isinstance(msg, m.StopSample):
             core.stop_sample(msg.request_id, msg.index, msg.reason)

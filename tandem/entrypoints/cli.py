@@ -221,6 +221,19 @@ def add_serve_parser(sub: Any) -> None:
         help="how new requests are spread over the instances",
     )
     c.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=0,
+        help="prefill/decode disaggregation: this many instances prefill (with --decode-instances)",
+    )
+    c.add_argument("--decode-instances", type=int, default=0, help="instances that decode (with --prefill-instances)")
+    c.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=0,
+        help="shorter prompts skip disaggregation: prefilled on the decode instance itself",
+    )
+    c.add_argument(
         "--migration-triggers",
         default="",
         help="comma-separated: imbalance (move requests off the busiest instance), priority (make room "

@@ -71,9 +71,10 @@ class KVPlane:
         elif isinstance(msg, wire.Installed):
             self.sender.on_installed(msg)
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
+        """Advance transfers; True if a reservation was released (the load report is stale)."""
         self.sender.tick()
-        self.receiver.tick()
+        return self.receiver.tick()
 
     def close(self) -> None:
         self.transport.close()

@@ -197,13 +197,21 @@ class Receiver:
         if done is not None and self.core.incarnation(done[0]) == done[1]:
             self.core.abort_requests([done[0]])
 
-    def tick(self) -> None:
+    def drop_request(self, request_id: str) -> None:
+        """Forget any transfer of this request under way (the front end aborted it here)."""
+        for inc in [t for t in self.transfers.values() if t.request.request_id == request_id]:
+            self._drop(inc)
+
+    def tick(self) -> bool:
+        """Drop transfers whose source went silent; True if any was."""
         now = self.clock()
-        for inc in [t for t in self.transfers.values() if now > t.deadline]:
+        expired = [t for t in self.transfers.values() if now > t.deadline]
+        for inc in expired:
             logger.warning("KV transfer %s timed out; its blocks are released", inc.transfer_id)
             self._drop(inc)
             reason = f"no word from the source in {self.timeout:g}s"
             self.report(m.TransferDropped(inc.request.request_id, inc.transfer_id, reason))
+        return bool(expired)
 
     def _drop(self, inc: Incoming) -> None:
         if self.transfers.pop(inc.transfer_id, None) is None:

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from tandem import __version__
 from tandem.cluster.config import ClusterConfig
 from tandem.config import EngineConfig
-from tandem.engine.core_client import AsyncEngineClient
+from tandem.engine.core_client import AsyncEngineClient, Disaggregation
 from tandem.entrypoints.openai import protocol as p
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request, validation_error
 from tandem.entrypoints.openai.serving import ServerState, started
@@ -39,7 +39,13 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:
         state.loop = asyncio.get_running_loop()
-        connections, make_dispatcher, group = None, None, None
+        connections, make_dispatcher, group, disaggregation = None, None, None, None
+        if cluster is not None and cluster.disaggregated:
+            p_, d_ = cluster.prefill_instances, cluster.decode_instances
+            disaggregation = Disaggregation(
+                frozenset(range(p_)), frozenset(range(p_, p_ + d_)), cluster.pd_min_prompt_tokens
+            )
+            logger.info("prefill/decode disaggregation: %d prefill, %d decode instance(s)", p_, d_)
         if cluster is not None:
             from tandem.cluster.dispatch import Dispatcher
             from tandem.cluster.ray_engine import InstanceGroup, start_ray
@@ -63,6 +69,7 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
             connections=connections,
             make_dispatcher=make_dispatcher,
             on_migrated=state.metrics.observe_migration,
+            disaggregation=disaggregation,
         )
         state.metrics.track_admission(
             lambda: state.client.num_inflight if state.client else 0,
@@ -81,6 +88,7 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
                     lambda i: dispatcher.num_dispatched[i],
                     lambda: client.num_resumed,
                     lambda: len(client.moves),
+                    lambda: client.num_pd_fallbacks,
                 )
                 state.migrator = Migrator(cluster, client)
                 if cluster.migration_triggers:
@@ -373,7 +381,10 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
 
         start_http_server(args.metrics_port, addr=args.host, registry=state.metrics.registry)
     cluster = None
-    if args.num_instances > 1 or args.ray_address is not None:
+    disaggregated = args.prefill_instances > 0 or args.decode_instances > 0
+    if disaggregated:
+        args.num_instances = args.prefill_instances + args.decode_instances
+    if args.num_instances > 1 or args.ray_address is not None or disaggregated:
         try:
             import ray  # noqa: F401
         except ImportError:
@@ -388,6 +399,9 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             migration_triggers=tuple(t for t in (args.migration_triggers or "").split(",") if t),
             migration_mode=args.migration_mode,
             imbalance_threshold=args.imbalance_threshold,
+            prefill_instances=args.prefill_instances,
+            decode_instances=args.decode_instances,
+            pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         )
     app = build_app(state, config, cluster)
     uv_config = uvicorn.Config(

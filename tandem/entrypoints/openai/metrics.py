@@ -15,6 +15,7 @@ from typing import Any
 from tandem.outputs import RequestOutput
 
 # vLLM's buckets.
+TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MIGRATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TTFT_BUCKETS += (20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -117,8 +118,9 @@ class ServerMetrics:
         )
         self.migrations = Counter(
             "tandem:migrations_total",
-            "Live migrations by outcome: completed, aborted (the request stayed where it was), "
-            "recomputed (it had nothing computed, so it was resent instead).",
+            "Live migrations and prefill/decode hand-offs by outcome: completed, aborted (the request "
+            "stayed where it was, or fell back to recompute), recomputed (it had nothing computed, so "
+            "it was resent instead), dropped (the destination gave up on a silent source).",
             [*m, "outcome"],
             registry=reg,
         )
@@ -128,6 +130,13 @@ class ServerMetrics:
             MIGRATION_BUCKETS,
         )
         self.kv_transfer_bytes = counter("kv_transfer_bytes_total", "KV cache bytes sent between instances.")
+        self.kv_transfer_time = hist(
+            "kv_transfer_seconds",
+            "A completed KV transfer, from the move's start to the destination's confirmation (for a "
+            "prefill/decode hand-off it overlaps the prefill; the first token streams from the prefill "
+            "instance, so time to first token never includes it).",
+            TRANSFER_BUCKETS,
+        )
         # Per instance: the last snapshot's gauges and cumulative counters.
         self._latest: dict[int, Any] = {}
         self._last: dict[int, dict[str, int]] = {}
@@ -198,13 +207,22 @@ class ServerMetrics:
         ):
             Gauge(f"tandem:{name}", doc, m, registry=self.registry).labels(self.model_name).set_function(fn)
 
-    def track_cluster(self, num_instances: int, dispatched: Any, resumed: Any, migrating: Any) -> None:
+    def track_cluster(
+        self, num_instances: int, dispatched: Any, resumed: Any, migrating: Any, pd_fallbacks: Any
+    ) -> None:
         """Gauges read at scrape time: requests dispatched to each instance (`dispatched(i)`),
-        requests resumed on another instance after theirs died (`resumed()`), and live migrations
-        under way (`migrating()`)."""
+        requests resumed on another instance after theirs died (`resumed()`), live migrations
+        under way (`migrating()`), prefill/decode hand-offs that failed and fell back to computing
+        the request on the decode side (`pd_fallbacks()`)."""
         from prometheus_client import Gauge
 
         m = ["model_name"]
+        Gauge(
+            "tandem:pd_fallbacks",
+            "Prefill/decode hand-offs that failed; the decode instance computed the request itself.",
+            m,
+            registry=self.registry,
+        ).labels(self.model_name).set_function(pd_fallbacks)
         Gauge(
             "tandem:migrations_running",
             "Live migrations under way (KV being copied between instances).",
@@ -227,10 +245,15 @@ class ServerMetrics:
         ).labels(self.model_name).set_function(resumed)
 
     def observe_migration(self, msg: Any) -> None:
-        """A live migration's outcome (engine.messages.Migrated)."""
+        """A live migration's (or prefill/decode hand-off's) outcome: engine.messages.Migrated, or
+        TransferDropped (the destination gave up on a silent source)."""
+        if not hasattr(msg, "ok"):
+            self.migrations.labels(self.model_name, "dropped").inc()
+            return
         if msg.ok:
             self.migrations.labels(self.model_name, "completed").inc()
             self.migration_downtime.observe(msg.downtime_s)
+            self.kv_transfer_time.observe(msg.transfer_s)
         elif msg.reason == "not_running":
             self.migrations.labels(self.model_name, "recomputed").inc()
         else:
