@@ -173,9 +173,10 @@ def plot_downtime(rows: list[dict[str, Any]], path: str) -> None:
     pts = [(r["prompt_len"], r["itl_median_ms"]) for r in rows if r["mode"] == "live"]
     ax.plot(*zip(*pts), "x-", color="grey", label="median gap between tokens (no move)")
     ax.set_xlabel("prompt tokens (context when moved: + 16)")
-    ax.set_ylabel("ms")
+    ax.set_ylabel("ms (log scale)")
+    ax.set_yscale("log")
     ax.set_title("Moving a decoding request between two instances")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

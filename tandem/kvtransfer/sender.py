@@ -181,7 +181,16 @@ class Sender:
         self.core.abort_requests([out.request_id])
         downtime = self.clock() - out.paused_at
         self.report(
-            m.Migrated(out.request_id, out.transfer_id, True, "", downtime, out.num_bytes, out.num_stages)
+            m.Migrated(
+                out.request_id,
+                out.transfer_id,
+                True,
+                "",
+                downtime,
+                out.num_bytes,
+                out.num_stages,
+                transfer_s=self.clock() - out.started,
+            )
         )
 
     def cancel(self, request_id: str, transfer_id: str) -> None:

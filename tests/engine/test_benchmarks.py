@@ -151,3 +151,46 @@ def test_prefix_cache_quick(tmp_path: Path) -> None:
     for key in ("output_tokens_per_s", "total_tokens_per_s", "speedup_wall_time", "ttft_mean_speedup"):
         assert result["ratio_on_over_off"][key] > 0
     assert result["greedy_agreement"]["exact_match_fraction"] == 1.0
+
+
+def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / name), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_migration_cost_part_of_cluster_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.json"
+    run_script(
+        "cluster.py",
+        "--policies",
+        "",
+        "--downtime-lengths",
+        "64",
+        "--repeats",
+        "1",
+        "--result-json",
+        str(out),
+    )
+    rows = json.loads(out.read_text())["migration_cost"]
+    live = next(r for r in rows if r["mode"] == "live")
+    assert live["stop_copy_ms"] > 0 and live["kv_bytes"] > 0
+    assert {r["mode"] for r in rows} == {"live", "recompute"}
+
+
+def test_pd_threshold_part_of_pd_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "pd.json"
+    run_script(
+        "pd.py", "--skip-load", "--threshold-lengths", "16,256", "--decoders", "2", "--result-json", str(out)
+    )
+    rows = json.loads(out.read_text())["threshold"]
+    assert [r["prompt_len"] for r in rows] == [16, 256]
+    assert all(r["handoff_stop_copy_ms"] > 0 and r["handoff_kv_bytes"] > 0 for r in rows)

@@ -133,6 +133,7 @@ class Cluster:
             t.pending = None
             held, t.held = t.held, []
             if r.ok:
+                assert r.transfer_s >= r.downtime_s > 0, r
                 t.node, t.run = dest, run
                 self.migrated += 1
                 self.stages.append(r.num_stages)

@@ -103,7 +103,7 @@ def test_silent_prefill_engine_is_detected(llama_dir, tmp_path):
     cfg = config(llama_dir, kv_transfer_timeout_s=0.3)
     cluster = Cluster(cfg, tmp_path)
     try:
-        a, b = cluster.nodes
+        b = cluster.nodes[1]
         cluster.add_disaggregated(EngineCoreRequest("r0", list(range(3, 40)), GREEDY, 12, 0.0), 0, 1)
         b.pump_until(lambda: b.plane.active, "the reservation")
         time.sleep(0.35)  # the prefill engine says nothing (hung)
