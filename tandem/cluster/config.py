@@ -40,6 +40,9 @@ class ClusterConfig:
     migration_interval_s: float = 0.05
     imbalance_threshold: float = 0.2
     max_concurrent_migrations: int = 4
+    # An instance that says nothing for this long is taken for hung (it reports at least every
+    # second; one engine step must fit well within it): its requests resume elsewhere, it is stopped.
+    instance_timeout_s: float = 60.0
     # Prefill/decode disaggregation: instances 0..P-1 prefill, P..P+D-1 decode (num_instances = P+D).
     # Prompts shorter than `pd_min_prompt_tokens` skip it (prefilled where they decode): their
     # transfer would cost more than it saves (benchmarks/pd.py measures the crossover).
@@ -76,6 +79,8 @@ class ClusterConfig:
                 raise ValueError("--prefill-instances and --decode-instances must both be at least 1")
             if self.prefill_instances + self.decode_instances != self.num_instances:
                 raise ValueError("num_instances must be prefill_instances + decode_instances")
+        if not self.instance_timeout_s > 0:
+            raise ValueError(f"--instance-timeout must be positive, got {self.instance_timeout_s}")
         if self.pd_min_prompt_tokens < 0:
             raise ValueError(f"--pd-min-prompt-tokens must be >= 0, got {self.pd_min_prompt_tokens}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:

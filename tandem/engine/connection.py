@@ -33,6 +33,9 @@ class EngineConnection:
 
     def __init__(self) -> None:
         self._dec = m.client_decoder()
+        # Seconds of silence after which a started engine counts as hung (None: never).
+        self.hang_timeout_s: float | None = None
+        self._last_heard = 0.0
         self._ctx: Any = None
         self._actx: Any = None
         self._in: Any = None
@@ -116,12 +119,21 @@ class EngineConnection:
             raise EngineDeadError(f"{self.name} is not reachable") from exc
 
     async def recv(self) -> Any:
-        """The next message; EngineDeadError once the host has gone and nothing is left to read."""
+        """The next message; EngineDeadError once the host has gone and nothing is left to read,
+        or (with `hang_timeout_s` set, after the handshake) once it has said nothing for that long:
+        a running engine reports at least every second, so a silent one is hung."""
+        loop = asyncio.get_running_loop()
         while not await self._out.poll(LIVENESS_POLL_MS):
             reason = self.exit_reason()
             if reason is not None:
                 raise EngineDeadError(reason)
-        return self._dec.decode(await self._out.recv(copy=False))
+            silent = loop.time() - self._last_heard
+            if self.hang_timeout_s is not None and self._last_heard and silent > self.hang_timeout_s:
+                raise EngineDeadError(f"{self.name} is hung: no word from it in {silent:.0f}s")
+        msg = self._dec.decode(await self._out.recv(copy=False))
+        if self._last_heard or isinstance(msg, m.Ready):
+            self._last_heard = loop.time()
+        return msg
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         if self.exit_reason() is None:

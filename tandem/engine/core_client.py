@@ -137,6 +137,7 @@ class AsyncEngineClient:
         make_dispatcher: Callable[[list[m.Ready]], DispatchHook] | None = None,
         on_migrated: Callable[[m.Migrated | m.TransferDropped], None] | None = None,
         disaggregation: Disaggregation | None = None,
+        hang_timeout_s: float | None = None,
     ) -> None:
         self.config = config
         self.on_stats = on_stats
@@ -144,6 +145,8 @@ class AsyncEngineClient:
         # Told each live migration's outcome (metrics).
         self.on_migrated = on_migrated
         self.disaggregation = disaggregation
+        # An instance silent this long (after start-up) is taken for hung: its requests move on.
+        self.hang_timeout_s = hang_timeout_s
         self.num_pd_fallbacks = 0
         self.connections = connections if connections is not None else [ProcessConnection(config)]
         self.make_dispatcher = make_dispatcher
@@ -160,6 +163,7 @@ class AsyncEngineClient:
         self.kv_addresses: list[str | None] = []
         self.num_resumed = 0
         self.num_migrated = 0
+        self.num_moves_started = 0  # live migrations and prefill/decode hand-offs
         self.num_live_migrations = 0
         self.num_live_aborted = 0
         self.dead: str | None = None
@@ -197,6 +201,7 @@ class AsyncEngineClient:
     async def start(self, timeout: float = 600.0) -> None:
         """Start every instance's host, load the tokenizer meanwhile, and wait for the cores' limits."""
         for conn in self.connections:
+            conn.hang_timeout_s = self.hang_timeout_s
             conn.launch()
         loop = asyncio.get_running_loop()
         tok_path = self.config.tokenizer or self.config.model
@@ -387,9 +392,18 @@ class AsyncEngineClient:
             raise
         except EngineDeadError as exc:
             self._instance_died(instance, str(exc))
+            await self._put_down(instance)
         except Exception as exc:
             logger.exception("engine output loop failed")
             self._instance_died(instance, f"engine client error: {exc}")
+            await self._put_down(instance)
+
+    async def _put_down(self, instance: int) -> None:
+        """Make sure an instance given up for dead (it may only be hung) stops."""
+        conn = self.connections[instance]
+        if conn.exit_reason() is None:
+            with contextlib.suppress(Exception):
+                await conn.stop_host(1.0)
 
     def _handle(self, instance: int, msg: Any) -> None:
         if isinstance(msg, m.Outputs):
@@ -483,6 +497,7 @@ class AsyncEngineClient:
         self.connections[source].send(msg)
         self._issued[request_id] = run
         self.moves[request_id] = LiveMove(source, instance, run, transfer_id, time.monotonic(), after_prefill)
+        self.num_moves_started += 1
 
     def _migrated(self, instance: int, msg: m.Migrated) -> None:
         """A live migration's outcome, from its source (after its last outputs of the request)."""

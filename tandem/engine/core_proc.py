@@ -31,6 +31,8 @@ IDLE_POLL_MS = 200
 # Idle but a KV transfer is under way: wake this often to advance it and check its timeouts.
 TRANSFER_POLL_MS = 5
 STATS_INTERVAL_S = 0.2
+# An idle engine still reports this often: the front end takes a long silence for a hung engine.
+HEARTBEAT_S = 1.0
 # The prefix-cache summary in a snapshot: at most this often, at most this many block hashes.
 PREFIX_REPORT_INTERVAL_S = 1.0
 MAX_REPORTED_PREFIX_HASHES = 16384
@@ -171,7 +173,7 @@ class EngineLoop:
                 if steps % 256 == 0 and not self.alive():
                     break
             else:
-                if self.dirty:
+                if self.dirty or time.monotonic() - self.last_stats >= HEARTBEAT_S:
                     self._send(m.Outputs([], self._stats()))
                 if not self.alive():
                     break

@@ -221,6 +221,12 @@ def add_serve_parser(sub: Any) -> None:
         help="how new requests are spread over the instances",
     )
     c.add_argument(
+        "--instance-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a word from an instance before it is taken for hung (its requests move on)",
+    )
+    c.add_argument(
         "--prefill-instances",
         type=int,
         default=0,

@@ -10,6 +10,7 @@ import asyncio
 import os
 import random
 import signal
+import sys
 
 import pytest
 
@@ -129,3 +130,59 @@ def test_instance_killed_mid_migration(llama_dir, victim, delay):
     for i, (prompt, params) in enumerate(zip(PROMPTS[:3], CASES[:3])):
         expected = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
         assert finals[i] == [list(c.token_ids) for c in expected.outputs], i
+
+
+# The first engine process to schedule a prompt starting with HANG_PREFIX stops answering (a step
+# that never ends); any other engine runs it normally.
+HANG_PREFIX = [9, 9, 9, 9, 4]
+SITECUSTOMIZE = """
+import os, time
+if os.environ.get("TANDEM_TEST_HANG_MARKER"):
+    import tandem.engine.core as core
+
+    original = core.EngineCore.step
+
+    def step(self):
+        for r in self.scheduler.running + self.scheduler.waiting:
+            if r.prompt_token_ids[:5] == [9, 9, 9, 9, 4]:
+                try:
+                    os.close(os.open(os.environ["TANDEM_TEST_HANG_MARKER"], os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    break
+                time.sleep(3600)
+        return original(self)
+
+    core.EngineCore.step = step
+"""
+
+
+async def hang_one(config: EngineConfig) -> tuple[list[int], AsyncEngineClient]:
+    client = AsyncEngineClient(
+        config, connections=[ProcessConnection(config), ProcessConnection(config)], hang_timeout_s=3.0
+    )
+    await client.start(timeout=300)
+    try:
+        assert client.inputs is not None
+        req, text = client.inputs.process("h", {"prompt_token_ids": HANG_PREFIX}, CASES[0])
+        stream = client.add(req, text, asyncio.Event(), instance=0)
+        while not stream.finished:
+            await asyncio.sleep(0.05)
+        out = stream.take()
+        assert out is not None
+        return list(out.outputs[0].token_ids), client
+    finally:
+        await client.shutdown()
+
+
+def test_a_hung_instance_is_detected_and_its_requests_move_on(llama_dir, tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    monkeypatch.setenv("TANDEM_TEST_HANG_MARKER", str(tmp_path / "hung"))
+    config = EngineConfig(model=str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4, max_num_seqs=8)
+    tokens, client = asyncio.run(hang_one(config))
+    assert (tmp_path / "hung").exists() and client.num_resumed == 1 and client.live == {1}
+    assert client.connections[0].exit_reason() is not None  # the hung process was stopped
+    expected = LLM(str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4).generate(
+        {"prompt_token_ids": HANG_PREFIX}, CASES[0], use_tqdm=False
+    )[0]
+    assert tokens == list(expected.outputs[0].token_ids)

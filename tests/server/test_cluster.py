@@ -106,6 +106,7 @@ def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, off
     outcomes = {k: v for k, v in m.items() if k.startswith("tandem:migrations_total")}
     assert m.get('tandem:migrations_total{outcome="completed"}', 0) >= 1, outcomes
     assert m["tandem:kv_transfer_bytes_total"] > 0
+    assert m["tandem:migrations_started"] >= m['tandem:migrations_total{outcome="completed"}']
     assert m["tandem:migration_downtime_seconds_count"] >= 1
     deadline = time.monotonic() + 30
     while len(instance_pids()) != 2 and time.monotonic() < deadline:

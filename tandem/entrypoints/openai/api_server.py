@@ -70,6 +70,7 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
             make_dispatcher=make_dispatcher,
             on_migrated=state.metrics.observe_migration,
             disaggregation=disaggregation,
+            hang_timeout_s=cluster.instance_timeout_s if cluster is not None else None,
         )
         state.metrics.track_admission(
             lambda: state.client.num_inflight if state.client else 0,
@@ -89,6 +90,7 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
                     lambda: client.num_resumed,
                     lambda: len(client.moves),
                     lambda: client.num_pd_fallbacks,
+                    lambda: client.num_moves_started,
                 )
                 state.migrator = Migrator(cluster, client)
                 if cluster.migration_triggers:
@@ -402,6 +404,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             prefill_instances=args.prefill_instances,
             decode_instances=args.decode_instances,
             pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+            instance_timeout_s=args.instance_timeout,
         )
     app = build_app(state, config, cluster)
     uv_config = uvicorn.Config(

@@ -208,7 +208,13 @@ class ServerMetrics:
             Gauge(f"tandem:{name}", doc, m, registry=self.registry).labels(self.model_name).set_function(fn)
 
     def track_cluster(
-        self, num_instances: int, dispatched: Any, resumed: Any, migrating: Any, pd_fallbacks: Any
+        self,
+        num_instances: int,
+        dispatched: Any,
+        resumed: Any,
+        migrating: Any,
+        pd_fallbacks: Any,
+        migrations_started: Any,
     ) -> None:
         """Gauges read at scrape time: requests dispatched to each instance (`dispatched(i)`),
         requests resumed on another instance after theirs died (`resumed()`), live migrations
@@ -217,6 +223,12 @@ class ServerMetrics:
         from prometheus_client import Gauge
 
         m = ["model_name"]
+        Gauge(
+            "tandem:migrations_started",
+            "Live migrations and prefill/decode hand-offs started (their outcomes: tandem:migrations_total).",
+            m,
+            registry=self.registry,
+        ).labels(self.model_name).set_function(migrations_started)
         Gauge(
             "tandem:pd_fallbacks",
             "Prefill/decode hand-offs that failed; the decode instance computed the request itself.",
