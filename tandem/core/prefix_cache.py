@@ -63,6 +63,12 @@ class PrefixCache:
         self.num_cached_blocks = 0
         # Bumped whenever the set of cached blocks changes (so a summary is rebuilt only then).
         self.version = 0
+        # Eviction candidates, least recently used first: (last_access when pushed, seq, node). A
+        # node is pushed whenever it may have become an unlocked leaf; entries gone stale (the node
+        # was evicted, got children or a lock, or was used since) are skipped or re-pushed when
+        # popped, so an eviction never walks the whole tree.
+        self._lru: list[tuple[int, int, Node]] = []
+        self._lru_seq = itertools.count()
 
     def root(self, salt: str | None) -> Node:
         root = self.roots.get(salt)
@@ -166,7 +172,16 @@ class PrefixCache:
             node.lock -= 1
             if node.lock == 0:
                 self.num_unlocked_blocks += len(node.blocks)
+                self._candidate(node)
             node = node.parent
+
+    def _candidate(self, node: Node) -> None:
+        """Note that `node` may now be evictable (an unlocked leaf)."""
+        if node.lock == 0 and not node.children and not node.is_root:
+            heapq.heappush(self._lru, (node.last_access, next(self._lru_seq), node))
+            if len(self._lru) > 4 * (self.num_cached_blocks + 256):  # mostly stale entries: rebuild
+                self._lru = [(n.last_access, next(self._lru_seq), n) for n in self._leaves() if n.lock == 0]
+                heapq.heapify(self._lru)
 
     # -- insertion and eviction -----------------------------------------
 
@@ -204,6 +219,7 @@ class PrefixCache:
                 self.pool.incref(new.blocks)
                 self.num_unlocked_blocks += len(new.blocks)
                 self.num_cached_blocks += len(new.blocks)
+                self._candidate(new)
                 return new
             m = self._common_blocks(child, tokens, pos)
             if m < len(child.blocks):
@@ -213,13 +229,21 @@ class PrefixCache:
             node = child
         return node
 
+    def _in_tree(self, node: Node) -> bool:
+        parent = node.parent
+        return parent is not None and parent.children.get(node.key[: self.block_size]) is node
+
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks` blocks from unlocked leaves, least recently used first."""
-        heap: list[tuple[int, int, Node]] = [(n.last_access, id(n), n) for n in self._leaves() if n.lock == 0]
-        heapq.heapify(heap)
+        heap = self._lru
         freed = 0
         while heap and freed < num_blocks:
-            _, _, leaf = heapq.heappop(heap)
+            stamp, _, leaf = heapq.heappop(heap)
+            if leaf.lock or leaf.children or not self._in_tree(leaf):
+                continue  # stale: it is pushed again if it becomes evictable
+            if stamp != leaf.last_access:  # used since it was pushed: back in at its new place
+                heapq.heappush(heap, (leaf.last_access, next(self._lru_seq), leaf))
+                continue
             need = num_blocks - freed
             if len(leaf.blocks) > need:
                 # Evict only the tail of a long leaf.
@@ -232,7 +256,7 @@ class PrefixCache:
             self.num_unlocked_blocks -= len(leaf.blocks)
             self.num_cached_blocks -= len(leaf.blocks)
             if not parent.is_root and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                heapq.heappush(heap, (parent.last_access, next(self._lru_seq), parent))
         if freed:
             self.version += 1
         return freed
