@@ -318,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     add_serve_parser(sub)
     add_bench_parser(sub)
+    from tandem.sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 

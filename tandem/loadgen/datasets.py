@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "sharegpt-like", "prefix-repetition", "code", "file")
+DATASETS = ("random", "sharegpt-like", "prefix-repetition", "code", "file", "trace")
 CHARS_PER_TOKEN = 4
 _WORDS = [
     "the",
@@ -91,6 +91,10 @@ class Sample:
     prompt_len: int
     output_len: int
     prompt_token_ids: list[int] | None = None
+    # A replayed trace: when to send it (seconds from the run's start), and send the ids themselves
+    # (the prompt text would tokenize back to other lengths).
+    arrival_s: float | None = None
+    send_ids: bool = False
 
 
 def load_tokenizer(path: str | None) -> Any:
@@ -263,11 +267,26 @@ def file_dataset(
     return out
 
 
+def trace_dataset(path: str, n: int | None, tokenizer: Any) -> list[Sample]:
+    """A trace replayed as recorded: each request's arrival time, prompt and output lengths, and
+    prompt token ids built as the simulator builds them (tandem/sim/trace.py), shared prefixes
+    included, so a real run and a simulation see the same requests."""
+    from tandem.sim.trace import load_trace
+
+    trace = load_trace(path)
+    vocab = tokenizer.vocab_size if tokenizer is not None else 32000
+    out = []
+    for i, r in enumerate(trace.requests[:n]):
+        ids = trace.prompt_token_ids(i, vocab)
+        out.append(Sample("", r.prompt_len, r.output_len, ids, arrival_s=r.arrival_s, send_ids=True))
+    return out
+
+
 def add_dataset_args(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", default="random", choices=DATASETS)
     g.add_argument(
-        "--dataset-path", default=None, help="JSONL with `prompt` and `output_len` (--dataset file)"
+        "--dataset-path", default=None, help="JSONL with `prompt` and `output_len` (--dataset file); a trace file (--dataset trace)"
     )
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--input-len", type=int, default=256)
@@ -296,4 +315,8 @@ def build_dataset(args: argparse.Namespace, n: int, tokenizer: Any, seed: int | 
         if not args.dataset_path:
             raise ValueError("--dataset file needs --dataset-path")
         return file_dataset(args.dataset_path, n, tokenizer, args.output_len)
+    if args.dataset == "trace":
+        if not args.dataset_path:
+            raise ValueError("--dataset trace needs --dataset-path (Azure CSV, Mooncake or Tandem JSONL)")
+        return trace_dataset(args.dataset_path, n, tokenizer)
     raise ValueError(f"unknown dataset {args.dataset!r}")

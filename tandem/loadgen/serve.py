@@ -65,7 +65,7 @@ def _payload(args: argparse.Namespace, s: Sample) -> tuple[str, dict[str, Any]]:
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": s.prompt}]
         return "/v1/chat/completions", body
-    body["prompt"] = s.prompt
+    body["prompt"] = s.prompt_token_ids if s.send_ids else s.prompt
     return "/v1/completions", body
 
 
@@ -166,8 +166,13 @@ async def run_once(
         tasks = []
         t0 = time.perf_counter()
         gaps = arrival_intervals(rate, args.burstiness, args.seed)
+        replay = bool(samples) and all(s.arrival_s is not None for s in samples)
         for i, s in enumerate(samples):
-            if i:
+            if replay:  # a trace: its own arrival times
+                delay = t0 + (s.arrival_s or 0.0) - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            elif i:
                 gap = next(gaps)
                 if gap > 0:
                     await asyncio.sleep(gap)

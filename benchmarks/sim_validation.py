@@ -1,0 +1,119 @@
+"""The simulator against real runs: the same trace served for real and simulated.
+
+For each instance count (`--instances`, default 1 and 2) and each load level (`--rates`: light,
+near capacity, overloaded), a synthetic trace is written to disk, replayed against `tandem serve`
+(the default model, one thread per instance; 2 instances on Ray) by `tandem bench serve --dataset
+trace`, and run through `tandem simulate` with the step-time model fitted on this machine and the
+same instance settings. Prints throughput, mean and P99 TTFT and mean ITL, real against simulated,
+with the relative error of each, and writes them as JSON.
+
+    python benchmarks/sim_validation.py
+    python benchmarks/sim_validation.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tandem.entrypoints.llm import default_model_path
+from tandem.loadgen.serve import add_serve_bench_args, run_bench
+from tandem.loadgen.server_process import ServerProcess
+
+METRICS = (
+    ("output_throughput", "output tok/s"),
+    ("ttft_mean", "TTFT mean ms"),
+    ("ttft_p99", "TTFT p99 ms"),
+    ("itl_mean", "ITL mean ms"),
+)
+INSTANCE = ["--num-kv-blocks", "2048", "--block-size", "16", "--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
+
+
+def figures(run: dict[str, Any]) -> dict[str, float]:
+    return {
+        "output_throughput": run["output_throughput"],
+        "ttft_mean": run["ttft_ms"]["mean"],
+        "ttft_p99": run["ttft_ms"]["p99"],
+        "itl_mean": run["itl_ms"]["mean"],
+    }
+
+
+def real(model: str, trace: str, instances: int, num: int) -> dict[str, float]:
+    args = ["--num-threads", "1", "--served-model-name", "m", *INSTANCE, "--max-model-len", "2048"]
+    if instances > 1:
+        args += ["--num-instances", str(instances), "--dispatch-policy", "least_load"]
+    with ServerProcess(model, *args, startup_timeout=600) as server:
+        p = argparse.ArgumentParser()
+        add_serve_bench_args(p)
+        argv = ["--base-url", server.url, "--model", "m", "--tokenizer", model, "--dataset", "trace"]
+        argv += ["--dataset-path", trace, "--num-prompts", str(num), "--ignore-eos", "--disable-tqdm"]
+        bench = p.parse_args([*argv, "--num-warmups", "0"])
+        run = run_bench(bench)["runs"][0]
+        server.stop()
+    return figures(run)
+
+
+def simulated(trace: str, instances: int, cost: str | None) -> dict[str, float]:
+    from tandem.entrypoints.cli import build_parser
+    from tandem.sim.cli import build
+    from tandem.sim.report import summary
+
+    argv = ["simulate", "--trace", trace, "--instances", str(instances), "--policy", "least_load"]
+    argv += ["--num-kv-blocks", "2048", "--block-size", "16", "--max-num-seqs", "32"]
+    argv += ["--max-num-batched-tokens", "512", "--max-model-len", "2048", "--vocab-size", "4096"]
+    if cost:
+        argv += ["--cost", cost]
+    sim = build(build_parser().parse_args(argv))
+    return figures(summary(sim.run()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tandem.sim.trace import save_trace, synthetic
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--instances", default="1,2")
+    p.add_argument("--rates", default="2,5,10", help="requests/s per instance: light, near capacity, overloaded")
+    p.add_argument("--num-requests", type=int, default=120)
+    p.add_argument("--cost", default=None, help="step-time model (default: the shipped fit)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--result-json", default=None)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.instances, a.rates, a.num_requests = "1", "2,8", 40
+    model = default_model_path()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in [int(x) for x in a.instances.split(",")]:
+            for rate in [float(x) for x in a.rates.split(",")]:
+                trace = synthetic(
+                    a.num_requests, rate * n, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=7
+                )
+                path = str(Path(tmp) / f"trace-{n}-{rate}.jsonl")
+                save_trace(trace, path)
+                print(f"\n== {n} instance(s), {rate * n:g} req/s", flush=True)
+                sim = simulated(path, n, a.cost)
+                got = real(model, path, n, a.num_requests)
+                err = {k: (sim[k] - got[k]) / got[k] if got[k] else float("nan") for k in sim}
+                rows.append({"instances": n, "rate": rate * n, "real": got, "simulated": sim, "error": err})
+                for key, title in METRICS:
+                    print(f"  {title:<14} real {got[key]:9.1f}  sim {sim[key]:9.1f}  error {err[key]:+7.1%}", flush=True)
+    results = {
+        "command_line": shlex.join([sys.executable, *sys.argv]),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "rows": rows,
+    }
+    if a.result_json:
+        Path(a.result_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.result_json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""One simulated engine instance: the real scheduler and KV cache manager, a step-time model
+instead of the model forward.
+
+Each step is planned by `Scheduler.schedule()` exactly as in the engine; its duration comes from
+the cost model (`cost.step_seconds(shape_of(plan))`); when it ends, every request whose computed
+tokens reach its known tokens "samples" a token (a fixed id: simulated requests ignore EOS and
+run to their output length), and `Scheduler.update` does the rest (forks, stops, prefix cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.policy import SchedulingConfig
+from tandem.core.request import Request, RequestStatus
+from tandem.core.scheduler import Scheduler
+from tandem.core.step_io import RunnerOutput, SchedulerOutput
+from tandem.sim.cost import CostModel, shape_of
+
+# The token every simulated request samples (never an EOS: they stop at their output length).
+SIM_TOKEN = 7
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """An instance's capacity and scheduling knobs, as `EngineConfig` names them."""
+
+    num_blocks: int = 4096
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+
+
+class SimInstance:
+    def __init__(self, index: int, spec: InstanceSpec, cost: CostModel, clock: list[float]) -> None:
+        self.index = index
+        self.spec = spec
+        self.cost = cost
+        self._clock = clock  # the simulator's current time, shared (one cell)
+        self.kv = KVCacheManager(spec.num_blocks, spec.block_size, spec.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            spec.max_num_seqs,
+            spec.max_num_batched_tokens,
+            spec.max_model_len,
+            spec.scheduling,
+            clock=lambda: self._clock[0],
+        )
+        self.plan: SchedulerOutput | None = None  # the step under way
+        self.busy_s = 0.0
+        self.num_steps = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.plan is not None
+
+    def start_step(self) -> float | None:
+        """Plan the next step; its duration, or None if there is nothing to do."""
+        if self.plan is not None or not self.scheduler.has_unfinished():
+            return None
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            # Everyone waits (a stall the scheduler resolves next step): no time passes for work,
+            # but the step still costs its fixed overhead so the loop moves on.
+            self.plan = plan
+            return self.cost.step_seconds(shape_of(plan))
+        self.plan = plan
+        seconds = self.cost.step_seconds(shape_of(plan))
+        self.busy_s += seconds
+        return seconds
+
+    def finish_step(self) -> list[Request]:
+        """End the step under way; the requests that gained a token."""
+        plan, self.plan = self.plan, None
+        if plan is None or plan.is_empty:
+            return []
+        self.num_steps += 1
+        out = RunnerOutput()
+        for req, n in zip(plan.requests, plan.num_tokens):
+            if req.num_computed_tokens + n >= req.num_tokens:
+                out.sampled[req.request_id] = SIM_TOKEN
+                for child in req.pending_children:
+                    out.sampled[child.request_id] = SIM_TOKEN
+        return self.scheduler.update(plan, out)
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request off this instance (moved elsewhere): its blocks are freed (cached)."""
+        if not req.is_finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage

@@ -1,0 +1,375 @@
+"""The cluster simulator: a discrete-event loop over simulated instances and the real global code.
+
+Time advances from event to event (an arrival, the end of an instance's step, a load report, a
+migration round, the end of a KV transfer). Requests are dispatched by the real `Dispatcher` over
+load reports built as the engines build theirs (every `REPORT_INTERVAL_S`, prefix hashes at most
+every `PREFIX_REPORT_INTERVAL_S`, as tandem/engine/core_proc.py does); running requests move by
+the real `Rebalancer`'s plan; with prefill/decode roles, a request prefilled on a prefill instance
+moves to the least loaded decode instance at its first token. A move takes the cost model's
+transfer time for the request's blocks: a live migration keeps the request decoding on its source
+while its full blocks are copied, then pauses it for the transfer of the rest; a hand-off's blocks
+streamed during the prefill, so only the last one is on the critical path.
+
+Simplifications, stated: requests ignore EOS (they run to their output length) and sample a fixed
+token; n = 1; a move whose destination has no free seat or blocks is abandoned (the request stays);
+the front end's own work (tokenizing, streaming) takes no time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.cluster.config import ClusterConfig
+from tandem.cluster.dispatch import Dispatcher
+from tandem.cluster.rebalance import Rebalancer, RequestView
+from tandem.core.request import Request, RequestStatus
+from tandem.engine.messages import EngineCoreRequest, Stats
+from tandem.sampling_params import SamplingParams
+from tandem.sim.cost import CostModel
+from tandem.sim.instance import InstanceSpec, SimInstance
+from tandem.sim.trace import Trace
+
+# As the engine loop reports (tandem/engine/core_proc.py).
+REPORT_INTERVAL_S = 0.2
+PREFIX_REPORT_INTERVAL_S = 1.0
+MAX_REPORTED_PREFIX_HASHES = 16384
+# KV usage is sampled this often for the report's timeline.
+USAGE_SAMPLE_S = 1.0
+
+ARRIVAL, STEP, REPORT, REBALANCE, MOVED, SAMPLE = range(6)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What a client would have seen of one request."""
+
+    index: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    first_token_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_s: float | None = None
+    instance: int = -1
+    num_moves: int = 0
+
+
+@dataclass(slots=True)
+class Move:
+    request_id: str
+    source: int
+    destination: int
+    handoff: bool
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    duration_s: float
+    num_instances: int
+    preemptions: int
+    migrations: int
+    migrations_aborted: int
+    handoffs: int
+    usage_timeline: list[tuple[float, list[float]]]
+    busy_fraction: list[float]
+    steps: int
+
+
+class ClusterSim:
+    def __init__(
+        self,
+        trace: Trace,
+        cost: CostModel,
+        spec: InstanceSpec,
+        cluster: ClusterConfig,
+        vocab_size: int = 32000,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self.trace = trace
+        self.cost = cost
+        self.spec = spec
+        self.cluster = cluster
+        self.vocab_size = vocab_size
+        self.progress = progress
+        self.clock = [0.0]
+        n = cluster.num_instances
+        self.instances = [SimInstance(i, spec, cost, self.clock) for i in range(n)]
+        self.dispatcher = Dispatcher(cluster, [spec.num_blocks] * n, spec.block_size)
+        self.rebalancer = Rebalancer(cluster)
+        self.prefill = set(range(cluster.prefill_instances))
+        self.decode = set(range(cluster.prefill_instances, n)) if cluster.disaggregated else set()
+        self.live = set(range(n))
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self.records: list[RequestRecord] = []
+        self.where: dict[str, int] = {}  # request id -> instance
+        self.requests: dict[str, Request] = {}
+        self.core_reqs: dict[str, EngineCoreRequest] = {}
+        self.moving: dict[str, Move] = {}
+        self.handoff_to: dict[str, int] = {}
+        self.migrations = self.migrations_aborted = self.handoffs = 0
+        self.usage_timeline: list[tuple[float, list[float]]] = []
+        self._last_prefix_report = [-1.0] * n
+        self._prefix_versions = [-1] * n
+        self._seqs: dict[str, int] = {}
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def _at(self, t: float, kind: int, payload: Any = None) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def run(self) -> SimResult:
+        for i, r in enumerate(self.trace.requests):
+            self._at(r.arrival_s, ARRIVAL, i)
+        self._at(0.0, REPORT)
+        self._at(0.0, SAMPLE)
+        if self.cluster.migration_triggers:
+            self._at(self.cluster.migration_interval_s, REBALANCE)
+        remaining = len(self.trace.requests)
+        done = 0
+        next_progress = 0.0
+        while self._events and done < remaining:
+            t, _, kind, payload = heapq.heappop(self._events)
+            self.clock[0] = t
+            if kind == ARRIVAL:
+                self._arrive(payload)
+            elif kind == STEP:
+                done += self._step_done(payload)
+            elif kind == REPORT:
+                self._report()
+                self._at(t + REPORT_INTERVAL_S, REPORT)
+            elif kind == REBALANCE:
+                self._rebalance()
+                self._at(t + self.cluster.migration_interval_s, REBALANCE)
+            elif kind == MOVED:
+                self._moved(payload)
+            elif kind == SAMPLE:
+                self.usage_timeline.append((t, [inst.kv_usage for inst in self.instances]))
+                self._at(t + USAGE_SAMPLE_S, SAMPLE)
+            if self.progress is not None and t >= next_progress:
+                self.progress(t)
+                next_progress = t + 10.0
+        duration = self.clock[0]
+        return SimResult(
+            records=self.records,
+            duration_s=duration,
+            num_instances=len(self.instances),
+            preemptions=sum(inst.scheduler.num_preemptions for inst in self.instances),
+            migrations=self.migrations,
+            migrations_aborted=self.migrations_aborted,
+            handoffs=self.handoffs,
+            usage_timeline=self.usage_timeline,
+            busy_fraction=[inst.busy_s / duration if duration else 0.0 for inst in self.instances],
+            steps=sum(inst.num_steps for inst in self.instances),
+        )
+
+    def _kick(self, inst: SimInstance) -> None:
+        """Start the instance's next step if it is idle and has work."""
+        if inst.busy:
+            return
+        seconds = inst.start_step()
+        if seconds is not None:
+            self._at(self.clock[0] + seconds, STEP, inst.index)
+
+    # -- arrivals and dispatch --------------------------------------------------------------
+
+    def _arrive(self, index: int) -> None:
+        tr = self.trace.requests[index]
+        rid = f"r{index}"
+        prompt = self.trace.prompt_token_ids(index, self.vocab_size)
+        params = SamplingParams(temperature=0.0, max_tokens=tr.output_len, ignore_eos=True)
+        core_req = EngineCoreRequest(rid, prompt, params, tr.output_len, tr.arrival_s, tr.priority, tr.tenant)
+        record = RequestRecord(index, tr.arrival_s, tr.prompt_len, tr.output_len)
+        self.records.append(record)
+        instance, handoff = self._place(core_req)
+        req = self._request(core_req)
+        try:
+            self.instances[instance].add(req)
+        except ValueError:  # can never run (too long for the instances): counted as failed
+            record.finish_s = None
+            return
+        self.requests[rid] = req
+        self.core_reqs[rid] = core_req
+        self.where[rid] = instance
+        self._seqs[rid] = index
+        record.instance = instance
+        self.dispatcher.routed(core_req, instance)
+        if handoff is not None:
+            self.handoff_to[rid] = handoff
+        self._kick(self.instances[instance])
+
+    def _place(self, req: EngineCoreRequest) -> tuple[int, int | None]:
+        """As the front end places a request (`AsyncEngineClient._place`)."""
+        live = self.live
+        if not self.cluster.disaggregated:
+            return self.dispatcher.choose(req, live), None
+        decode, prefill = self.decode & live, self.prefill & live
+        if not decode:
+            return self.dispatcher.choose(req, prefill), None
+        if not prefill or len(req.prompt_token_ids) < self.cluster.pd_min_prompt_tokens:
+            return self.dispatcher.choose(req, decode), None
+        return self.dispatcher.choose(req, prefill), self.dispatcher.least_loaded(decode)
+
+    @staticmethod
+    def _request(req: EngineCoreRequest, outputs: list[int] | None = None) -> Request:
+        return Request(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.params,
+            max_tokens=req.max_tokens,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            tenant=req.tenant,
+            token_ids=[*req.prompt_token_ids, *outputs] if outputs else [],
+        )
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _step_done(self, index: int) -> int:
+        inst = self.instances[index]
+        now = self.clock[0]
+        finished = 0
+        for req in inst.finish_step():
+            record = self.records[self._seqs[req.request_id]]
+            new = req.num_output_tokens - len(record.token_times)
+            for _ in range(new):
+                record.token_times.append(now)
+            if record.first_token_s is None and record.token_times:
+                record.first_token_s = record.token_times[0]
+            if req.is_finished:
+                record.finish_s = now
+                finished += 1
+                self._forget(req.request_id)
+            elif req.request_id in self.handoff_to and req.num_output_tokens >= 1:
+                self._start_move(req.request_id, self.handoff_to.pop(req.request_id), handoff=True)
+        self._kick(inst)
+        return finished
+
+    def _forget(self, rid: str) -> None:
+        self.dispatcher.release(rid)
+        self.where.pop(rid, None)
+        self.requests.pop(rid, None)
+        self.core_reqs.pop(rid, None)
+        self.handoff_to.pop(rid, None)
+        self.moving.pop(rid, None)
+
+    # -- reports ----------------------------------------------------------------------------
+
+    def _report(self) -> None:
+        now = self.clock[0]
+        for inst in self.instances:
+            cache = inst.kv.cache
+            hashes = None
+            if (
+                cache is not None
+                and cache.version != self._prefix_versions[inst.index]
+                and now - self._last_prefix_report[inst.index] >= PREFIX_REPORT_INTERVAL_S
+                and self.cluster.dispatch_policy == "prefix_aware"
+            ):
+                hashes = cache.block_hashes(MAX_REPORTED_PREFIX_HASHES)
+                self._prefix_versions[inst.index] = cache.version
+                self._last_prefix_report[inst.index] = now
+            stats = Stats(
+                num_running=inst.scheduler.num_running,
+                num_waiting=inst.scheduler.num_waiting,
+                kv_usage=inst.kv.usage,
+                num_preemptions=inst.scheduler.num_preemptions,
+                prefix_query_tokens=0,
+                prefix_hit_tokens=0,
+                prompt_tokens=0,
+                generation_tokens=0,
+                iteration_tokens=[],
+                num_blocks=inst.kv.num_blocks,
+                num_available_blocks=inst.kv.num_available,
+                prefix_hashes=hashes,
+            )
+            self.dispatcher.observe(inst.index, stats)
+
+    # -- moving requests --------------------------------------------------------------------
+
+    def _rebalance(self) -> None:
+        live = self.live if not self.cluster.disaggregated else self.live & self.decode
+        views = []
+        for rid, instance in self.where.items():
+            if rid in self.moving or instance not in live:
+                continue
+            req = self.requests[rid]
+            views.append(
+                RequestView(
+                    rid,
+                    instance,
+                    req.priority,
+                    req.num_output_tokens > 0,
+                    self._seqs[rid],
+                    self.dispatcher.demand_of(rid),
+                )
+            )
+        for rid, dest in self.rebalancer.plan(self.dispatcher.instances, live, set(), views, len(self.moving)):
+            self._start_move(rid, dest, handoff=False)
+
+    def _start_move(self, rid: str, dest: int, handoff: bool) -> None:
+        """Copy the request's full blocks while it runs on (none left to copy for a hand-off: they
+        streamed during the prefill), then pause it for the last ones."""
+        source = self.where[rid]
+        req = self.requests[rid]
+        if req.status != RequestStatus.RUNNING or source == dest:
+            return
+        bs = self.spec.block_size
+        full = req.num_computed_tokens // bs
+        move = Move(rid, source, dest, handoff)
+        self.moving[rid] = move
+        copy = 0.0 if handoff else self.cost.transfer_seconds(full)
+        self._at(self.clock[0] + copy, MOVED, (move, "pause"))
+
+    def _moved(self, payload: tuple[Move, str]) -> None:
+        move, phase = payload
+        if self.moving.get(move.request_id) is not move:
+            return  # the request finished meanwhile
+        req = self.requests[move.request_id]
+        src = self.instances[move.source]
+        if phase == "pause":
+            if req.status != RequestStatus.RUNNING:  # preempted meanwhile: given up
+                del self.moving[move.request_id]
+                self.migrations_aborted += 1
+                return
+            src.scheduler.pause(req)
+            bs = self.spec.block_size
+            last = -(-req.num_computed_tokens // bs) - (0 if move.handoff else req.num_computed_tokens // bs)
+            self._at(self.clock[0] + self.cost.transfer_seconds(max(1, last)), MOVED, (move, "install"))
+            return
+        self._install(move, req)
+
+    def _install(self, move: Move, req: Request) -> None:
+        src, dst = self.instances[move.source], self.instances[move.destination]
+        del self.moving[move.request_id]
+        bs = self.spec.block_size
+        need = -(-req.num_computed_tokens // bs)
+        core = self.core_reqs[move.request_id]
+        if dst.scheduler.seats_taken + 1 > dst.spec.max_num_seqs or not dst.kv.reserve(need):
+            src.scheduler.unpause(req)  # no room there: it goes on here
+            self.migrations_aborted += 1
+            self._kick(src)
+            return
+        moved = self._request(core, req.output_token_ids)
+        moved.num_computed_tokens = req.num_computed_tokens
+        moved.block_ids = dst.kv.pool.allocate(need)
+        moved.first_scheduled_time = req.first_scheduled_time
+        moved.first_token_time = req.first_token_time
+        moved.num_preemptions = req.num_preemptions
+        src.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+        dst.scheduler.adopt(moved)
+        self.requests[move.request_id] = moved
+        self.where[move.request_id] = move.destination
+        self.records[self._seqs[move.request_id]].num_moves += 1
+        self.dispatcher.routed(core, move.destination)
+        if move.handoff:
+            self.handoffs += 1
+        else:
+            self.migrations += 1
+        self._kick(src)
+        self._kick(dst)
