@@ -280,11 +280,32 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_profile(args: argparse.Namespace) -> int:
+    from tandem.entrypoints.llm import default_model_path
+    from tandem.sim.profile import describe, profile_model
+
+    model = profile_model(
+        args.model or default_model_path(),
+        args.out,
+        threads=args.threads,
+        quick=args.quick,
+        dtype=args.dtype,
+        note=args.note,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(describe(model))
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
 def add_bench_parser(sub: Any) -> None:
     from tandem.loadgen.datasets import add_dataset_args
     from tandem.loadgen.serve import add_serve_bench_args
 
-    bench = sub.add_parser("bench", help="benchmarks: serving (online) and throughput (offline)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: serving (online), throughput (offline), step-time profile (simulator)"
+    )
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     srv = bsub.add_parser("serve", help="load an OpenAI-compatible server, measure TTFT/TPOT/ITL/E2E")
     add_serve_bench_args(srv)
@@ -297,6 +318,16 @@ def add_bench_parser(sub: Any) -> None:
     thr.add_argument("--result-json", default=None)
     thr.add_argument("--disable-tqdm", action="store_true")
     thr.set_defaults(func=_bench_throughput)
+    prof = bsub.add_parser(
+        "profile", help="time engine steps of a model over a grid of shapes, fit the simulator's cost model"
+    )
+    prof.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the embedded model)")
+    prof.add_argument("--out", default=None, help="write the fitted cost model here (JSON)")
+    prof.add_argument("--threads", type=int, default=1, help="torch CPU threads of the engine")
+    prof.add_argument("--quick", action="store_true", help="a small grid (about 20 s): a first look, tests")
+    prof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    prof.add_argument("--note", default="", help="stored in the JSON: where and why it was measured")
+    prof.set_defaults(func=_bench_profile)
 
 
 def build_parser() -> argparse.ArgumentParser:

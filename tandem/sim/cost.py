@@ -1,0 +1,479 @@
+"""Step-time models: how long one engine step takes, given what the scheduler planned for it.
+
+The simulator runs Tandem's real scheduler and asks a `CostModel` for the duration of each step in
+place of running the model. Two kinds:
+
+- `FittedCost`: a linear model over features of the step (tokens, rows, context, attention work),
+  fitted by non-negative least squares on steps timed on a real engine (`tandem.sim.profile`).
+  It is only as good as the machine and model it was measured on, and says how good in `fit_error`.
+- `RooflineCost`: derived from a model's shape and a GPU's spec numbers (peak FLOP/s, memory
+  bandwidth), for hardware we cannot measure: a step costs a fixed overhead plus the larger of its
+  compute time and its memory-traffic time.
+
+Both say what moving KV blocks between instances costs (`transfer_seconds`). Both are stored as
+JSON (`save_cost`, `load_cost`) with a "kind" of "fitted" or "roofline".
+
+`shape_of` turns a `SchedulerOutput` into a `StepShape`; the simulator and the profiler both use it,
+so a fitted model is queried with exactly the features it was fitted on. This module needs no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from tandem.core.step_io import SchedulerOutput
+
+FITTED = "fitted"
+ROOFLINE = "roofline"
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one engine step computes, as the scheduler planned it."""
+
+    # tokens of requests still in their prompt (a chunk each)
+    prefill_tokens: int
+    # requests computing exactly one new token
+    decode_rows: int
+    # sum over the step's requests of their KV length after the step (what attention reads)
+    context_tokens: int
+    # rows of the batch (prefill chunks + decodes)
+    num_requests: int
+    draft_tokens: int = 0  # speculative tokens verified (0 without speculation)
+    # (Added to the planned interface.) The (query, key) pairs causal attention scores, summed over
+    # the step's requests: a query of q tokens after p computed ones scores q * p + q * (q + 1) / 2
+    # pairs (each new token sees the context and the new tokens up to itself). It is what makes a
+    # long prompt's attention grow with the square of its length; for a decode row it equals the
+    # row's context. 0 means not known: models then take `context_tokens` in its place.
+    attention_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Query tokens through the layers: every row's new tokens and the drafts it verifies."""
+        return self.prefill_tokens + self.decode_rows + self.draft_tokens
+
+    @property
+    def attention_pairs(self) -> int:
+        """`attention_tokens`, or its lower bound `context_tokens` when the shape does not say."""
+        return max(self.attention_tokens, self.context_tokens)
+
+
+def shape_of(sched: SchedulerOutput) -> StepShape:
+    """The shape of a step as `Scheduler.schedule` planned it; call before `Scheduler.update`, which
+    advances the requests' computed counts this reads.
+
+    A request whose own query is one token (with or without drafts) is a decode row, whatever got it
+    there (a prompt's last one-token chunk computes the same as a decode); any longer query is a
+    prefill chunk (a prompt, or the recompute of a preempted request)."""
+    prefill = decode = context = drafts = attention = 0
+    for req, n in zip(sched.requests, sched.num_tokens):
+        k = sched.num_draft.get(req.request_id, 0)
+        kv_len = req.num_computed_tokens + n
+        if n - k == 1:
+            decode += 1
+        else:
+            prefill += n - k
+        drafts += k
+        context += kv_len
+        attention += n * req.num_computed_tokens + n * (n + 1) // 2
+    return StepShape(
+        prefill_tokens=prefill,
+        decode_rows=decode,
+        context_tokens=context,
+        num_requests=len(sched.requests),
+        draft_tokens=drafts,
+        attention_tokens=attention,
+    )
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Seconds of engine work, for the simulator's clock."""
+
+    name: str
+
+    def step_seconds(self, shape: StepShape) -> float: ...
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        """Moving `num_blocks` KV blocks between instances (send, receive and copy into the cache)."""
+        ...
+
+
+# -- the fitted model -----------------------------------------------------------------------------
+
+# The features a fitted model may use, each a number of a StepShape; `select_features` picks a subset
+# from the measurements. Each stands for a cost that scales differently:
+FEATURES: Mapping[str, Callable[[StepShape], float]] = MappingProxyType(
+    {
+        # per step: scheduling, batch building, launching every layer's operators
+        "const": lambda s: 1.0,
+        # per step of more than one token: the matmuls leave the matrix-vector path (a one-row step is
+        # markedly cheaper than the per-token cost predicts, on CPUs at least)
+        "multi_row": lambda s: 1.0 if s.tokens > 1 else 0.0,
+        # per query token: the weight matmuls (drafts are tokens too)
+        "tokens": lambda s: float(s.tokens),
+        # per row that computes logits and samples (a decode and each verified draft), beyond its token
+        "logit_rows": lambda s: float(s.decode_rows + s.draft_tokens),
+        # per prompt chunk: the attention path for long queries (gathers, masks, an SDPA call per
+        # layer) that a step of decodes alone does not take
+        "prompt_chunks": lambda s: float(s.num_requests - s.decode_rows),
+        # per request in the batch: its Python bookkeeping in scheduler, runner and update
+        "requests": lambda s: float(s.num_requests),
+        # per context token: reading a request's K and V
+        "context_tokens": lambda s: float(s.context_tokens),
+        # per (query, key) pair beyond each key read once: a prompt chunk's attention, quadratic in
+        # its length (decode rows have none, so this separates from `context_tokens`)
+        "extra_attention": lambda s: float(s.attention_pairs - s.context_tokens),
+    }
+)
+
+
+def feature_matrix(shapes: Sequence[StepShape], names: Sequence[str]) -> np.ndarray:
+    """Rows of feature values, one per shape, in the order of `names`."""
+    return np.array([[FEATURES[n](s) for n in names] for s in shapes], dtype=np.float64).reshape(
+        len(shapes), len(names)
+    )
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||a x - b|| subject to x >= 0, for a few columns.
+
+    The optimum is the unconstrained least-squares solution on its own support, so it is the best
+    non-negative one among the least-squares solutions of every subset of columns: exact, and with
+    the handful of features here (2^8 subsets) cheaper than an iterative solver and no scipy."""
+    cols = a.shape[1]
+    best, best_err = np.zeros(cols), float(np.sum(b * b))
+    for k in range(1, cols + 1):
+        for subset in itertools.combinations(range(cols), k):
+            idx = list(subset)
+            x_sub, *_ = np.linalg.lstsq(a[:, idx], b, rcond=None)
+            if np.any(x_sub < 0):
+                continue
+            x = np.zeros(cols)
+            x[idx] = x_sub
+            r = a @ x - b
+            err = float(r @ r)
+            if err < best_err:
+                best, best_err = x, err
+    return best
+
+
+def fit_coefficients(
+    shapes: Sequence[StepShape], seconds: Sequence[float], names: Sequence[str]
+) -> np.ndarray:
+    """Non-negative coefficients of `names` that minimise the squared *relative* error.
+
+    Relative, because step times span three orders of magnitude (a one-row decode to a 2k-token
+    prefill): plain least squares would fit the long steps and leave the short ones, which are most
+    of a serving trace's steps, tens of percent off."""
+    t = np.asarray(seconds, dtype=np.float64)
+    x = feature_matrix(shapes, names)
+    return nnls(x / t[:, None], np.ones_like(t))
+
+
+def percent_errors(predicted: Sequence[float], measured: Sequence[float]) -> np.ndarray:
+    p, m = np.asarray(predicted, dtype=np.float64), np.asarray(measured, dtype=np.float64)
+    return 100.0 * np.abs(p - m) / m
+
+
+# Folds of the cross-validation that picks features (on the training shapes only).
+CV_FOLDS = 5
+# A feature joins only if it cuts the cross-validated mean absolute % error by at least this many
+# points: fewer features extrapolate better to shapes the grid did not cover.
+MIN_GAIN_POINTS = 0.5
+
+
+def cv_error(shapes: Sequence[StepShape], seconds: Sequence[float], names: Sequence[str]) -> float:
+    """Mean absolute % error of `names` over CV_FOLDS interleaved folds (each fitted on the rest)."""
+    n = len(shapes)
+    folds = min(CV_FOLDS, n)
+    errors: list[float] = []
+    for f in range(folds):
+        test = [i for i in range(n) if i % folds == f]
+        train = [i for i in range(n) if i % folds != f]
+        coef = fit_coefficients([shapes[i] for i in train], [seconds[i] for i in train], names)
+        pred = feature_matrix([shapes[i] for i in test], names) @ coef
+        errors.extend(percent_errors(pred, [seconds[i] for i in test]))
+    return float(np.mean(errors))
+
+
+def select_features(
+    shapes: Sequence[StepShape], seconds: Sequence[float], candidates: Sequence[str] = tuple(FEATURES)
+) -> list[str]:
+    """Forward selection: start from the per-step constant, add the candidate that most lowers the
+    cross-validated error, stop when none lowers it by MIN_GAIN_POINTS. A feature the grid cannot
+    tell apart from the chosen ones (always zero, or proportional to one) never earns its place."""
+    chosen = ["const"]
+    current = cv_error(shapes, seconds, chosen)
+    rest = [c for c in candidates if c != "const"]
+    while rest:
+        scored = [(cv_error(shapes, seconds, [*chosen, c]), c) for c in rest]
+        err, best = min(scored)
+        if current - err < MIN_GAIN_POINTS:
+            break
+        chosen.append(best)
+        rest.remove(best)
+        current = err
+    return chosen
+
+
+@dataclass(frozen=True, slots=True)
+class FitError:
+    """How far a fitted model is from held-out measurements, in percent of the measured time."""
+
+    mape: float  # mean absolute % error
+    p90: float  # 90th percentile of the absolute % error
+    max: float
+    num_train: int
+    num_test: int
+
+    @staticmethod
+    def of(predicted: Sequence[float], measured: Sequence[float], num_train: int) -> FitError:
+        e = percent_errors(predicted, measured)
+        return FitError(
+            mape=float(np.mean(e)),
+            p90=float(np.percentile(e, 90)),
+            max=float(np.max(e)),
+            num_train=num_train,
+            num_test=len(e),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FittedCost:
+    """t = sum of coefficient * feature (FEATURES), fitted on timed steps of one model on one machine;
+    transfers t = transfer_t0_s + transfer_per_block_s * blocks, fitted on timed KV transfers."""
+
+    name: str
+    coefficients: Mapping[str, float]  # feature name -> seconds per unit of it
+    transfer_t0_s: float = 0.0
+    transfer_per_block_s: float = 0.0
+    fit_error: FitError | None = None  # of step times on held-out shapes
+    transfer_fit_error: FitError | None = None
+    # Free-form provenance: what was measured where and when (model, threads, dtype, machine, note,
+    # the measurements themselves); kept through save and load, never read by the model.
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coefficients) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown cost features {sorted(unknown)}; known: {sorted(FEATURES)}")
+
+    def step_seconds(self, shape: StepShape) -> float:
+        if shape.num_requests == 0:
+            return 0.0
+        return sum(c * FEATURES[n](shape) for n, c in self.coefficients.items())
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        return self.transfer_t0_s + self.transfer_per_block_s * num_blocks if num_blocks > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": FITTED,
+            "name": self.name,
+            "coefficients": dict(self.coefficients),
+            "transfer": {"t0_s": self.transfer_t0_s, "per_block_s": self.transfer_per_block_s},
+            "fit_error": None if self.fit_error is None else asdict(self.fit_error),
+            "transfer_fit_error": None
+            if self.transfer_fit_error is None
+            else asdict(self.transfer_fit_error),
+            **dict(self.meta),
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> FittedCost:
+        own = {"kind", "name", "coefficients", "transfer", "fit_error", "transfer_fit_error"}
+        transfer = d.get("transfer") or {}
+        return FittedCost(
+            name=str(d["name"]),
+            coefficients={str(k): float(v) for k, v in d["coefficients"].items()},
+            transfer_t0_s=float(transfer.get("t0_s", 0.0)),
+            transfer_per_block_s=float(transfer.get("per_block_s", 0.0)),
+            fit_error=FitError(**d["fit_error"]) if d.get("fit_error") else None,
+            transfer_fit_error=FitError(**d["transfer_fit_error"]) if d.get("transfer_fit_error") else None,
+            meta={k: v for k, v in d.items() if k not in own},
+        )
+
+
+def fit_cost(
+    name: str,
+    train: Sequence[tuple[StepShape, float]],
+    test: Sequence[tuple[StepShape, float]],
+    features: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> FittedCost:
+    """Choose features on `train` (unless given), fit them on `train`, measure the error on `test`.
+    `kwargs` go to FittedCost (transfer coefficients, meta)."""
+    shapes, seconds = [s for s, _ in train], [t for _, t in train]
+    names = list(features) if features is not None else select_features(shapes, seconds)
+    coef = fit_coefficients(shapes, seconds, names)
+    model = FittedCost(name, dict(zip(names, map(float, coef))), **kwargs)
+    error = None
+    if test:
+        error = FitError.of([model.step_seconds(s) for s, _ in test], [t for _, t in test], len(train))
+    return FittedCost(name, model.coefficients, fit_error=error, **kwargs)
+
+
+def fit_transfer(blocks: Sequence[int], seconds: Sequence[float]) -> tuple[float, float, FitError]:
+    """(t0, per block, in-sample error) of t = t0 + per_block * blocks, non-negative, relative error."""
+    t = np.asarray(seconds, dtype=np.float64)
+    x = np.column_stack([np.ones_like(t), np.asarray(blocks, dtype=np.float64)])
+    t0, per_block = nnls(x / t[:, None], np.ones_like(t))
+    error = FitError.of(list(x @ np.array([t0, per_block])), list(t), len(t))
+    return float(t0), float(per_block), error
+
+
+# -- the roofline model ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What a roofline needs of a decoder-only transformer (query heads times head_dim is taken to be
+    hidden_size, as in the Llama family)."""
+
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    vocab_size: int = 0  # 0: the logits matmul is counted as part of every token's, not per sampled row
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """One accelerator's spec numbers. The efficiencies are the fractions of peak a real engine
+    reaches (1.0: the ideal roofline, a lower bound on step time)."""
+
+    peak_flops: float  # FLOP/s of dense matmuls in the model's dtype
+    memory_bandwidth: float  # bytes/s
+    step_overhead_s: float  # per step: scheduling, launches, sampling, host round trip
+    interconnect_bandwidth: float  # bytes/s between instances, for KV transfers
+    transfer_latency_s: float = 0.0  # per transfer
+    flops_efficiency: float = 1.0
+    bandwidth_efficiency: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineCost:
+    """step = overhead + max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth), where the bytes are
+    every weight read once per step plus each request's KV read once (and the new tokens' KV written),
+    and the FLOPs are 2 per weight per token plus attention's 4 * hidden per (query, key) pair per
+    layer (causal pairs only, as flash attention computes them). Activations are ignored (small next to weights and KV at serving batch sizes)."""
+
+    name: str
+    model: ModelShape
+    hardware: Hardware
+    block_size: int = 16  # tokens per KV block, for transfer sizes
+    note: str = ""
+
+    def flops(self, shape: StepShape) -> float:
+        m = self.model
+        logits = m.vocab_size * m.hidden_size
+        dense = 2.0 * (m.num_params - logits) * shape.tokens
+        # Logits are computed for the rows that sample: each request's last token, and each draft.
+        sampled = shape.num_requests + shape.draft_tokens
+        attention = 4.0 * m.hidden_size * m.num_layers * shape.attention_pairs
+        return dense + 2.0 * logits * sampled + attention
+
+    def bytes(self, shape: StepShape) -> float:
+        m = self.model
+        weights = m.num_params * m.dtype_bytes
+        return float(weights + m.kv_bytes_per_token * (shape.context_tokens + shape.tokens))
+
+    def compute_seconds(self, shape: StepShape) -> float:
+        hw = self.hardware
+        return self.flops(shape) / (hw.peak_flops * hw.flops_efficiency)
+
+    def memory_seconds(self, shape: StepShape) -> float:
+        hw = self.hardware
+        return self.bytes(shape) / (hw.memory_bandwidth * hw.bandwidth_efficiency)
+
+    def step_seconds(self, shape: StepShape) -> float:
+        if shape.num_requests == 0:
+            return 0.0
+        return self.hardware.step_overhead_s + max(self.compute_seconds(shape), self.memory_seconds(shape))
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        if num_blocks <= 0:
+            return 0.0
+        hw = self.hardware
+        size = num_blocks * self.block_size * self.model.kv_bytes_per_token
+        return hw.transfer_latency_s + size / hw.interconnect_bandwidth
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": ROOFLINE,
+            "name": self.name,
+            "note": self.note,
+            "block_size": self.block_size,
+            "model": asdict(self.model),
+            "hardware": asdict(self.hardware),
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> RooflineCost:
+        return RooflineCost(
+            name=str(d["name"]),
+            model=ModelShape(**_known(ModelShape, d["model"])),
+            hardware=Hardware(**_known(Hardware, d["hardware"])),
+            block_size=int(d.get("block_size", 16)),
+            note=str(d.get("note", "")),
+        )
+
+
+def _known(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` checked against the dataclass's fields: an unknown key is a typo, not something to drop."""
+    names = {f.name for f in fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; known: {sorted(names)}")
+    return dict(values)
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+
+def cost_from_dict(d: Mapping[str, Any]) -> FittedCost | RooflineCost:
+    kind = d.get("kind")
+    if kind == FITTED:
+        return FittedCost.from_dict(d)
+    if kind == ROOFLINE:
+        return RooflineCost.from_dict(d)
+    raise ValueError(f"cost model kind must be {FITTED!r} or {ROOFLINE!r}, got {kind!r}")
+
+
+def load_cost(path: str | os.PathLike[str]) -> FittedCost | RooflineCost:
+    """A cost model from its JSON file (see `save_cost`)."""
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{os.fspath(path)} is not valid JSON: {exc}") from exc
+    try:
+        return cost_from_dict(d)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{os.fspath(path)} is not a cost model: missing or bad field {exc!r}") from exc
+
+
+def save_cost(model: FittedCost | RooflineCost, path: str | os.PathLike[str]) -> None:
+    with open(path, "w") as f:
+        json.dump(model.to_dict(), f, indent=2, allow_nan=False)
+        f.write("\n")
+
+
+def shipped_cost_path(name: str) -> str:
+    """The path of a cost model shipped in tandem/sim/costs (`name` without .json)."""
+    return os.path.join(os.path.dirname(__file__), "costs", f"{name}.json")
