@@ -98,7 +98,8 @@ def shape_of(sched: SchedulerOutput) -> StepShape:
 class CostModel(Protocol):
     """Seconds of engine work, for the simulator's clock."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def step_seconds(self, shape: StepShape) -> float: ...
 
