@@ -31,8 +31,10 @@ def client_results(result: SimResult) -> list[RequestResult]:
 def summary(result: SimResult, slo: dict[str, float] | None = None) -> dict[str, Any]:
     run = summarize(client_results(result), result.duration_s, slo)
     usage = [u for _, per in result.usage_timeline for u in per]
+    arrivals = [r.arrival_s for r in result.records]
+    span = max(arrivals, default=0.0) - min(arrivals, default=0.0)
     run.update(
-        request_rate=None,
+        request_rate=round(len(arrivals) / span, 3) if span > 0 else None,
         max_concurrency=None,
         num_instances=result.num_instances,
         preemptions=result.preemptions,
@@ -48,7 +50,7 @@ def summary(result: SimResult, slo: dict[str, float] | None = None) -> dict[str,
 
 
 def format_summary(run: dict[str, Any]) -> str:
-    extra = {
+    sim = {
         "instances": run["num_instances"],
         "preemptions": run["preemptions"],
         "migrations": run["migrations"],
@@ -59,7 +61,10 @@ def format_summary(run: dict[str, Any]) -> str:
         "instance busy fraction": run["busy_fraction_mean"],
         "engine steps": run["steps"],
     }
-    return format_table({**run, "server_metrics": extra})
+    table = format_table({**run, "server_metrics": {}})
+    width = max(len(k) for k in sim) + 2
+    lines = [" Simulation ".center(width + 16, "-"), *[f"{k:<{width}}{v!s:>16.6}" for k, v in sim.items()]]
+    return table + "\n" + "\n".join(lines)
 
 
 def plot(result: SimResult, run: dict[str, Any], out_dir: str) -> list[str]:
