@@ -153,27 +153,28 @@ class Sender:
 
     # -- replies from the destination ---------------------------------------
 
-    def on_accepted(self, msg: wire.Accepted) -> None:
+    def _answered(self, msg: wire.Accepted | wire.Installed, state: str) -> Outgoing | None:
+        """The transfer a destination's answer is about, if the answer is yes and the transfer is in
+        `state`; a no ends the transfer (the request stays here)."""
         out = self.transfers.get(msg.transfer_id)
         if out is None:
-            return
+            return None
         if not msg.ok:
             self._abort(out, msg.reason, cancel=False)
-            return
-        if out.state != ACCEPTING:
+            return None
+        return out if out.state == state else None
+
+    def on_accepted(self, msg: wire.Accepted) -> None:
+        out = self._answered(msg, ACCEPTING)
+        if out is None:
             return
         out.state = COPYING
         out.deadline = self.clock() + self.timeout
         self._advance(out)
 
     def on_installed(self, msg: wire.Installed) -> None:
-        out = self.transfers.get(msg.transfer_id)
+        out = self._answered(msg, HANDING_OVER)
         if out is None:
-            return
-        if not msg.ok:
-            self._abort(out, msg.reason, cancel=False)
-            return
-        if out.state != HANDING_OVER:
             return
         del self.transfers[out.transfer_id]
         self._release(out)
