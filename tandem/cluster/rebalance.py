@@ -52,9 +52,12 @@ class Rebalancer:
         load = {i: instances[i].load for i in live}
         moves: list[tuple[str, int]] = []
 
+        planned: set[str] = set()
+
         def move(r: RequestView, dest: int, why: str) -> None:
             nonlocal room
             moves.append((r.request_id, dest))
+            planned.add(r.request_id)
             room -= 1
             load[r.instance] -= r.demand / max(1, instances[r.instance].num_blocks)
             load[dest] += r.demand / max(1, instances[dest].num_blocks)
@@ -77,7 +80,7 @@ class Rebalancer:
                 waiting = [r.priority for r in here if not r.started and r.priority < 0]
                 if not waiting or room <= 0:
                     continue
-                victims = [r for r in here if r.started and r.priority > min(waiting)]
+                victims = [r for r in here if r.started and r.priority > min(waiting) and r.request_id not in planned]
                 others = [i for i in targets if i != src and load[i] < load[src]]
                 if victims and others:
                     victim = max(victims, key=lambda r: (r.priority, r.seq))
@@ -87,7 +90,7 @@ class Rebalancer:
             src = max(targets, key=lambda i: (load[i], -i))
             dest = min(targets, key=lambda i: (load[i], i))
             gap = load[src] - load[dest]
-            movable = [r for r in by_instance.get(src, []) if r.started]
+            movable = [r for r in by_instance.get(src, []) if r.started and r.request_id not in planned]
             if gap > self.config.imbalance_threshold and len(movable) > 1:
                 r = max(movable, key=lambda r: r.seq)
                 shift = r.demand / max(1, instances[src].num_blocks) + r.demand / max(1, instances[dest].num_blocks)
