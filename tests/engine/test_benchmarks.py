@@ -1,4 +1,4 @@
-"""Smoke test: `benchmarks/throughput.py --quick` runs end to end and writes a complete result file."""
+"""Smoke tests: benchmark scripts run end to end (their quick modes) and write complete result files."""
 
 from __future__ import annotations
 
@@ -14,29 +14,26 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "benchmarks" / "throughput.py"
 
 
-def test_throughput_quick(tmp_path: Path) -> None:
-    result_json = tmp_path / "out" / "throughput.json"
+def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--quick",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--result-json",
-            str(result_json),
-        ],
+        [sys.executable, str(REPO_ROOT / "benchmarks" / name), *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_throughput_quick(tmp_path: Path) -> None:
+    result_json = tmp_path / "out" / "throughput.json"
+    args = ["--quick", "--cache-dir", str(tmp_path / "cache"), "--result-json", str(result_json)]
+    proc = run_script("throughput.py", *args, timeout=180)
     assert "ratio tandem / transformers" in proc.stdout
 
     result = json.loads(result_json.read_text())
@@ -77,29 +74,10 @@ def test_throughput_quick(tmp_path: Path) -> None:
     assert agreement["num_prompts"] == 4
 
 
-PREFIX_SCRIPT = REPO_ROOT / "benchmarks" / "prefix_cache.py"
-
-
 def test_prefix_cache_quick(tmp_path: Path) -> None:
     result_json = tmp_path / "out" / "prefix_cache.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(PREFIX_SCRIPT),
-            "--quick",
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--result-json",
-            str(result_json),
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    args = ["--quick", "--cache-dir", str(tmp_path / "cache"), "--result-json", str(result_json)]
+    proc = run_script("prefix_cache.py", *args, timeout=180)
     assert "ratio on / off" in proc.stdout
 
     result = json.loads(result_json.read_text())
@@ -151,20 +129,6 @@ def test_prefix_cache_quick(tmp_path: Path) -> None:
     for key in ("output_tokens_per_s", "total_tokens_per_s", "speedup_wall_time", "ttft_mean_speedup"):
         assert result["ratio_on_over_off"][key] > 0
     assert result["greedy_agreement"]["exact_match_fraction"] == 1.0
-
-
-def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / name), *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 def test_migration_cost_part_of_cluster_benchmark(tmp_path: Path) -> None:
