@@ -122,8 +122,11 @@ class RequestStream:
     def take(self) -> RequestOutput | None:
         """The newest unread output, or None; raises the stream's error once outputs are read."""
         out, self._latest = self._latest, None
-        if out is None and self.error is not None:
-            raise self.error
+        if self.error is not None:
+            if out is None:
+                raise self.error
+            # An output arrived before the failure: the reader waits on `notify` for the error.
+            self.notify.set()
         return out
 
 

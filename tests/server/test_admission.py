@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from tandem.core.limits import EngineLimits
-from tandem.engine.core_client import AsyncEngineClient, RequestStream
+from tandem.engine.core_client import AsyncEngineClient, RequestAbortedError, RequestStream
 from tandem.engine.messages import EngineCoreRequest
 from tandem.engine.processor import OutputProcessor
 from tandem.engine.tokenizer import Tokenizer
@@ -18,6 +18,7 @@ from tandem.entrypoints.openai.errors import OpenAIError
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.serving import ClientDisconnected, EngineCall, ServerState
 from tandem.entrypoints.openai.tenants import Tenants
+from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 
@@ -141,6 +142,27 @@ def test_a_disconnect_wakes_the_waiting_handler_at_once():
             return loop.time() - start
 
     assert asyncio.run(scenario()) < 0.2
+
+
+def test_an_output_unread_when_the_stream_fails_is_followed_by_the_error():
+    """A stream failed (shutdown abort) while an output waits unread: the reader gets the output,
+    then the error, without another wake-up (before, it waited on `notify` for ever)."""
+    state = state_with(FakeClient(), Tenants())
+
+    async def scenario() -> list:
+        seen: list = []
+        with EngineCall(state, None, [(request("d-0"), None)]) as call:
+            call.start()
+            stream = call.streams[0]
+            stream.put(RequestOutput("d-0", None, [1, 2, 3], [], finished=False))
+            stream.fail(RequestAbortedError("shutdown"))
+            with pytest.raises(RequestAbortedError):
+                async for batch in call.updates():
+                    seen.append(batch)
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(scenario(), timeout=5))
+    assert len(seen) == 1 and seen[0][0][1].request_id == "d-0"
 
 
 def test_metrics_need_their_own_key_under_api_keys():
