@@ -137,7 +137,7 @@ class ClusterSim:
             t, _, kind, payload = heapq.heappop(self._events)
             self.clock[0] = t
             if kind == ARRIVAL:
-                self._arrive(payload)
+                done += self._arrive(payload)
             elif kind == STEP:
                 done += self._step_done(payload)
             elif kind == REPORT:
@@ -178,7 +178,8 @@ class ClusterSim:
 
     # -- arrivals and dispatch --------------------------------------------------------------
 
-    def _arrive(self, index: int) -> None:
+    def _arrive(self, index: int) -> int:
+        """Dispatch a new request; 1 if it was refused (it is then over), else 0."""
         tr = self.trace.requests[index]
         rid = f"r{index}"
         prompt = self.trace.prompt_token_ids(index, self.vocab_size)
@@ -192,7 +193,7 @@ class ClusterSim:
             self.instances[instance].add(req)
         except ValueError:  # can never run (too long for the instances): counted as failed
             record.finish_s = None
-            return
+            return 1
         self.requests[rid] = req
         self.core_reqs[rid] = core_req
         self.where[rid] = instance
@@ -202,6 +203,7 @@ class ClusterSim:
         if handoff is not None:
             self.handoff_to[rid] = handoff
         self._kick(self.instances[instance])
+        return 0
 
     def _place(self, req: EngineCoreRequest) -> tuple[int, int | None]:
         """As the front end places a request (`AsyncEngineClient._place`)."""

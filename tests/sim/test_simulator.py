@@ -54,6 +54,15 @@ def test_every_request_runs_to_its_length_and_nothing_is_held():
     assert run["ttft_ms"]["mean"] > 0 and run["output_throughput"] > 0
 
 
+def test_a_request_too_long_for_the_instances_fails_and_the_run_ends():
+    """Refused at dispatch (prompt + output beyond max_model_len), as the server answers 400; the
+    simulation still ends (it waited for ever on a request that never ran)."""
+    trace = Trace([TraceRequest(0.0, 4000, 200), TraceRequest(0.1, 100, 10)], hash_block_tokens=16)
+    sim = ClusterSim(trace, LinearToy(), SPEC, ClusterConfig(num_instances=1))
+    run = summary(sim.run())
+    assert run["completed"] == 1 and run["failed"] == 1
+
+
 def test_same_inputs_same_result():
     trace = synthetic(200, 30.0, prompt_len=(300, 900), num_prefix_groups=4, prefix_len=256, seed=2)
     a = simulate(trace, num_instances=2, dispatch_policy="prefix_aware")[1]
