@@ -77,7 +77,10 @@ def tool_choice_schema(tools: list[dict[str, Any]], tool_choice: str | dict[str,
         fn = _function(tool)
         params = copy.deepcopy(fn.get("parameters") or _NO_PARAMETERS)
         for key in ("$defs", "definitions"):
-            for def_name, body in (params.pop(key, None) or {}).items():
+            found = params.pop(key, None) or {}
+            if not isinstance(found, dict):
+                raise ValueError(f"the parameters of {fn['name']!r}: {key} must be an object")
+            for def_name, body in found.items():
                 if defs.setdefault(key, {}).setdefault(def_name, body) != body:
                     raise ValueError(
                         f"tools define {key}/{def_name} differently; give each definition one name"
