@@ -184,8 +184,14 @@ def test_mistral_stream_equals_parse(data, calls, before):
     check_stream(MISTRAL, text, data.draw(cuts_for(len(text))), calls, before or "")
 
 
-@settings(max_examples=60, deadline=None)
-@given(data=st.data(), text=st.text(max_size=60))
+# Text made of the formats' own pieces, so that sections open, break and close in every way.
+PIECES = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '{"name": "f", "arguments": ',
+          '{"name": "g", "parameters": ', '{"a": [1, "}"]}', "{}", "}", "]", "[", ";", ",", " ", "\n", "x", '"', "\\"]
+texts = st.lists(st.sampled_from(PIECES) | st.text(max_size=3), max_size=14).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), text=texts)
 def test_any_text_streams_as_it_parses(data, text):
     """Whatever the model writes (calls or not, well formed or not), a stream that does not cut a
     call short accumulates to the whole parse; text with no section is content, unchanged."""
