@@ -77,9 +77,10 @@ class ScriptedEngine(AsyncEngineClient):
         return stream
 
     async def _play(self, stream: RequestStream, req, text: str) -> None:
-        cuts = [*list(range(5, len(text), 7)), len(text)]
-        for cut in cuts:
-            done = cut == len(text)
+        # The last output adds no text, as when the model's last token is EOS.
+        cuts = [*list(range(5, len(text), 7)), len(text), len(text)]
+        for i, cut in enumerate(cuts):
+            done = i == len(cuts) - 1
             c = CompletionOutput(0, text[:cut], list(range(cut)), finish_reason="stop" if done else None)
             stream.put(RequestOutput(req.request_id, None, req.prompt_token_ids, [c], finished=done))
             await asyncio.sleep(0.001)

@@ -188,7 +188,8 @@ async def _stream(
                             more, more_calls = readers[k].finish()
                             delta, calls = delta + more, calls + more_calls
                             finish_reason = tools.finish_reason(finish_reason, readers[k].called)
-                        message = DeltaMessage(content=delta if delta or not calls else None, tool_calls=calls or None)
+                        # No content: null, not "" (a client's accumulated content stays null).
+                        message = DeltaMessage(content=delta or None, tool_calls=calls or None)
                     if message.content or message.tool_calls or lp is not None or done:
                         yield chunk(
                             ChatStreamChoice(
