@@ -10,6 +10,7 @@ import pytest
 
 from tandem.entrypoints.openai.protocol import ChatCompletionRequest
 from tandem.entrypoints.openai.tool_calls import REQUIRED, plan_tools, template_message, tool_choice_schema
+from tandem.sampling_params import SamplingParams
 
 WEATHER = {
     "type": "function",
@@ -125,6 +126,13 @@ def test_plans():
     assert p.mode == "required" and p.schema == tool_choice_schema(TOOLS, "required", False)
     p = plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
     assert p.mode == "named" and p.named == "add"
+
+
+def test_auto_keeps_special_tokens_where_the_format_is_made_of_them():
+    for choice, keep in (("auto", True), ("none", False)):
+        params = SamplingParams()
+        plan(tools=[WEATHER], tool_choice=choice).apply(params)  # the server's parser: hermes
+        assert params.skip_special_tokens is not keep
 
 
 def test_template_gets_arguments_as_objects():
