@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cached_property
+from pathlib import Path
 from typing import Any, cast
 
 
@@ -49,6 +50,7 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if chat_template is None and not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
@@ -60,6 +62,7 @@ class Tokenizer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
+                tools=cast("list[Any] | None", tools),
             )
         except Exception as exc:  # jinja errors, missing keys
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
@@ -77,3 +80,18 @@ def check_text(text: str, what: str) -> None:
         raise ValueError(
             f"{what} is not valid Unicode: a lone surrogate {text[exc.start]!r} at position {exc.start}"
         ) from None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's path, or the Jinja template itself (as vLLM takes it)."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the chat template {value!r}: {exc}") from exc
+    if "{" in value or "\n" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
+from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from tandem.sampling_params import SamplingParams
 
 
@@ -197,6 +198,24 @@ def add_serve_parser(sub: Any) -> None:
     )
     g.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    t = srv.add_argument_group("chat template and tool calling")
+    t.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, used instead of the tokenizer's (default: the tokenizer's)",
+    )
+    t.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto", the default with tools); needs --tool-call-parser',
+    )
+    t.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSER_NAMES),
+        help="how the model writes tool calls: hermes / qwen (Hermes, Qwen2.5, Qwen3), llama3_json "
+        "(Llama 3.1-3.3), mistral (default: none)",
     )
     c = srv.add_argument_group("cluster (Ray)")
     c.add_argument(

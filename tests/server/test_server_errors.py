@@ -54,7 +54,8 @@ BAD = [
     ("chat with a bad role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("chat content is a number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, None),
     ("chat top_logprobs without logprobs", CHAT, {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("chat with tools", CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("chat tool without a function", CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    ("chat tool_choice auto without --enable-auto-tool-choice", CHAT, {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     (
         "chat json response_format",
         CHAT,

@@ -24,6 +24,7 @@ from tandem import __version__
 from tandem.cluster.config import ClusterConfig
 from tandem.config import EngineConfig
 from tandem.engine.core_client import AsyncEngineClient, Disaggregation
+from tandem.engine.tokenizer import load_chat_template
 from tandem.entrypoints.openai import protocol as p
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request, validation_error
 from tandem.entrypoints.openai.serving import ServerState, started
@@ -195,7 +196,8 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
         state.check_model(body.model)
         engine = state.engine
         if body.messages is not None and body.prompt is None:
-            ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt, tools)
         elif body.prompt is not None and body.messages is None:
             try:
                 started(engine.inputs).check_prompt_text(body.prompt)
@@ -363,11 +365,18 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     )
     # Counted connections, as many refused ones being answered 503, and the process's own files.
     _raise_open_files_limit(2 * limits.max_connections + 256)
+    enable_auto_tools = getattr(args, "enable_auto_tool_choice", False)
+    tool_parser = getattr(args, "tool_call_parser", None)
+    if enable_auto_tools and tool_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    chat_template = load_chat_template(getattr(args, "chat_template", None))
     tenants = Tenants.from_args(args.api_key, args.api_keys_file)
     name = args.served_model_name or Path(config.model).name
     state = ServerState(
         model_name=name,
         model_aliases=frozenset({config.model}),
+        chat_template=chat_template,
+        tool_parser=tool_parser if enable_auto_tools else None,
         metrics=ServerMetrics(name),
         tenants=tenants,
         max_waiting_requests=args.max_waiting_requests,

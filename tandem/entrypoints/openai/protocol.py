@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from tandem.sampling_params import INT32_MAX, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
@@ -107,6 +107,27 @@ class ChatMessage(BaseModel):
         return self
 
 
+class FunctionDefinition(Strict):
+    name: Annotated[Text, Field(min_length=1, max_length=256)]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Count | None = None
@@ -114,8 +135,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -127,6 +149,7 @@ class TokenizeRequest(Strict):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # rendered by the chat template with `messages`
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -183,9 +206,43 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class OmitNone(BaseModel):
+    """Serialized without its unset (None) fields: a streamed tool-call delta names its id, type
+    and name only in the call's first delta, as OpenAI sends them (clients concatenate strings and
+    replace `type`, so a null there would clobber what the first delta gave)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> Any:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(OmitNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitNone):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -208,6 +265,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -55,6 +55,10 @@ class ServerState:
     drain_timeout: float
     # Other names clients may send for the model (the checkpoint path it was started with).
     model_aliases: frozenset[str] = frozenset()
+    # --chat-template (None: the tokenizer's), and the --tool-call-parser that reads tool_choice
+    # "auto" output (None without --enable-auto-tool-choice).
+    chat_template: str | None = None
+    tool_parser: str | None = None
     max_body_bytes: int = 32 << 20
     body_timeout_s: float = 30.0
     connections: ConnectionTable = field(default_factory=lambda: ConnectionTable(ConnectionLimits()))

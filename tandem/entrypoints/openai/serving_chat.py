@@ -34,6 +34,7 @@ from tandem.entrypoints.openai.serving import (
 )
 from tandem.entrypoints.openai.sse import SSEResponse
 from tandem.entrypoints.openai.tenants import Tenant
+from tandem.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_message
 from tandem.outputs import CompletionOutput
 
 
@@ -46,12 +47,15 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         d["content"] = content or ""
-        out.append(d)
+        out.append(template_message(d))
     return out
 
 
 async def chat_prompt_ids(
-    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt token ids of a conversation (large ones are rendered and tokenized off the loop)."""
     engine = state.engine
@@ -59,7 +63,14 @@ async def chat_prompt_ids(
     size = sum(len(m["content"]) for m in convo)
     try:
         started(engine.inputs).check_length(size, "the messages")
-        return await state.offload(size, started(engine.tokenizer).apply_chat_template, convo, add_generation_prompt)
+        return await state.offload(
+            size,
+            started(engine.tokenizer).apply_chat_template,
+            convo,
+            add_generation_prompt,
+            state.chat_template,
+            tools,
+        )
     except ValueError as exc:
         raise bad_request(exc, "messages") from exc
 
@@ -85,10 +96,7 @@ async def create_chat_completion(
     state: ServerState, body: ChatCompletionRequest, tenant: Tenant | None, receive: Any
 ) -> Any:
     state.check_model(body.model)
-    if body.tools:
-        raise bad_request("tools are not supported", "tools")
-    if body.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported", "tool_choice")
+    tools = plan_tools(body, state.tool_parser)
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:
@@ -96,7 +104,8 @@ async def create_chat_completion(
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
-    ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt)
+    tools.apply(params)
+    ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt, tools.tools)
     request_id = random_id("chatcmpl")
     prepared = await prepare(state, request_id, [{"prompt_token_ids": ids}], params, body, tenant)
     decode = started(state.engine.tokenizer).decode_token
@@ -106,22 +115,28 @@ async def create_chat_completion(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return call.stream_to(
                 lambda c: SSEResponse(
-                    _stream(state, c, request_id, params.n, logprobs, include_usage, decode), c.close
+                    _stream(state, c, request_id, params.n, logprobs, include_usage, decode, tools), c.close
                 )
             )
         if not await call.finish(receive):
             return None  # the client went away
     out = call.outputs()[0]
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=_logprobs(c, 0, len(c.token_ids), logprobs, decode) if logprobs is not None else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in out.outputs:
+        message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
+        if tools.reads_calls:
+            content, calls = tools.message(c.text)
+            message = ChatResponseMessage(content=content, tool_calls=calls)
+            finish_reason = tools.finish_reason(c.finish_reason, bool(calls))
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=_logprobs(c, 0, len(c.token_ids), logprobs, decode) if logprobs is not None else None,
+                finish_reason=finish_reason,
+                stop_reason=c.stop_reason,
+            )
         )
-        for c in out.outputs
-    ]
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     usage = UsageInfo(
         prompt_tokens=len(ids), completion_tokens=completion_tokens, total_tokens=len(ids) + completion_tokens
@@ -137,8 +152,10 @@ async def _stream(
     logprobs: int | None,
     include_usage: bool,
     decode: Any,
+    tools: ToolPlan,
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    readers = [tools.reader() for _ in range(n)] if tools.reads_calls else None
     sent_text = [0] * n
     sent_tokens = [0] * n
     finished = [False] * n
@@ -150,7 +167,9 @@ async def _stream(
 
     try:
         for k in range(n):
-            yield chunk(ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content="")))
+            # With tool calls possible the content may stay null, as in the non-streamed message.
+            first = DeltaMessage(role="assistant", content=None if readers is not None else "")
+            yield chunk(ChatStreamChoice(index=k, delta=first))
         async for batch in call.updates():
             for _, out in batch:
                 for c in out.outputs:
@@ -162,13 +181,22 @@ async def _stream(
                     if logprobs is not None and len(c.token_ids) > sent_tokens[k]:
                         lp = _logprobs(c, sent_tokens[k], len(c.token_ids), logprobs, decode)
                     done = c.finish_reason is not None
-                    if delta or lp is not None or done:
+                    message, finish_reason = DeltaMessage(content=delta), c.finish_reason
+                    if readers is not None:
+                        delta, calls = readers[k].feed(c.text) if delta else ("", [])
+                        if done:
+                            more, more_calls = readers[k].finish()
+                            delta, calls = delta + more, calls + more_calls
+                            finish_reason = tools.finish_reason(finish_reason, readers[k].called)
+                        # No content: null, not "" (a client's accumulated content stays null).
+                        message = DeltaMessage(content=delta or None, tool_calls=calls or None)
+                    if message.content or message.tool_calls or lp is not None or done:
                         yield chunk(
                             ChatStreamChoice(
                                 index=k,
-                                delta=DeltaMessage(content=delta),
+                                delta=message,
                                 logprobs=lp,
-                                finish_reason=c.finish_reason,
+                                finish_reason=finish_reason,
                                 stop_reason=c.stop_reason,
                             )
                         )
