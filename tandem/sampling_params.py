@@ -87,10 +87,11 @@ class StructuredOutputsParams:
         return self.spec()[0]
 
     def spec(self) -> tuple[str, str]:
-        """(kind, canonical text): equal constraints give equal keys (the compiled-grammar cache's)."""
+        """(kind, canonical text): equal constraints give equal keys (the compiled-grammar cache's).
+        A schema's key order is kept: properties are generated in the order the schema lists them."""
         if self.json is not None:
             schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-            return "json", _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return "json", _json.dumps(schema, separators=(",", ":"))
         if self.regex is not None:
             return "regex", self.regex
         if self.choice is not None:

@@ -321,6 +321,7 @@ class EngineCore:
         """Finish these samples (None: one that ended before this engine had it)."""
         live = [i for i in ids if i is not None]
         self.scheduler.finish_requests(live, status, reason)
+        self.structured.forget(live)
         if self.spec is not None:
             for i in live:
                 self.spec.forget(i)
@@ -399,6 +400,7 @@ class EngineCore:
         for req in changed:
             if req.is_finished:
                 self._forget(req)
+                self.structured.forget([req.request_id])
         elapsed = time.perf_counter() - start
         generated = sum(len(so.new_token_ids) for so in out)
         self._count_step(sched, result, generated, elapsed)
