@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -95,18 +96,25 @@ class LLGuidanceGrammar:
 
 class LLGuidanceBackend:
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
-        import llguidance.hf
-
-        from tandem.engine.tokenizer import Tokenizer
-
         if not eos_token_ids:
             raise ValueError("structured output needs the model's EOS token id")
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
         # The tokenizer may be shorter than the model's (padded) vocabulary: the extra ids are never
-        # allowed under a grammar.
-        hf: Any = Tokenizer(tokenizer_path).hf
-        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        # allowed under a grammar. Read from tokenizer.json directly where there is one (loading
+        # `transformers` into the engine process costs seconds).
+        path = Path(tokenizer_path) / "tokenizer.json"
+        if path.is_file():
+            self.tokenizer = llguidance.LLTokenizer(
+                path.read_text(encoding="utf-8"), n_vocab=vocab_size, eos_token=list(eos_token_ids)
+            )
+        else:
+            from llguidance.hf import from_tokenizer
+
+            from tandem.engine.tokenizer import Tokenizer
+
+            hf: Any = Tokenizer(tokenizer_path).hf
+            self.tokenizer = from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
     def compile(self, kind: str, text: str) -> LLGuidanceGrammar:
         grammar = grammar_text(kind, text)

@@ -104,6 +104,9 @@ class StructuredOutputManager:
             t = self._tracked[req.request_id] = _Tracked(grammar, grammar.matcher(), 0)
         if t.num_accepted < outputs:
             for tok in req.token_ids[req.num_prompt_tokens + t.num_accepted :]:
+                if t.matcher.is_terminated():  # complete: what follows is EOS under ignore_eos
+                    t.num_accepted = outputs
+                    break
                 if not t.matcher.accept(tok):
                     raise ValueError(
                         f"token {tok} of request {req.request_id} breaks its structured output grammar"

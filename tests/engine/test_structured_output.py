@@ -248,3 +248,41 @@ def test_resumed_request_replays_its_tokens(llama_dir):
     text = tok.decode(tokens)
     assert text.startswith('{"name":"')
     jsonschema.validate(json.loads(text), SPEC_SCHEMA)
+
+
+def allowed(bitmask_row: Any, vocab: int) -> set[int]:
+    return {t for t in range(vocab) if (int(bitmask_row[t // 32]) >> (t % 32)) & 1}
+
+
+def test_draft_rows_walk_the_grammar_and_roll_back(llama_dir):
+    """Rows under speculation: each draft row is masked from the state after the drafts before it;
+    rows after a draft the grammar refuses are unconstrained; the matcher ends where it started."""
+    from tandem.core.request import Request
+    from tandem.engine.tokenizer import Tokenizer
+    from tandem.structured.manager import StructuredOutputManager
+
+    tok = Tokenizer(str(llama_dir))
+    vocab = 512
+    manager = StructuredOutputManager(str(llama_dir), vocab, (2,), cache_size=4)
+    sp = StructuredOutputsParams(regex="(ab|ac)d")
+    req = Request("r", [5, 6], SamplingParams(structured_outputs=sp), max_tokens=8, eos_token_ids=(2,))
+    a, b, d = (tok.encode(ch, add_special_tokens=False) for ch in "abd")
+    assert len(a) == len(b) == len(d) == 1
+    a, b, d = a[0], b[0], d[0]
+    rows = [(req, []), (req, [a]), (req, [a, b]), (req, [a, b, d]), (req, [a, b, d, 2])]
+    constrained, mask = manager.token_bitmask(rows)
+    first = allowed(mask[0], vocab)
+    assert constrained == [0, 1, 2, 3, 4]
+    decoded = [{tok.decode([t], skip_special_tokens=False) for t in allowed(m, vocab)} for m in mask]
+    assert "a" in decoded[0] and "b" not in decoded[0]
+    assert {"b", "c"} <= decoded[1] and "d" not in decoded[1]
+    assert decoded[2] == {"d"}
+    assert allowed(mask[3], vocab) == {2}  # complete: EOS only
+    # A refused draft (d where b or c must come): its row is masked, later rows are not constrained.
+    constrained, mask = manager.token_bitmask([(req, []), (req, [a]), (req, [a, d]), (req, [a, d, d])])
+    assert constrained == [0, 1]
+    # Rolled back: the matcher still allows "a" first, and accepts the whole output.
+    constrained, mask = manager.token_bitmask([(req, [])])
+    assert allowed(mask[0], vocab) == first
+    m = manager.matcher(req)
+    assert all(m.accept(t) for t in (a, b, d, 2)) and m.is_terminated()
