@@ -102,7 +102,8 @@ def test_json_text_and_json_object(llm):
         assert c.finish_reason == "stop" and isinstance(json.loads(c.text), dict), c.text
 
 
-regex_atoms = st.sampled_from([r"[a-z]", r"\d", r"[A-F0-9]", r"(ab|cd)", r"x", r"-", r"[.]"])
+# ASCII classes only: the engine's Unicode tables (\d, \w) are newer than this Python's `re`.
+regex_atoms = st.sampled_from([r"[a-z]", r"[0-9]", r"[A-F0-9]", r"(ab|cd)", r"x", r"-", r"[.]"])
 regexes = st.builds(
     lambda parts: "".join(f"{a}{{{lo},{lo + extra}}}" for a, lo, extra in parts),
     st.lists(st.tuples(regex_atoms, st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=4),
@@ -269,10 +270,10 @@ def test_draft_rows_walk_the_grammar_and_roll_back(llama_dir):
     a, b, d = (tok.encode(ch, add_special_tokens=False) for ch in "abd")
     assert len(a) == len(b) == len(d) == 1
     a, b, d = a[0], b[0], d[0]
-    rows = [(req, []), (req, [a]), (req, [a, b]), (req, [a, b, d]), (req, [a, b, d, 2])]
+    rows = [(req, []), (req, [a]), (req, [a, b]), (req, [a, b, d])]
     constrained, mask = manager.token_bitmask(rows)
     first = allowed(mask[0], vocab)
-    assert constrained == [0, 1, 2, 3, 4]
+    assert constrained == [0, 1, 2, 3]
     decoded = [{tok.decode([t], skip_special_tokens=False) for t in allowed(m, vocab)} for m in mask]
     assert "a" in decoded[0] and "b" not in decoded[0]
     assert {"b", "c"} <= decoded[1] and "d" not in decoded[1]
@@ -285,4 +286,6 @@ def test_draft_rows_walk_the_grammar_and_roll_back(llama_dir):
     constrained, mask = manager.token_bitmask([(req, [])])
     assert allowed(mask[0], vocab) == first
     m = manager.matcher(req)
-    assert all(m.accept(t) for t in (a, b, d, 2)) and m.is_terminated()
+    assert all(m.accept(t) for t in (a, b, d))
+    m.fill_bitmask(mask, 0)
+    assert allowed(mask[0], vocab) == {2}
