@@ -72,7 +72,10 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
     try:
         check_spec(sp)
     except ValueError as exc:
-        raise bad_request(f"{name}: {exc}", name) from None
+        message = str(exc)
+        if name != "structured_outputs":
+            message = f"{name}: {message}"
+        raise bad_request(message, name) from None
     return sp
 
 
