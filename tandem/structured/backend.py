@@ -7,6 +7,7 @@ grammars, and it imports no torch, so the API process can check a spec before qu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -43,6 +44,10 @@ class GrammarBackend(Protocol):
     def compile(self, kind: str, text: str) -> CompiledGrammar:
         """The grammar for a spec (`StructuredOutputsParams.spec()`); ValueError naming the field if
         it does not compile."""
+        ...
+
+    def fill_bitmasks(self, items: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        """`Matcher.fill_bitmask` for several matchers (each its own row), in parallel where it can."""
         ...
 
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
-from tandem.structured.backend import bitmask_words
+from tandem.structured.backend import Matcher, bitmask_words
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -78,6 +79,10 @@ class LLGuidanceMatcher:
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         llguidance.numpy.fill_next_token_bitmask(self._m, bitmask, row)
 
+    @property
+    def inner(self) -> llguidance.LLMatcher:
+        return self._m
+
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())
 
@@ -100,6 +105,7 @@ class LLGuidanceBackend:
             raise ValueError("structured output needs the model's EOS token id")
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
+        self._executor = llguidance.LLExecutor()
         # The tokenizer may be shorter than the model's (padded) vocabulary: the extra ids are never
         # allowed under a grammar. Read from tokenizer.json directly where there is one (loading
         # `transformers` into the engine process costs seconds).
@@ -115,6 +121,14 @@ class LLGuidanceBackend:
 
             hf: Any = Tokenizer(tokenizer_path).hf
             self.tokenizer = from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+    def fill_bitmasks(self, items: Sequence[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
+        if len(items) == 1:
+            items[0][0].fill_bitmask(bitmask, items[0][1])
+            return
+        # llguidance's own thread pool, without the GIL.
+        pairs = [(cast(LLGuidanceMatcher, m).inner, row) for m, row in items]
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
 
     def compile(self, kind: str, text: str) -> LLGuidanceGrammar:
         grammar = grammar_text(kind, text)

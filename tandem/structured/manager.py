@@ -136,6 +136,8 @@ class StructuredOutputManager:
         start = time.perf_counter()
         constrained: list[int] = []
         bitmask = np.zeros((len(rows), self.words), dtype=np.int32)
+        # Rows without drafts (most) are filled together at the end, in parallel where the backend can.
+        batched: list[tuple[Matcher, int]] = []
         i = 0
         while i < len(rows):
             req = rows[i][0]
@@ -143,6 +145,11 @@ class StructuredOutputManager:
                 i += 1
                 continue
             m = self.matcher(req)
+            if i + 1 == len(rows) or rows[i + 1][0] is not req:
+                batched.append((m, len(constrained)))
+                constrained.append(i)
+                i += 1
+                continue
             walked = 0  # drafts consumed so far
             valid = True
             while i < len(rows) and rows[i][0] is req:
@@ -152,14 +159,17 @@ class StructuredOutputManager:
                     walked += valid
                 if valid:
                     m.fill_bitmask(bitmask, len(constrained))
-                    if not bitmask[len(constrained)].any():  # a dead end: let the sample stop
-                        self._allow_eos(bitmask[len(constrained)])
                     constrained.append(i)
                 i += 1
             m.rollback(walked)
+        if batched:
+            self.backend.fill_bitmasks(batched, bitmask)
+        bitmask = bitmask[: len(constrained)]
+        for row in np.flatnonzero(~bitmask.any(axis=1)):  # a dead end: let the sample stop
+            self._allow_eos(bitmask[row])
         self.mask_time_s += time.perf_counter() - start
         self.num_masked_rows += len(constrained)
-        return constrained, bitmask[: len(constrained)]
+        return constrained, bitmask
 
     def _allow_eos(self, words: np.ndarray) -> None:
         for eos in self.eos_token_ids:
