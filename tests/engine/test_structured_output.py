@@ -289,3 +289,41 @@ def test_draft_rows_walk_the_grammar_and_roll_back(llama_dir):
     assert all(m.accept(t) for t in (a, b, d))
     m.fill_bitmask(mask, 0)
     assert allowed(mask[0], vocab) == {2}
+
+
+def test_slow_compile_does_not_hold_up_other_requests(llama_dir):
+    """A grammar compiling (here held back until released) keeps only its own request waiting; the
+    engine steps the others meanwhile, then runs it; a compile that fails fails only its request."""
+    import threading
+
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), **ENGINE))
+    core = engine.core
+    release = threading.Event()
+    compile_real = core.structured._compile
+
+    def held(key: Any) -> Any:
+        release.wait(30)
+        if key[0] == "regex" and key[1] == "z+":
+            raise ValueError("structured_outputs.regex failed to compile (injected)")
+        return compile_real(key)
+
+    core.structured._compile = held  # type: ignore[method-assign]
+    schema = {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"], "additionalProperties": False}
+    engine.add_request("slow", "a", SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)))
+    engine.add_request("bad", "a", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="z+")))
+    engine.add_request("plain", "a", SamplingParams(max_tokens=6, ignore_eos=True))
+    done: dict[str, Any] = {}
+    while "plain" not in done:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert "slow" not in done and "bad" not in done  # the plain request finished while they waited
+    release.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["bad"].outputs[0].finish_reason == "error"
+    slow = done["slow"].outputs[0]
+    assert slow.finish_reason == "stop"
+    jsonschema.validate(json.loads(slow.text), schema)
