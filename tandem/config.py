@@ -195,6 +195,9 @@ class EngineConfig:
     kv_transfer_timeout_s: float = 10.0
     migration_max_stages: int = 4
     migration_stop_blocks: int = 2
+    # Structured output: how many compiled grammars (one per distinct schema, regex, choice list or
+    # grammar) the engine keeps; the least recently used beyond this is compiled again if asked for.
+    structured_outputs_cache_size: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -203,7 +206,13 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "kv_cache_memory",
+            "structured_outputs_cache_size",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 # Below this a temperature is treated as greedy decoding, as in vLLM.
 GREEDY_EPS = 1e-5
@@ -15,6 +16,89 @@ MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
 # Counts (n, top_k, max_tokens, min_tokens) are 32-bit; seeds 64-bit.
 INT32_MAX = 2**31 - 1
+
+
+# Bounds on a structured-output spec (compiling is the engine's work; a huge spec is refused here).
+MAX_STRUCTURED_SPEC_CHARS = 1 << 20
+MAX_STRUCTURED_CHOICES = 1024
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar, as vLLM's `StructuredOutputsParams`: exactly one of a JSON
+    schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular expression,
+    a list of choices, or a grammar (EBNF/GBNF or Lark)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is True:
+            given.append("json_object")
+        elif self.json_object is not False:
+            raise ValueError(f"structured_outputs.json_object must be a boolean, got {_short(self.json_object)}")
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}"
+            )
+        name = given[0]
+        if name == "json":
+            if isinstance(self.json, str):
+                try:
+                    schema = _json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {_short(self.json)}")
+        elif name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {_short(value)}")
+        elif name == "choice":
+            choice = self.choice
+            if (
+                not isinstance(choice, list)
+                or not choice
+                or len(choice) > MAX_STRUCTURED_CHOICES
+                or not all(isinstance(c, str) and c for c in choice)
+            ):
+                raise ValueError(
+                    f"structured_outputs.choice must be a list of 1 to {MAX_STRUCTURED_CHOICES} non-empty "
+                    f"strings, got {_short(choice)}"
+                )
+        if len(self.spec()[1]) > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.{name} is longer than {MAX_STRUCTURED_SPEC_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return self.spec()[0]
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints give equal keys (the compiled-grammar cache's).
+        A schema's key order is kept: properties are generated in the order the schema lists them."""
+        if self.json is not None:
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return "json", _json.dumps(schema, separators=(",", ":"))
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
 
 
 @dataclass(slots=True)
@@ -36,6 +120,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +139,8 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
             )
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:  # vLLM's older spelling of "disabled"
             self.top_k = 0
         self.validate()
@@ -162,6 +249,10 @@ class SamplingParams:
                     f"SamplingParams.stop_token_ids must hold non-negative 32-bit integers, "
                     f"got {_short(self.stop_ids)}"
                 )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
     def clone(self, **changes: object) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}

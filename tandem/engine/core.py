@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +24,14 @@ from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.spec.config import AdaptiveConfig, SpeculativeConfig
 from tandem.spec.planner import SpecPlanner
+from tandem.structured.manager import StructuredOutputManager
 
 # Batches (decode rows plus drafts) up to this many rows get their GEMM primitives built at load:
 # oneDNN's first use of a row count costs ms, which would land in a timed step.
 WARM_MAX_ROWS = 64
+# How long a step with nothing to run waits for a grammar being compiled (then it returns, so the
+# engine loop sees new input).
+GRAMMAR_WAIT_S = 0.05
 # Failed steps in a row after which a fault is taken as the engine's, not a request's: each failed
 # step fails its culprit requests, so a fault that outlives this many of them is not theirs.
 MAX_FAULTED_STEPS = 8
@@ -181,6 +186,16 @@ class EngineCore:
         self._incarnations: dict[str, int] = {}
         # Steps in a row that failed (see `_isolate_fault`); a successful step resets it.
         self._faulted_steps = 0
+        self.structured = StructuredOutputManager(
+            config.tokenizer or config.model,
+            mc.vocab_size,
+            self.eos_token_ids,
+            config.structured_outputs_cache_size,
+        )
+        self.runner.grammar = self.structured
+        # Structured-output requests whose grammar is being compiled: they join the scheduler when
+        # it is ready, so a slow compile never holds up a step.
+        self._awaiting_grammar: dict[str, tuple[EngineCoreRequest, Future[Any]]] = {}
 
     def _seed_costs(self, spec: SpecPlanner, config: EngineConfig, k: int, adaptive: AdaptiveConfig) -> None:
         """Time verification steps and draft passes of one request and of a full batch now, so the
@@ -208,14 +223,23 @@ class EngineCore:
         )
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        if req.request_id in self._groups:
+        if req.request_id in self._groups or req.request_id in self._awaiting_grammar:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         params = req.params
         self.limits.check(req.prompt_token_ids, req.max_tokens, params.n, params.stop_ids)
         resumed = req.resumed_outputs
         if resumed is not None and len(resumed) != params.n:
             raise ValueError(f"resumed_outputs has {len(resumed)} entries for n={params.n} samples")
+        if params.structured_outputs is not None:
+            pending = self.structured.prepare(params.structured_outputs)
+            if pending is not None:
+                self._awaiting_grammar[req.request_id] = (req, pending)
+                return
+        self._admit(req)
 
+    def _admit(self, req: EngineCoreRequest) -> None:
+        params = req.params
+        resumed = req.resumed_outputs
         if resumed is None:
             # A leader computes the prompt once; the other samples fork off its blocks.
             members = [self.make_member(req, i) for i in range(params.n)]
@@ -279,6 +303,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
+            self._awaiting_grammar.pop(rid, None)
             ids = self._groups.pop(rid, None)
             self._incarnations.pop(rid, None)
             if ids is not None:
@@ -296,6 +321,7 @@ class EngineCore:
         """Finish these samples (None: one that ended before this engine had it)."""
         live = [i for i in ids if i is not None]
         self.scheduler.finish_requests(live, status, reason)
+        self.structured.forget(live)
         if self.spec is not None:
             for i in live:
                 self.spec.forget(i)
@@ -304,6 +330,13 @@ class EngineCore:
         """End user requests with an error (every sample): the outputs that tell the front end."""
         out = []
         for rid in request_ids:
+            awaiting = self._awaiting_grammar.pop(rid, None)
+            if awaiting is not None:
+                out += [
+                    SampleOutput(rid, i, [], None, "error", None, error=message, incarnation=awaiting[0].incarnation)
+                    for i in range(awaiting[0].params.n)
+                ]
+                continue
             ids = self._groups.pop(rid, None)
             if ids is None:
                 continue
@@ -317,11 +350,41 @@ class EngineCore:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._awaiting_grammar)
+
+    def _admit_compiled(self) -> list[SampleOutput]:
+        """Admit the requests whose grammar has compiled; fail those whose grammar did not."""
+        if not self.scheduler.has_unfinished():
+            wait([f for _, f in self._awaiting_grammar.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        out: list[SampleOutput] = []
+        for rid, (req, fut) in list(self._awaiting_grammar.items()):
+            if not fut.done():
+                continue
+            del self._awaiting_grammar[rid]
+            sp = req.params.structured_outputs
+            try:
+                if sp is None:
+                    raise RuntimeError("a request awaits a grammar it does not have")
+                self.structured.grammar(sp)  # into the cache; raises the compile's error
+                self._admit(req)
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {exc}"
+                logger.error("request %s refused: %s", rid, message)
+                out += [
+                    SampleOutput(rid, i, [], None, "error", None, error=message, incarnation=req.incarnation)
+                    for i in range(req.params.n)
+                ]
+        return out
 
     def step(self) -> list[SampleOutput]:
+        refused = self._admit_compiled() if self._awaiting_grammar else []
+        out = self._step()
+        return refused + out if refused else out
+
+    def _step(self) -> list[SampleOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.structured.forget(sched.finished_ids)
         before = {r.request_id: r.num_tokens for r in sched.requests}
         try:
             result = self.runner.execute(sched)
@@ -337,6 +400,7 @@ class EngineCore:
         for req in changed:
             if req.is_finished:
                 self._forget(req)
+                self.structured.forget([req.request_id])
         elapsed = time.perf_counter() - start
         generated = sum(len(so.new_token_ids) for so in out)
         self._count_step(sched, result, generated, elapsed)

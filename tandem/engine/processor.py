@@ -59,6 +59,10 @@ class InputProcessor:
             raise ValueError("the prompt is empty")
         max_tokens = self.limits.max_tokens_for(len(ids), params.max_tokens)
         self.limits.check(ids, max_tokens, params.n, params.stop_ids)
+        if params.structured_outputs is not None:
+            from tandem.structured.backend import check_spec
+
+            check_spec(params.structured_outputs)
         req = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,

@@ -14,6 +14,7 @@ from tandem.sampling_params import SamplingParams
 from tandem.worker.batch import SampleRow, build_batch
 from tandem.worker.drafter import Drafter
 from tandem.worker.sampler import Sampler, SamplingBatch
+from tandem.worker.token_mask import GrammarHook, token_mask
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -48,6 +49,8 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(engine_config.seed))
         self.generators: dict[str, torch.Generator] = {}
         self.vocab_size = model_config.vocab_size
+        # The engine's structured-output state, where it has any (set by EngineCore).
+        self.grammar: GrammarHook | None = None
         self.drafter = None
         if draft_model_config is not None:
             self.drafter = Drafter(self, draft_model_config, engine_config, num_blocks, max_model_len)
@@ -198,6 +201,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         out.forward_time += time.perf_counter() - t0
         sb = self.sampling_batch(rows)
+        if self.grammar is not None:
+            masked = self.grammar.token_bitmask([(r.request, r.history) for r in rows])
+            if masked is not None:
+                sb.grammar_forbidden = token_mask(*masked, len(rows), logits.shape[1], self.device)
         if not drafts:
             tokens, logprobs = self.sampler(logits, sb)
             for (member, _, _), tok, lp in zip(spans, tokens, logprobs):

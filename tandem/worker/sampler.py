@@ -33,6 +33,8 @@ class SamplingBatch:
     blocked: torch.Tensor | None  # [R, V] tokens forbidden this step (stop tokens under min_tokens)
     generators: list[torch.Generator | None]  # per row; None uses the engine's generator
     num_logprobs: list[int | None]  # per row
+    # [R, V] tokens a row's grammar forbids (structured output); None when no row is constrained.
+    grammar_forbidden: torch.Tensor | None = None
 
 
 class Sampler:
@@ -81,6 +83,8 @@ class Sampler:
             logits = self._penalize(logits, sb)
         if sb.blocked is not None:
             logits = logits.masked_fill(sb.blocked, float("-inf"))
+        if sb.grammar_forbidden is not None:
+            logits = logits.masked_fill(sb.grammar_forbidden, float("-inf"))
         return logits
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Tool calling against `tandem serve` (a subprocess) with the real openai SDK: a tool
 conversation rendered by a Hermes-style `--chat-template`, tool_choice "auto" answered as the
-model's text reads, and the two-turn tool loop under "required" / a named function (which needs
-structured output to constrain the model)."""
+model's text reads, and the two-turn tool loop under "required" / a named function (structured
+output constrains the model, so the call parses)."""
 
 from __future__ import annotations
 
@@ -105,11 +105,17 @@ def test_auto_answers_as_the_model_text_reads(server, client):
     assert not final.choices[0].message.tool_calls
 
 
-def test_required_needs_structured_output(client):
-    # Until structured output is wired into tool_calls.constrain (then this test goes, and the
-    # tool-loop tests below run).
-    with pytest.raises(openai.BadRequestError, match="structured output"):
-        client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER], tool_choice="required", **GREEDY)
+def test_required_cannot_be_combined_with_another_constraint(client):
+    with pytest.raises(openai.BadRequestError, match="response_format") as err:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            tools=[WEATHER],
+            tool_choice="required",
+            response_format={"type": "json_object"},
+            **GREEDY,
+        )
+    assert err.value.body["param"] == "tool_choice"
 
 
 def get_weather(city: str, unit: str) -> str:
@@ -150,7 +156,6 @@ def tool_loop(client, tool_choice, stream: bool) -> None:
     assert answer.finish_reason in ("stop", "length")
 
 
-@pytest.mark.skip(reason="needs structured output")
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_two_turn_tool_loop(client, tool_choice, stream):

@@ -222,7 +222,10 @@ def test_a_tool_conversation_reaches_the_template(server):
         ({"tools": TOOLS, "tool_choice": "auto"}, "requires --enable-auto-tool-choice"),
         ({"tool_choice": "required"}, "needs tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
-        ({"tools": TOOLS, "tool_choice": "required"}, "need structured output"),  # until it is wired
+        (
+            {"tools": TOOLS, "tool_choice": "required", "extra_body": {"guided_regex": "a+"}},
+            "cannot be combined",
+        ),
         ({"tools": TOOLS + TOOLS[:1]}, "different function names"),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
@@ -242,8 +245,8 @@ def test_bad_tool_requests_are_400(server, kw, match):
     assert engine.prompts == []
 
 
-# -- the output side of "required" and named tool_choice (the constraint itself needs structured
-# output: here `constrain` is replaced, and the script is what the constrained model would write)
+# -- the output side of "required" and named tool_choice (the scripted engine ignores the
+# constraint: `constrain` is replaced, and the script is what the constrained model would write)
 
 
 @pytest.fixture

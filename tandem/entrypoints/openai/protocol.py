@@ -2,7 +2,8 @@
 
 Requests are strict (no type coercion) and reject unknown fields, except the documented vLLM
 extras, which every generation request accepts: top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, skip_special_tokens, priority, include_stop_str_in_output.
+min_tokens, stop_token_ids, skip_special_tokens, priority, include_stop_str_in_output, and the
+structured-output fields (response_format, structured_outputs, guided_json/regex/choice/grammar).
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     priority: Int64 = 0
     include_stop_str_in_output: bool = False
+    # Structured output (tandem/entrypoints/openai/structured.py reads these).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Text | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -134,7 +142,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     # None: "auto" when tools are given, else "none" (OpenAI's defaults).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

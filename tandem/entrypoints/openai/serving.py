@@ -130,6 +130,9 @@ def tenant_label(tenant: Tenant | None) -> str:
 def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    from tandem.entrypoints.openai.structured import structured_outputs
+
+    constraint = structured_outputs(body)
     try:
         return SamplingParams(
             n=body.n,
@@ -149,6 +152,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             min_tokens=body.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=constraint,
         )
     except ValueError as exc:
         raise bad_request(exc) from exc

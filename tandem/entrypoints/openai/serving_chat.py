@@ -97,8 +97,6 @@ async def create_chat_completion(
 ) -> Any:
     state.check_model(body.model)
     tools = plan_tools(body, state.tool_parser)
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

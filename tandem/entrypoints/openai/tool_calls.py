@@ -36,7 +36,7 @@ from tandem.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     call_id,
 )
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The output under tool_choice "required": `[{"name": ..., "parameters": {...}}, ...]`.
 REQUIRED = ToolParser("required", CallFormat(markers=("[",), separator=",", close="]", at_start_only=True))
@@ -101,16 +101,13 @@ def tool_choice_schema(tools: list[dict[str, Any]], tool_choice: str | dict[str,
 
 
 def constrain(params: SamplingParams, schema: dict[str, Any]) -> None:
-    """Make the sampler keep the output inside `schema`.
-
-    INTEGRATION POINT: structured output (SamplingParams.structured_outputs) is being built
-    separately; once merged, this is one line:
-        params.structured_outputs = StructuredOutputsParams(json=schema)
-    """
-    raise NotImplementedError(
-        'tool_choice "required" and named functions need structured output (SamplingParams.structured_outputs), '
-        "which this server does not have yet; use tool_choice \"auto\" with --enable-auto-tool-choice"
-    )
+    """Make the sampler keep the output inside `schema` (structured output), so the call parses."""
+    if params.structured_outputs is not None:
+        raise ValueError(
+            'tool_choice "required" or a named function constrains the output already; it cannot be '
+            "combined with response_format, structured_outputs or guided_* fields"
+        )
+    params.structured_outputs = StructuredOutputsParams(json=schema)
 
 
 class NamedReader:
@@ -165,7 +162,7 @@ class ToolPlan:
         if self.schema is not None:
             try:
                 constrain(params, self.schema)
-            except NotImplementedError as exc:
+            except ValueError as exc:
                 raise bad_request(str(exc), "tool_choice") from exc
 
     def reader(self) -> ChoiceTools:
@@ -180,7 +177,7 @@ class ToolPlan:
         parsed: Parsed = self.parser.parse(text)
         calls = parsed.calls if self.parallel else parsed.calls[:1]
         content = parsed.content if self.mode == "auto" else None
-        if self.mode == "required" and not calls:  # only without the constraint: keep the text
+        if self.mode == "required" and not calls:  # cut short by max_tokens: keep the text
             content = text
         return content, [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
