@@ -23,8 +23,10 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
     g.add_argument("--model", required=True, help="model name to send")
-    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    g.add_argument("--api-key", default=None)
+    g.add_argument(
+        "--endpoint", default="completions", choices=["completions", "chat"], help="/v1/completions or /v1/chat/completions"
+    )
+    g.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder to build prompts of exact lengths")
     add_dataset_args(p)
     g = p.add_argument_group("load")
@@ -38,18 +40,18 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-concurrency", type=_float_list, default=None, help="in-flight cap; a comma list runs each"
     )
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action="store_true", help="ask the server to generate every output token")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the requests")
     g.add_argument("--num-warmups", type=int, default=0, help="requests sent first, not in the results")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     g.add_argument(
         "--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS"
     )
     g = p.add_argument_group("output")
-    g.add_argument("--result-json", default=None)
+    g.add_argument("--result-json", default=None, help="write the results here (JSON)")
     g.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     g.add_argument("--label", default=None, help="name of this system in the results")
-    g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def _payload(args: argparse.Namespace, s: Sample) -> tuple[str, dict[str, Any]]:

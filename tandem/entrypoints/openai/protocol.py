@@ -2,7 +2,8 @@
 
 Requests are strict (no type coercion) and reject unknown fields, except the documented vLLM
 extras, which every generation request accepts: top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, skip_special_tokens, priority, include_stop_str_in_output.
+min_tokens, stop_token_ids, skip_special_tokens, priority, include_stop_str_in_output,
+allowed_token_ids, bad_words, cache_salt, truncate_prompt_tokens, return_tokens_as_token_ids.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     priority: Int64 = 0
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[Count] | None = None
+    bad_words: list[Text] | None = None
+    cache_salt: Text | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -121,6 +127,8 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     # vLLM extras for chat
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(Strict):
@@ -129,6 +137,9 @@ class TokenizeRequest(Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(Strict):
