@@ -22,7 +22,9 @@ def _float_list(text: str) -> list[float]:
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
-    g.add_argument("--model", required=True, help="model name to send")
+    g.add_argument(
+        "--model", default=None, help="model name to send (unset: the first one the server's /v1/models lists)"
+    )
     g.add_argument(
         "--endpoint", default="completions", choices=["completions", "chat"], help="/v1/completions or /v1/chat/completions"
     )
@@ -236,7 +238,27 @@ def format_table(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def served_model(base_url: str, api_key: str | None) -> str:
+    """The first model a server's /v1/models lists; ValueError saying why there is none."""
+    try:  # the openai client ships with httpx2; plain httpx works the same
+        import httpx2 as httpx
+    except ImportError:  # pragma: no cover
+        import httpx  # type: ignore[no-redef]  # one name for whichever of the two is installed
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        resp = httpx.get(url, headers=headers, timeout=30)
+        resp.raise_for_status()
+        return str(resp.json()["data"][0]["id"])
+    except Exception as exc:
+        raise ValueError(f"no --model given and {url} did not name one: {exc}") from exc
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.model is None:
+        args.model = served_model(args.base_url, args.api_key)
+        print(f"model: {args.model} (from {args.base_url}/v1/models)", flush=True)
     tok = load_tokenizer(args.tokenizer)
     samples = build_dataset(args, args.num_prompts, tok)
     warmups = build_dataset(args, args.num_warmups, tok, seed=args.seed + 1) if args.num_warmups > 0 else []
