@@ -53,15 +53,16 @@ class Servers:
         command = command.rstrip("&").strip()
         if command in self.procs:
             return  # the same server, already up
-        log = open(self.cwd / f"serve-{len(self.procs)}.log", "wb")
-        proc = subprocess.Popen(
-            ["bash", "-c", f"exec {command}"], cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        log_path = self.cwd / f"serve-{len(self.procs)}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                ["bash", "-c", f"exec {command}"], cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
         self.procs[command] = proc
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
-            assert proc.poll() is None, (self.cwd / f"serve-{len(self.procs) - 1}.log").read_text()
+            assert proc.poll() is None, log_path.read_text()
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
