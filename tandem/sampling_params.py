@@ -15,8 +15,8 @@ MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
 # Counts (n, top_k, max_tokens, min_tokens) are 32-bit; seeds 64-bit.
 INT32_MAX = 2**31 - 1
-# OpenAI's range for a logit_bias value; the bounds on how many entries the token-level controls
-# (logit_bias, allowed_token_ids, bad_words) may hold, since each costs work in every step.
+# OpenAI's range for a logit_bias value; the most entries logit_bias and allowed_token_ids may hold
+# (each is turned into a tensor row in every step). bad_words are bounded as stop strings are.
 MAX_LOGIT_BIAS = 100.0
 MAX_TOKEN_CONTROLS = 4096
 
@@ -208,8 +208,12 @@ class SamplingParams:
             words = self.bad_words
             if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
                 raise bad("bad_words", "must be a list of non-empty strings")
-            if len(words) > MAX_TOKEN_CONTROLS:
-                raise bad("bad_words", f"must hold at most {MAX_TOKEN_CONTROLS} words")
+            # Each word is tokenized twice when the request is added, in the API server's event loop.
+            if len(words) > MAX_STOP_STRINGS or any(len(w) > MAX_STOP_STRING_CHARS for w in words):
+                raise bad(
+                    "bad_words",
+                    f"must hold at most {MAX_STOP_STRINGS} words of at most {MAX_STOP_STRING_CHARS} characters",
+                )
         if self.bad_words_token_ids is not None:
             seqs = self.bad_words_token_ids
             if not isinstance(seqs, list) or not all(
