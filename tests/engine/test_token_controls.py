@@ -17,7 +17,7 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    return LLM(str(llama_dir), num_kv_blocks=64, num_threads=1)
+    return LLM(str(llama_dir), num_kv_blocks=64, max_num_seqs=4, num_threads=1)
 
 
 @pytest.fixture(scope="module")
