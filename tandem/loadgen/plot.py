@@ -15,7 +15,7 @@ def _cdf(ax: Any, values: list[float], label: str) -> None:
     ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
 
 
-def _run_label(run: dict[str, Any], short: bool = False) -> str:
+def run_label(run: dict[str, Any], short: bool = False) -> str:
     """What distinguishes a run: its request rate and/or its concurrency cap (unset ones left out)."""
     rate, conc = run.get("request_rate"), run.get("max_concurrency")
     parts = []
@@ -38,7 +38,7 @@ def plot_results(result: dict[str, Any], out_dir: str) -> list[str]:
     for key, name in (("ttfts_s", "ttft"), ("itls_s", "itl")):
         fig, ax = plt.subplots(figsize=(6, 4))
         for run in runs:
-            _cdf(ax, run.get(key, []), _run_label(run))
+            _cdf(ax, run.get(key, []), run_label(run))
         ax.set_xlabel(f"{name.upper()} (ms)")
         ax.set_ylabel("fraction of " + ("requests" if name == "ttft" else "tokens"))
         ax.set_title(f"{name.upper()} CDF — {result.get('label')}")
@@ -67,7 +67,7 @@ def _throughput_vs_latency(result: dict[str, Any], runs: list[dict[str, Any]], o
     for k, (r, x) in enumerate(zip(runs, xs)):
         at_right = x >= right - 1e-9
         ax.annotate(
-            _run_label(r, short=True),
+            run_label(r, short=True),
             (x, r["e2el_ms"]["median"]),
             xytext=(-4 if at_right else 4, 7 if k % 2 == 0 else -12),
             textcoords="offset points",

@@ -12,6 +12,7 @@ from typing import Any
 from tandem.loadgen.arrivals import arrival_intervals
 from tandem.loadgen.datasets import Sample, add_dataset_args, build_dataset, load_tokenizer
 from tandem.loadgen.latency_stats import RequestResult, finish_result, parse_goodput, summarize
+from tandem.loadgen.plot import run_label
 from tandem.loadgen.server_counters import counter_deltas, parse_prometheus, server_counters
 
 
@@ -155,7 +156,7 @@ async def run_once(
         if not args.disable_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(samples), desc=f"rate={rate} conc={concurrency}")
+            bar = tqdm(total=len(samples), desc=run_label({"request_rate": None if math.isinf(rate) else rate, "max_concurrency": concurrency}))
 
         async def one(s: Sample) -> RequestResult:
             if sem is None:

@@ -17,7 +17,7 @@ from tandem.entrypoints.openai.fim import fim_prompt
 from tandem.entrypoints.openai.generation_config import sampling_defaults
 from tandem.entrypoints.openai.serving import request_salt
 from tandem.entrypoints.openai.tenants import Tenant
-from tandem.loadgen.plot import _run_label
+from tandem.loadgen.plot import run_label
 
 
 def parsers(p: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -120,7 +120,7 @@ def test_cache_salt_stays_within_the_tenant():
 
 
 def test_plot_labels_name_the_load():
-    assert _run_label({"request_rate": None, "max_concurrency": 8}) == "concurrency 8"
-    assert _run_label({"request_rate": 2.0, "max_concurrency": None}) == "2 req/s"
-    assert _run_label({"request_rate": 2.0, "max_concurrency": 4}, short=True) == "2 req/s, c=4"
-    assert "None" not in _run_label({"request_rate": None, "max_concurrency": None})
+    assert run_label({"request_rate": None, "max_concurrency": 8}) == "concurrency 8"
+    assert run_label({"request_rate": 2.0, "max_concurrency": None}) == "2 req/s"
+    assert run_label({"request_rate": 2.0, "max_concurrency": 4}, short=True) == "2 req/s, c=4"
+    assert "None" not in run_label({"request_rate": None, "max_concurrency": None})
