@@ -16,6 +16,10 @@ MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
 # Counts (n, top_k, max_tokens, min_tokens) are 32-bit; seeds 64-bit.
 INT32_MAX = 2**31 - 1
+# OpenAI's range for a logit_bias value; the most entries logit_bias and allowed_token_ids may hold
+# (each is turned into a tensor row in every step). bad_words are bounded as stop strings are.
+MAX_LOGIT_BIAS = 100.0
+MAX_TOKEN_CONTROLS = 4096
 
 
 # Bounds on a structured-output spec (compiling is the engine's work; a huge spec is refused here).
@@ -121,6 +125,14 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Token-level controls, applied in the batched sampler (tandem/worker/sampler.py).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token sequences: filled in from the tokenizer when the request is added.
+    bad_words_token_ids: list[list[int]] | None = None
+    # Keep only the last k prompt tokens (-1: the last max_model_len); None keeps the whole prompt.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +155,11 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:  # vLLM's older spelling of "disabled"
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias)
+        for name in ("allowed_token_ids", "bad_words"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
         self.validate()
 
     # `stop` and `stop_token_ids` accept None or a single string at construction; __post_init__ makes
@@ -253,11 +270,63 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams")
             self.structured_outputs.validate()
+        self._validate_token_controls()
+
+    def _validate_token_controls(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {why}, got {_short(getattr(self, name))}")
+
+        def is_token(t: object) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must map token ids to biases")
+            if len(self.logit_bias) > MAX_TOKEN_CONTROLS:
+                raise bad("logit_bias", f"must hold at most {MAX_TOKEN_CONTROLS} entries")
+            for t, v in self.logit_bias.items():
+                if not is_token(t):
+                    raise bad("logit_bias", "keys must be non-negative token ids")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids or not all(is_token(t) for t in ids):
+                raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+            if len(ids) > MAX_TOKEN_CONTROLS:
+                raise bad("allowed_token_ids", f"must hold at most {MAX_TOKEN_CONTROLS} ids")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise bad("bad_words", "must be a list of non-empty strings")
+            # Each word is tokenized twice when the request is added, in the API server's event loop.
+            if len(words) > MAX_STOP_STRINGS or any(len(w) > MAX_STOP_STRING_CHARS for w in words):
+                raise bad(
+                    "bad_words",
+                    f"must hold at most {MAX_STOP_STRINGS} words of at most {MAX_STOP_STRING_CHARS} characters",
+                )
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            if not isinstance(seqs, list) or not all(
+                isinstance(s, list) and s and all(is_token(t) for t in s) for s in seqs
+            ):
+                raise bad("bad_words_token_ids", "must be a list of non-empty lists of token ids")
+        if self.truncate_prompt_tokens is not None:
+            k = self.truncate_prompt_tokens
+            if isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or 1 <= k <= INT32_MAX):
+                raise bad("truncate_prompt_tokens", "must be -1 (max_model_len) or a positive integer")
+
+    @property
+    def uses_token_controls(self) -> bool:
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     def clone(self, **changes: object) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values["stop"] = list(self.stop_strings)
         values["stop_token_ids"] = list(self.stop_ids)
+        for name in ("logit_bias", "allowed_token_ids", "bad_words", "bad_words_token_ids"):
+            value = values[name]
+            values[name] = None if value is None else type(value)(value)
         values.update(changes)
         return SamplingParams(**values)
 

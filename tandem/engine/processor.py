@@ -11,6 +11,7 @@ from tandem.core.limits import EngineLimits
 from tandem.core.step_io import TokenLogprobs
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
+from tandem.engine.token_controls import resolve as resolve_token_controls
 from tandem.engine.tokenizer import Tokenizer, check_text
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -57,6 +58,16 @@ class InputProcessor:
             raise ValueError(f"priority must be a signed 64-bit integer, got {priority!r}")
         if not ids:
             raise ValueError("the prompt is empty")
+        if params.truncate_prompt_tokens is not None:
+            keep = params.truncate_prompt_tokens
+            keep = self.limits.max_model_len if keep == -1 else keep
+            if len(ids) > keep:
+                # The prompt text no longer matches the ids: echo decodes them instead.
+                ids, text = ids[-keep:], None
+        if params.uses_token_controls or params.bad_words:
+            params = resolve_token_controls(
+                params, lambda w: self.tokenizer.encode(w, add_special_tokens=False), self.limits.vocab_size
+            )
         max_tokens = self.limits.max_tokens_for(len(ids), params.max_tokens)
         self.limits.check(ids, max_tokens, params.n, params.stop_ids)
         if params.structured_outputs is not None:

@@ -51,11 +51,22 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        """The conversation's prompt ids. `continue_final_message` leaves the last (assistant)
+        message open for the model to go on with; `template_kwargs` are extra variables for the
+        template (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
         if chat_template is None and not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
         try:
             text = self.hf.apply_chat_template(
                 messages,
@@ -63,6 +74,8 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 tools=cast("list[Any] | None", tools),
+                continue_final_message=continue_final_message,
+                **extra,
             )
         except Exception as exc:  # jinja errors, missing keys
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
@@ -70,6 +83,28 @@ class Tokenizer:
             raise ValueError(f"the chat template rendered {type(text).__name__}, not text")
         # The template already holds the special tokens (BOS and role markers).
         return self.encode(text, add_special_tokens=False)
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not pass them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def check_text(text: str, what: str) -> None:

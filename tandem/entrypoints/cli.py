@@ -10,39 +10,105 @@ from typing import Any
 
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
 from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# The name the embedded default model is served under.
+DEFAULT_SERVED_NAME = "tandem-default"
+
+
+# Every parser shows each flag's default after its help line.
+HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--model", default=None, help="checkpoint folder (unset: the embedded default model)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (unset: the model folder)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations (auto: float32 on CPU)",
+    )
     g.add_argument(
         "--quantization",
         default=None,
         choices=["int8"],
         help="int8: int8 weights and dynamically quantized activations in the linear layers",
     )
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling generator")
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output in tokens (unset: the model's)"
+    )
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step, shared by prefill chunks and decodes",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="KV cache size in bytes")
     g.add_argument(
         "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)"
     )
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--scheduling-policy", default=FCFS, choices=SCHEDULING_POLICIES)
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (unset: torch's default)")
     g.add_argument(
-        "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=True
+        "--scheduling-policy",
+        default=FCFS,
+        choices=SCHEDULING_POLICIES,
+        help="which waiting request runs first: arrival order, priority, or longest prefix match",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of shared prompt prefixes",
+    )
+    g.add_argument(
+        "--starvation-timeout-s",
+        type=float,
+        default=30.0,
+        help="a request waiting longer than this goes first within its tenant's share",
+    )
+    g.add_argument(
+        "--tenant-quotas",
+        type=_json_object,
+        default=None,
+        help='JSON: {"tenant": {"weight": 1.0, "max_running": 8, "max_blocks": 1000}}',
     )
     g.add_argument(
         "--speculative-config",
         type=_json_object,
         default=None,
         help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, ...}',
+    )
+    v = p.add_argument_group("vLLM flags with nothing to change here (accepted for drop-in use)")
+    v.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="long prompts are always prefilled in chunks under --max-num-batched-tokens; "
+        "--no-enable-chunked-prefill is refused",
+    )
+    v.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted and ignored: Tandem runs only its own model code and never executes code "
+        "from a checkpoint",
+    )
+    v.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="accepted and ignored on CPU: the KV cache is sized by --kv-cache-memory or --num-kv-blocks",
+    )
+    v.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="1 only: a model runs in one process (use --num-instances for more engines)",
     )
 
 
@@ -71,9 +137,32 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "num_threads",
         "scheduling_policy",
         "enable_prefix_caching",
+        "starvation_timeout_s",
+        "tenant_quotas",
         "speculative_config",
     ]
+    check_vllm_args(args)
     return {n: getattr(args, n) for n in names}
+
+
+def check_vllm_args(args: argparse.Namespace) -> None:
+    """Refuse the vLLM settings Tandem cannot honour; note the ones it ignores."""
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise ValueError(
+            f"--tensor-parallel-size must be 1 (got {args.tensor_parallel_size}): Tandem runs a model in "
+            "one process; --num-instances runs several engines"
+        )
+    if not getattr(args, "enable_chunked_prefill", True):
+        raise ValueError("--no-enable-chunked-prefill: Tandem always chunks long prefills under the token budget")
+    gpu = getattr(args, "gpu_memory_utilization", None)
+    if gpu is not None:
+        if not 0.0 < gpu <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu}")
+        print(
+            "tandem: note: --gpu-memory-utilization is ignored on CPU; the KV cache takes --kv-cache-memory "
+            f"bytes ({args.kv_cache_memory}) or --num-kv-blocks blocks",
+            file=sys.stderr,
+        )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -125,7 +214,9 @@ def _serve(args: argparse.Namespace) -> int:
     if model is None:
         model = default_model_path()
         # The embedded model is served under a short name rather than its install path.
-        args.served_model_name = args.served_model_name or "tandem-default"
+        args.served_model_name = args.served_model_name or [DEFAULT_SERVED_NAME]
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got {args.max_logprobs}")
     config = EngineConfig(model=model, kv_transport=args.kv_transport, **engine_kwargs(args))
     # A bad checkpoint folder or speculative config fails here, before any process starts.
     ModelConfig.from_pretrained(model)
@@ -138,16 +229,43 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def add_serve_parser(sub: Any) -> None:
-    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="checkpoint folder")
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=HELP_FORMAT)
+    srv.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="checkpoint folder (unset: the embedded model)"
+    )
     add_engine_args(srv)
     g = srv.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients send (default: MODEL's folder name; MODEL as given is accepted too)",
+        help="the model names clients may send, the first one answered and listed first (unset: MODEL's "
+        "folder name, or tandem-default for the embedded model; MODEL as given is accepted too)",
+    )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves unset: auto (the checkpoint's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
+        "vllm (none), or a folder holding a generation_config.json",
+    )
+    g.add_argument(
+        "--max-logprobs", type=int, default=20, help="the most logprobs / top_logprobs a request may ask for"
+    )
+    g.add_argument(
+        "--response-role", default="assistant", help="the role of chat replies (after a generation prompt)"
+    )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="write logprob tokens as token_id:N (for tokens that are not valid UTF-8 alone)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM compatibility: Tandem does not log request contents anyway",
     )
     g.add_argument(
         "--max-waiting-requests",
@@ -197,7 +315,10 @@ def add_serve_parser(sub: Any) -> None:
         "--max-request-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413"
     )
     g.add_argument(
-        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level of the HTTP server",
     )
     t = srv.add_argument_group("chat template and tool calling")
     t.add_argument(
@@ -333,9 +454,9 @@ def add_bench_parser(sub: Any) -> None:
     add_engine_args(thr)
     # --seed is both an engine and a dataset option: the engine group already defines it.
     add_dataset_args(thr, with_seed=False)
-    thr.add_argument("--ignore-eos", action="store_true")
-    thr.add_argument("--result-json", default=None)
-    thr.add_argument("--disable-tqdm", action="store_true")
+    thr.add_argument("--ignore-eos", action="store_true", help="generate every output token")
+    thr.add_argument("--result-json", default=None, help="write the results here (JSON)")
+    thr.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     thr.set_defaults(func=_bench_throughput)
     prof = bsub.add_parser(
         "profile", help="time engine steps of a model over a grid of shapes, fit the simulator's cost model"
@@ -344,7 +465,9 @@ def add_bench_parser(sub: Any) -> None:
     prof.add_argument("--out", default=None, help="write the fitted cost model here (JSON)")
     prof.add_argument("--threads", type=int, default=1, help="torch CPU threads of the engine")
     prof.add_argument("--quick", action="store_true", help="a small grid (about 20 s): a first look, tests")
-    prof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    prof.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="model dtype"
+    )
     prof.add_argument("--note", default="", help="stored in the JSON: where and why it was measured")
     prof.set_defaults(func=_bench_profile)
 
@@ -354,24 +477,54 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")
     add_engine_args(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="divide repeated tokens' logits by this")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
     gen.set_defaults(func=_generate)
     add_serve_parser(sub)
     add_bench_parser(sub)
     from tandem.sim.cli import add_simulate_parser
 
     add_simulate_parser(sub)
+    add_models_parser(sub)
+    _format_all(parser)
     return parser
+
+
+def _format_all(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's --help shows each flag's default."""
+    parser.formatter_class = HELP_FORMAT
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                _format_all(sp)
+
+
+def _models_path(args: argparse.Namespace) -> int:
+    from tandem.checkpoints import DEFAULT_MODEL_DIR
+    from tandem.entrypoints.llm import default_model_path
+
+    path = default_model_path()
+    print(DEFAULT_MODEL_DIR.parent / "default-draft" if args.draft else path)
+    return 0
+
+
+def add_models_parser(sub: Any) -> None:
+    models = sub.add_parser("models", help="the embedded models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    path = msub.add_parser(
+        "path", help="print the embedded default model's folder (a tokenizer path for other tools)"
+    )
+    path.add_argument("--draft", action="store_true", help="the embedded draft model's folder instead")
+    path.set_defaults(func=_models_path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

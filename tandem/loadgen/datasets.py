@@ -284,19 +284,19 @@ def trace_dataset(path: str, n: int | None, tokenizer: Any) -> list[Sample]:
 
 def add_dataset_args(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", default="random", choices=DATASETS)
+    g.add_argument("--dataset", default="random", choices=DATASETS, help="where the prompts come from")
     g.add_argument(
         "--dataset-path", default=None, help="JSONL with `prompt` and `output_len` (--dataset file); a trace file (--dataset trace)"
     )
-    g.add_argument("--num-prompts", type=int, default=100)
-    g.add_argument("--input-len", type=int, default=256)
-    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    g.add_argument("--input-len", type=int, default=256, help="prompt tokens (random)")
+    g.add_argument("--output-len", type=int, default=128, help="output tokens asked for (random)")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±r)")
-    g.add_argument("--num-prefixes", type=int, default=4)
-    g.add_argument("--prefix-len", type=int, default=256)
-    g.add_argument("--suffix-len", type=int, default=32)
+    g.add_argument("--num-prefixes", type=int, default=4, help="shared prefixes (prefix-repetition)")
+    g.add_argument("--prefix-len", type=int, default=256, help="tokens of each prefix (prefix-repetition)")
+    g.add_argument("--suffix-len", type=int, default=32, help="tokens after the prefix (prefix-repetition)")
     if with_seed:
-        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--seed", type=int, default=0, help="seed of the dataset")
 
 
 def build_dataset(args: argparse.Namespace, n: int, tokenizer: Any, seed: int | None = None) -> list[Sample]:

@@ -12,6 +12,7 @@ from typing import Any
 from tandem.loadgen.arrivals import arrival_intervals
 from tandem.loadgen.datasets import Sample, add_dataset_args, build_dataset, load_tokenizer
 from tandem.loadgen.latency_stats import RequestResult, finish_result, parse_goodput, summarize
+from tandem.loadgen.plot import run_label
 from tandem.loadgen.server_counters import counter_deltas, parse_prometheus, server_counters
 
 
@@ -22,9 +23,13 @@ def _float_list(text: str) -> list[float]:
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
-    g.add_argument("--model", required=True, help="model name to send")
-    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    g.add_argument("--api-key", default=None)
+    g.add_argument(
+        "--model", default=None, help="model name to send (unset: the first one the server's /v1/models lists)"
+    )
+    g.add_argument(
+        "--endpoint", default="completions", choices=["completions", "chat"], help="/v1/completions or /v1/chat/completions"
+    )
+    g.add_argument("--api-key", default=None, help="sent as Authorization: Bearer KEY")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder to build prompts of exact lengths")
     add_dataset_args(p)
     g = p.add_argument_group("load")
@@ -38,18 +43,18 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-concurrency", type=_float_list, default=None, help="in-flight cap; a comma list runs each"
     )
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action="store_true", help="ask the server to generate every output token")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the requests")
     g.add_argument("--num-warmups", type=int, default=0, help="requests sent first, not in the results")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     g.add_argument(
         "--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS"
     )
     g = p.add_argument_group("output")
-    g.add_argument("--result-json", default=None)
+    g.add_argument("--result-json", default=None, help="write the results here (JSON)")
     g.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     g.add_argument("--label", default=None, help="name of this system in the results")
-    g.add_argument("--disable-tqdm", action="store_true")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def _payload(args: argparse.Namespace, s: Sample) -> tuple[str, dict[str, Any]]:
@@ -151,7 +156,7 @@ async def run_once(
         if not args.disable_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(samples), desc=f"rate={rate} conc={concurrency}")
+            bar = tqdm(total=len(samples), desc=run_label({"request_rate": None if math.isinf(rate) else rate, "max_concurrency": concurrency}))
 
         async def one(s: Sample) -> RequestResult:
             if sem is None:
@@ -234,7 +239,27 @@ def format_table(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def served_model(base_url: str, api_key: str | None) -> str:
+    """The first model a server's /v1/models lists; ValueError saying why there is none."""
+    try:  # the openai client ships with httpx2; plain httpx works the same
+        import httpx2 as httpx
+    except ImportError:  # pragma: no cover
+        import httpx  # type: ignore[no-redef]  # one name for whichever of the two is installed
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        resp = httpx.get(url, headers=headers, timeout=30)
+        resp.raise_for_status()
+        return str(resp.json()["data"][0]["id"])
+    except Exception as exc:
+        raise ValueError(f"no --model given and {url} did not name one: {exc}") from exc
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.model is None:
+        args.model = served_model(args.base_url, args.api_key)
+        print(f"model: {args.model} (from {args.base_url}/v1/models)", flush=True)
     tok = load_tokenizer(args.tokenizer)
     samples = build_dataset(args, args.num_prompts, tok)
     warmups = build_dataset(args, args.num_warmups, tok, seed=args.seed + 1) if args.num_warmups > 0 else []

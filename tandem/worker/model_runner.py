@@ -342,6 +342,10 @@ class ModelRunner:
                         blocked = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
                     blocked[i, torch.tensor(stops, device=dev)] = True
 
+        bias = None
+        if any(p.uses_token_controls for p in params):
+            bias, blocked = self._token_controls(rows, blocked)
+
         generators: list[torch.Generator | None] = []
         seeded: set[str] = set()
         for row in rows:
@@ -372,4 +376,41 @@ class ModelRunner:
             blocked=blocked,
             generators=generators,
             num_logprobs=[p.logprobs for p in params],
+            bias=bias,
         )
+
+    def _token_controls(
+        self, rows: list[SampleRow], blocked: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """logit_bias as an [R, V] bias; allowed_token_ids and bad_words added to `blocked`."""
+        dev, vocab = self.device, self.vocab_size
+        bias = None
+
+        def block() -> torch.Tensor:
+            nonlocal blocked
+            if blocked is None:
+                blocked = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+            return blocked
+
+        for i, row in enumerate(rows):
+            sp = row.request.sampling
+            if sp.logit_bias:
+                if bias is None:
+                    bias = torch.zeros(len(rows), vocab, device=dev)
+                ids = torch.tensor(list(sp.logit_bias.keys()), device=dev)
+                bias[i, ids] = torch.tensor(list(sp.logit_bias.values()), device=dev)
+            if sp.allowed_token_ids is not None:
+                allowed = torch.zeros(vocab, dtype=torch.bool, device=dev)
+                allowed[torch.tensor(sp.allowed_token_ids, device=dev)] = True
+                block()[i] |= ~allowed
+            if sp.bad_words_token_ids:
+                out = row.request.output_token_ids + row.history
+                # A word's last token is blocked when the output ends with the rest of the word.
+                last = [
+                    w[-1]
+                    for w in sp.bad_words_token_ids
+                    if len(w) - 1 <= len(out) and (len(w) == 1 or out[len(out) - len(w) + 1 :] == w[:-1])
+                ]
+                if last:
+                    block()[i, torch.tensor(last, device=dev)] = True
+        return bias, blocked

@@ -3,7 +3,7 @@
 Every transform is a tensor op over all rows at once; the only per-row Python
 is drawing noise from a request's own seeded generator (seeded requests must
 not depend on what else is in the batch). Order: penalties, stop-token masking
-for `min_tokens`, then greedy argmax, or temperature, top-k, top-p, min-p and
+for `min_tokens`, logit_bias, then the token masks (allowed_token_ids, bad_words), then greedy argmax, or temperature, top-k, top-p, min-p and
 an exponential-race draw (argmax of p / E, E ~ Exp(1), is a sample from p).
 Returned logprobs are those of the raw model distribution, as in vLLM.
 """
@@ -35,6 +35,9 @@ class SamplingBatch:
     num_logprobs: list[int | None]  # per row
     # [R, V] tokens a row's grammar forbids (structured output); None when no row is constrained.
     grammar_forbidden: torch.Tensor | None = None
+    # [R, V] added to the logits (logit_bias); blocked also holds allowed_token_ids' complement
+    # and the bad_words whose prefix ends the output.
+    bias: torch.Tensor | None = None
 
 
 class Sampler:
@@ -81,6 +84,8 @@ class Sampler:
     def _process(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         if sb.repetition is not None:
             logits = self._penalize(logits, sb)
+        if sb.bias is not None:
+            logits = logits + sb.bias
         if sb.blocked is not None:
             logits = logits.masked_fill(sb.blocked, float("-inf"))
         if sb.grammar_forbidden is not None:

@@ -27,6 +27,7 @@ from tandem.engine.core_client import AsyncEngineClient, Disaggregation
 from tandem.engine.tokenizer import load_chat_template
 from tandem.entrypoints.openai import protocol as p
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request, validation_error
+from tandem.entrypoints.openai.generation_config import sampling_defaults
 from tandem.entrypoints.openai.serving import ServerState, started
 from tandem.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from tandem.entrypoints.openai.serving_completions import create_completion
@@ -164,14 +165,31 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
             raise OpenAIError(503, str(exc)) from None
         return {"instance": instance, "drained": True, "seconds": round(seconds, 3)}
 
-    @app.get("/v1/models")
-    async def models(t: TenantDep) -> Any:
+    def model_card(name: str) -> p.ModelCard:
         limits = state.client.limits if state.client is not None else None
         # `root` is the served name, never the checkpoint's path: no filesystem path leaves the server.
-        card = p.ModelCard(
-            id=state.model_name, root=state.model_name, max_model_len=limits.max_model_len if limits else None
+        return p.ModelCard(
+            id=name, root=state.model_name, max_model_len=limits.max_model_len if limits else None
         )
-        return p.ModelList(data=[card]).model_dump()
+
+    @app.get("/v1/models")
+    async def models(t: TenantDep) -> Any:
+        names = (state.model_name, *state.extra_model_names)
+        return p.ModelList(data=[model_card(n) for n in names]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, t: TenantDep) -> Any:
+        state.check_model(model_id)
+        return model_card(model_id).model_dump()
+
+    @app.get("/version")
+    async def version() -> Any:
+        return {"version": __version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Any:
+        # vLLM's (SageMaker's) liveness route: the same answer as /health.
+        return await health()
 
     @app.get("/health")
     async def health() -> Any:
@@ -197,7 +215,14 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
         engine = state.engine
         if body.messages is not None and body.prompt is None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt, tools)
+            ids = await chat_prompt_ids(
+                state,
+                body.messages,
+                body.add_generation_prompt and not body.continue_final_message,
+                tools,
+                body.continue_final_message,
+                body.chat_template_kwargs,
+            )
         elif body.prompt is not None and body.messages is None:
             try:
                 started(engine.inputs).check_prompt_text(body.prompt)
@@ -208,8 +233,11 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
                 raise bad_request(exc, "prompt") from exc
         else:
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+        strs = None
+        if body.return_token_strs:
+            strs = list(started(engine.tokenizer).hf.convert_ids_to_tokens(ids))
         return p.TokenizeResponse(
-            count=len(ids), max_model_len=started(engine.limits).max_model_len, tokens=ids
+            count=len(ids), max_model_len=started(engine.limits).max_model_len, tokens=ids, token_strs=strs
         ).model_dump()
 
     @app.post("/detokenize")
@@ -371,10 +399,16 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     chat_template = load_chat_template(getattr(args, "chat_template", None))
     tenants = Tenants.from_args(args.api_key, args.api_keys_file)
-    name = args.served_model_name or Path(config.model).name
+    names = args.served_model_name or [Path(config.model).name]
+    name = names[0]
     state = ServerState(
         model_name=name,
-        model_aliases=frozenset({config.model}),
+        model_aliases=frozenset({config.model, *names[1:]}),
+        extra_model_names=tuple(n for n in dict.fromkeys(names[1:]) if n != name),
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        max_logprobs=args.max_logprobs,
+        response_role=args.response_role,
+        sampling_defaults=sampling_defaults(args.generation_config, config.model),
         chat_template=chat_template,
         tool_parser=tool_parser if enable_auto_tools else None,
         metrics=ServerMetrics(name),

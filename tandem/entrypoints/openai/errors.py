@@ -73,6 +73,12 @@ _KNOWN_PARAMS = (
     "stop",
     "n",
     "priority",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "best_of",
+    "suffix",
 )
 
 

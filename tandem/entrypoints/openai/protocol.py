@@ -2,7 +2,8 @@
 
 Requests are strict (no type coercion) and reject unknown fields, except the documented vLLM
 extras, which every generation request accepts: top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, skip_special_tokens, priority, include_stop_str_in_output, and the
+min_tokens, stop_token_ids, skip_special_tokens, priority, include_stop_str_in_output,
+allowed_token_ids, bad_words, cache_salt, truncate_prompt_tokens, return_tokens_as_token_ids, and the
 structured-output fields (response_format, structured_outputs, guided_json/regex/choice/grammar).
 """
 
@@ -77,6 +78,11 @@ class SamplingFields(Strict):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    allowed_token_ids: list[Count] | None = None
+    bad_words: list[Text] | None = None
+    cache_salt: Text | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -150,6 +156,8 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     # vLLM extras for chat
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(Strict):
@@ -159,6 +167,9 @@ class TokenizeRequest(Strict):
     tools: list[ChatTool] | None = None  # rendered by the chat template with `messages`
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(Strict):

@@ -23,7 +23,7 @@ from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.protocol import SamplingFields
 from tandem.entrypoints.openai.tenants import Tenant, Tenants
 from tandem.outputs import Logprob, RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
 
@@ -53,12 +53,21 @@ class ServerState:
     tenants: Tenants
     max_waiting_requests: int
     drain_timeout: float
-    # Other names clients may send for the model (the checkpoint path it was started with).
+    # Other names clients may send for the model (the checkpoint path it was started with, and
+    # the --served-model-name names after the first, which /v1/models lists too).
     model_aliases: frozenset[str] = frozenset()
     # --chat-template (None: the tokenizer's), and the --tool-call-parser that reads tool_choice
     # "auto" output (None without --enable-auto-tool-choice).
     chat_template: str | None = None
     tool_parser: str | None = None
+    extra_model_names: tuple[str, ...] = ()
+    # --return-tokens-as-token-ids, --max-logprobs, --response-role, and the sampling defaults
+    # --generation-config read (vLLM's names: temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_tokens).
+    return_tokens_as_token_ids: bool = False
+    max_logprobs: int = MAX_LOGPROBS
+    response_role: str = "assistant"
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_body_bytes: int = 32 << 20
     body_timeout_s: float = 30.0
     connections: ConnectionTable = field(default_factory=lambda: ConnectionTable(ConnectionLimits()))
@@ -127,22 +136,53 @@ def tenant_label(tenant: Tenant | None) -> str:
     return tenant.name if tenant is not None else "default"
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+def logit_bias(body: SamplingFields) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings as keys) with integer keys; 400 for a key that is not one."""
+    if not body.logit_bias:
+        return None
+    out = {}
+    for key, value in body.logit_bias.items():
+        if not key.strip().isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (decimal strings), got {key[:50]!r}", "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def sampling_params(
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    state: ServerState | None = None,
+    n: int | None = None,
+) -> SamplingParams:
+    """The engine's parameters for a request. With the server's `state`: its --generation-config
+    defaults fill the fields the request leaves unset, and --max-logprobs bounds logprobs; `n`
+    overrides the request's (best_of)."""
+    d = state.sampling_defaults if state is not None else {}
+
+    def pick(value: Any, name: str, fallback: Any) -> Any:
+        return value if value is not None else d.get(name, fallback)
+
+    if state is not None and logprobs is not None and logprobs > state.max_logprobs:
+        raise bad_request(
+            f"logprobs: {logprobs} is more than this server allows (--max-logprobs {state.max_logprobs})",
+            "logprobs",
+        )
+    if max_tokens is None:
+        max_tokens = d.get("max_tokens")
     from tandem.entrypoints.openai.structured import structured_outputs
 
     constraint = structured_outputs(body)
     try:
         return SamplingParams(
-            n=body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
+            n=body.n if n is None else n,
+            temperature=pick(body.temperature, "temperature", 1.0),
+            top_p=pick(body.top_p, "top_p", 1.0),
+            top_k=pick(body.top_k, "top_k", 0),
+            min_p=pick(body.min_p, "min_p", 0.0),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=pick(body.repetition_penalty, "repetition_penalty", 1.0),
             seed=body.seed,
             stop=body.stop,
             stop_token_ids=body.stop_token_ids,
@@ -153,6 +193,10 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             structured_outputs=constraint,
+            logit_bias=logit_bias(body),
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
     except ValueError as exc:
         raise bad_request(exc) from exc
@@ -201,7 +245,7 @@ async def prepare(
                         params,
                         priority=priority,
                         tenant=None if tenant is None else tenant.name,
-                        cache_salt=None if tenant is None else tenant.cache_salt,
+                        cache_salt=request_salt(tenant, body.cache_salt),
                     )
                 )
             except ValueError as exc:
@@ -209,6 +253,14 @@ async def prepare(
         return out
 
     return await state.offload(sum(prompt_size(p) for p in prompts), process_all)
+
+
+def request_salt(tenant: Tenant | None, salt: str | None) -> str | None:
+    """The prefix-cache salt of a request: its tenant's, then the body's `cache_salt` within it (a
+    request can keep its prefix to itself, never reach into another tenant's)."""
+    if tenant is None:
+        return salt
+    return tenant.cache_salt if salt is None else f"{tenant.cache_salt}\x00{salt}"
 
 
 def check_queue(state: ServerState, tenant: Tenant | None, n: int) -> None:
@@ -398,6 +450,22 @@ def error_for(exc: BaseException) -> OpenAIError:
 
 def token_text(lp: Logprob, fallback: str) -> str:
     return lp.decoded_token if lp.decoded_token is not None else fallback
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """How a logprob's token is written: its text, or `token_id:N` (return_tokens_as_token_ids,
+    for tokens whose text is not valid UTF-8 on its own)."""
+
+    decode: Callable[[int], str]
+    as_ids: bool = False
+
+    def __call__(self, token: int, lp: Logprob | None = None) -> str:
+        if self.as_ids:
+            return f"token_id:{token}"
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.decode(token)
 
 
 def sampled_and_top(entry: dict[int, Logprob], token: int) -> tuple[Logprob, list[tuple[int, Logprob]]]:

@@ -25,12 +25,12 @@ from tandem.entrypoints.openai.protocol import (
 from tandem.entrypoints.openai.serving import (
     EngineCall,
     ServerState,
+    TokenText,
     error_for,
     prepare,
     sampled_and_top,
     sampling_params,
     started,
-    token_text,
 )
 from tandem.entrypoints.openai.sse import SSEResponse
 from tandem.entrypoints.openai.tenants import Tenant
@@ -56,6 +56,8 @@ async def chat_prompt_ids(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt token ids of a conversation (large ones are rendered and tokenized off the loop)."""
     engine = state.engine
@@ -70,20 +72,27 @@ async def chat_prompt_ids(
             add_generation_prompt,
             state.chat_template,
             tools,
+            continue_final_message,
+            template_kwargs,
         )
     except ValueError as exc:
-        raise bad_request(exc, "messages") from exc
+        param = "messages"
+        if "chat_template_kwargs" in str(exc):
+            param = "chat_template_kwargs"
+        elif "continue_final_message" in str(exc):
+            param = "continue_final_message"
+        raise bad_request(exc, param) from exc
 
 
-def _logprobs(c: CompletionOutput, start: int, end: int, k: int, decode: Any) -> ChatLogprobs:
+def _logprobs(c: CompletionOutput, start: int, end: int, k: int, decode: TokenText) -> ChatLogprobs:
     content = []
     logprobs = c.logprobs or []
     for pos in range(start, min(end, len(logprobs))):
         token = c.token_ids[pos]
         sampled, ranked = sampled_and_top(logprobs[pos], token)
-        text = token_text(sampled, decode(token))
+        text = decode(token, sampled)
         top = [
-            TopLogprob(token=(s := token_text(p, decode(t))), logprob=p.logprob, bytes=list(s.encode()))
+            TopLogprob(token=(s := decode(t, p)), logprob=p.logprob, bytes=list(s.encode()))
             for t, p in ranked[:k]
         ]
         content.append(
@@ -101,19 +110,32 @@ async def create_chat_completion(
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, logprobs)
+    params = sampling_params(body, max_tokens, logprobs, state)
     tools.apply(params)
-    ids = await chat_prompt_ids(state, body.messages, body.add_generation_prompt, tools.tools)
+    ids = await chat_prompt_ids(
+        state,
+        body.messages,
+        body.add_generation_prompt,
+        tools.tools,
+        body.continue_final_message,
+        body.chat_template_kwargs,
+    )
     request_id = random_id("chatcmpl")
     prepared = await prepare(state, request_id, [{"prompt_token_ids": ids}], params, body, tenant)
-    decode = started(state.engine.tokenizer).decode_token
+    decode = TokenText(
+        started(state.engine.tokenizer).decode_token,
+        bool(body.return_tokens_as_token_ids or state.return_tokens_as_token_ids),
+    )
+    # As vLLM: the reply's role is --response-role after a generation prompt, else the last message's.
+    role = state.response_role if body.add_generation_prompt else body.messages[-1].role
     with EngineCall(state, tenant, prepared) as call:
         call.start()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return call.stream_to(
                 lambda c: SSEResponse(
-                    _stream(state, c, request_id, params.n, logprobs, include_usage, decode, tools), c.close
+                    _stream(state, c, request_id, params.n, logprobs, include_usage, decode, tools, role),
+                    c.close,
                 )
             )
         if not await call.finish(receive):
@@ -121,10 +143,10 @@ async def create_chat_completion(
     out = call.outputs()[0]
     choices = []
     for c in out.outputs:
-        message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
+        message, finish_reason = ChatResponseMessage(role=role, content=c.text), c.finish_reason
         if tools.reads_calls:
             content, calls = tools.message(c.text)
-            message = ChatResponseMessage(content=content, tool_calls=calls)
+            message = ChatResponseMessage(role=role, content=content, tool_calls=calls)
             finish_reason = tools.finish_reason(c.finish_reason, bool(calls))
         choices.append(
             ChatChoice(
@@ -149,8 +171,9 @@ async def _stream(
     n: int,
     logprobs: int | None,
     include_usage: bool,
-    decode: Any,
+    decode: TokenText,
     tools: ToolPlan,
+    role: str = "assistant",
 ) -> AsyncIterator[str]:
     created = int(time.time())
     readers = [tools.reader() for _ in range(n)] if tools.reads_calls else None
@@ -166,7 +189,7 @@ async def _stream(
     try:
         for k in range(n):
             # With tool calls possible the content may stay null, as in the non-streamed message.
-            first = DeltaMessage(role="assistant", content=None if readers is not None else "")
+            first = DeltaMessage(role=role, content=None if readers is not None else "")
             yield chunk(ChatStreamChoice(index=k, delta=first))
         async for batch in call.updates():
             for _, out in batch:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
+from tandem.entrypoints.openai.fim import fim_prompt
 from tandem.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -19,12 +21,12 @@ from tandem.entrypoints.openai.protocol import (
 from tandem.entrypoints.openai.serving import (
     EngineCall,
     ServerState,
+    TokenText,
     error_for,
     prepare,
     sampled_and_top,
     sampling_params,
     started,
-    token_text,
 )
 from tandem.entrypoints.openai.sse import SSEResponse
 from tandem.entrypoints.openai.tenants import Tenant
@@ -41,17 +43,17 @@ def _prompts(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
-def _logprobs(c: CompletionOutput, start: int, end: int, offset: int, decode: Any) -> tuple[Any, int]:
+def _logprobs(c: CompletionOutput, start: int, end: int, offset: int, decode: TokenText) -> tuple[Any, int]:
     """Completion-style logprobs of tokens [start, end) of a sample; returns them and the next text offset."""
     lp = CompletionLogprobs()
     logprobs = c.logprobs or []
     for pos in range(start, min(end, len(logprobs))):
         token = c.token_ids[pos]
         sampled, ranked = sampled_and_top(logprobs[pos], token)
-        text = token_text(sampled, decode(token))
+        text = decode(token, sampled)
         lp.tokens.append(text)
         lp.token_logprobs.append(sampled.logprob)
-        lp.top_logprobs.append({token_text(p, decode(t)): p.logprob for t, p in ranked})
+        lp.top_logprobs.append({decode(t, p): p.logprob for t, p in ranked})
         lp.text_offset.append(offset)
         offset += len(text)
     return lp, offset
@@ -61,19 +63,24 @@ async def create_completion(
     state: ServerState, body: CompletionRequest, tenant: Tenant | None, receive: Any
 ) -> Any:
     state.check_model(body.model)
-    if body.suffix:
-        raise bad_request("suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise bad_request(
-            "best_of must equal n (beam search and best-of selection are not supported)", "best_of"
-        )
+    best_of = body.best_of if body.best_of is not None and body.best_of != body.n else None
+    if best_of is not None:
+        if best_of < body.n:
+            raise bad_request(f"best_of ({best_of}) must be at least n ({body.n})", "best_of")
+        if body.stream:
+            raise bad_request("best_of > n cannot be streamed (the best are known only at the end)", "best_of")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", "echo")
-    params = sampling_params(body, body.max_tokens, body.logprobs)
-    request_id = random_id("cmpl")
-    prepared = await prepare(state, request_id, _prompts(body.prompt), params, body, tenant)
+    # best_of ranks samples by cumulative logprob: the engine computes it when logprobs are on.
+    gen_logprobs = body.logprobs if body.logprobs is not None or best_of is None else 0
+    params = sampling_params(body, body.max_tokens, gen_logprobs, state, n=best_of)
+    prompts = _prompts(body.prompt)
     tokenizer = started(state.engine.tokenizer)
-    decode = tokenizer.decode_token
+    if body.suffix:
+        prompts = [_fim(state, tokenizer, p, body.suffix) for p in prompts]
+    request_id = random_id("cmpl")
+    prepared = await prepare(state, request_id, prompts, params, body, tenant)
+    decode = TokenText(tokenizer.decode_token, bool(body.return_tokens_as_token_ids or state.return_tokens_as_token_ids))
     n = params.n
     with EngineCall(state, tenant, prepared) as call:
         echo = None
@@ -96,13 +103,14 @@ async def create_completion(
     choices = []
     completion_tokens = 0
     for i, out in enumerate(call.outputs()):
-        for c in out.outputs:
+        samples = out.outputs if best_of is None else _best(out.outputs, body.n)
+        for c in samples:
             completion_tokens += len(c.token_ids)
             lp = _logprobs(c, 0, len(c.token_ids), 0, decode)[0] if body.logprobs is not None else None
             text = (echo[i] if echo else "") + c.text
             choices.append(
                 CompletionChoice(
-                    index=i * n + c.index,
+                    index=i * body.n + c.index,
                     text=text,
                     logprobs=lp,
                     finish_reason=c.finish_reason,
@@ -118,6 +126,25 @@ async def create_completion(
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
 
 
+def _best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The `n` samples of highest cumulative logprob, best first, renumbered 0..n-1."""
+    ranked = sorted(samples, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+    return [replace(c, index=k) for k, c in enumerate(ranked)]
+
+
+def _fim(state: ServerState, tokenizer: Any, prompt: Any, suffix: str) -> dict[str, Any]:
+    if not isinstance(prompt, str):
+        raise bad_request("suffix needs a text prompt, not token ids", "suffix")
+    try:
+        started(state.engine.inputs).check_prompt_text(prompt + suffix)
+        ids = fim_prompt(
+            tokenizer.backend.token_to_id, lambda t: tokenizer.encode(t, add_special_tokens=False), prompt, suffix
+        )
+    except ValueError as exc:
+        raise bad_request(exc, "suffix") from exc
+    return {"prompt_token_ids": ids, "prompt": prompt}
+
+
 async def _stream(
     state: ServerState,
     call: EngineCall,
@@ -126,7 +153,7 @@ async def _stream(
     echo: list[str] | None,
     want_logprobs: bool,
     include_usage: bool,
-    decode: Any,
+    decode: TokenText,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     sent_text: dict[int, int] = {}
