@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import openai
 import pytest
 from server_utils import FAST_ARGS, RemoteServer
 
@@ -145,9 +144,7 @@ def test_completion_echo(client, offline):
     ref = offline_one(offline, ids, **GREEDY, ignore_eos=True).outputs[0].text
     assert by_ids == hf.decode(ids) + ref
     assert by_ids.endswith(PROMPTS[2] + ref)
-
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(prompt=PROMPTS[0], echo=True, logprobs=1, **kw)
+    # echo with logprobs (the prompt's logprobs): test_server_prompt_logprobs.py
 
 
 def test_stop_strings(client, offline):

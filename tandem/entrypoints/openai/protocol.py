@@ -2,7 +2,8 @@
 
 Requests are strict (no type coercion) and reject unknown fields, except the documented vLLM
 extras, which every generation request accepts: top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, skip_special_tokens, priority, include_stop_str_in_output.
+min_tokens, stop_token_ids, skip_special_tokens, priority, include_stop_str_in_output,
+prompt_logprobs.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     priority: Int64 = 0
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -139,10 +141,27 @@ class DetokenizeRequest(Strict):
 # -- responses -----------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs` (keyed by token id in each position's dict)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# None for the first prompt token, then per token {token id: PromptLogprob}.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogprobs(BaseModel):
@@ -158,6 +177,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -203,6 +223,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -20,7 +20,7 @@ from tandem.engine.messages import EngineCoreRequest
 from tandem.entrypoints.openai.connections import ConnectionLimits, ConnectionTable
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
 from tandem.entrypoints.openai.metrics import ServerMetrics
-from tandem.entrypoints.openai.protocol import SamplingFields
+from tandem.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from tandem.entrypoints.openai.tenants import Tenant, Tenants
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -123,7 +123,12 @@ def tenant_label(tenant: Tenant | None) -> str:
     return tenant.name if tenant is not None else "default"
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
+    """`prompt_logprobs` overrides the body's (completions' echo asks for them with `logprobs`)."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs are not available with stream", "prompt_logprobs")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     try:
@@ -145,6 +150,7 @@ def sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int 
             min_tokens=body.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
     except ValueError as exc:
         raise bad_request(exc) from exc
@@ -263,6 +269,17 @@ class EngineCall:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(req.prompt_token_ids) for req, _ in self.prepared)
+
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        """Token counts, with the prompt tokens the engine found in its prefix cache."""
+        cached = sum(o.metrics.num_cached_tokens for o in self.last if o is not None and o.metrics is not None)
+        prompt_tokens = self.num_prompt_tokens
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
     def start(self) -> None:
         """Admit (tenant limits: 429) and queue; the caller has `prepare`d (queue bound: 503) just before."""

@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
+from tandem.entrypoints.openai.prompt_logprobs import clamp, prompt_logprobs_json
 from tandem.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
     random_id,
 )
 from tandem.entrypoints.openai.serving import (
@@ -28,7 +28,7 @@ from tandem.entrypoints.openai.serving import (
 )
 from tandem.entrypoints.openai.sse import SSEResponse
 from tandem.entrypoints.openai.tenants import Tenant
-from tandem.outputs import CompletionOutput
+from tandem.outputs import CompletionOutput, Logprob
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -41,19 +41,37 @@ def _prompts(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
+def _append_logprobs(
+    lp: CompletionLogprobs,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    offset: int,
+    decode: Any,
+) -> int:
+    """Add tokens' completion-style logprobs to `lp` (an entry None, an echoed prompt's first token:
+    no logprob, as vLLM gives it); returns the next text offset."""
+    for token, entry in zip(token_ids, entries):
+        if entry is None:
+            text = decode(token)
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+        else:
+            sampled, ranked = sampled_and_top(entry, token)
+            text = token_text(sampled, decode(token))
+            lp.token_logprobs.append(clamp(sampled.logprob))
+            lp.top_logprobs.append({token_text(p, decode(t)): clamp(p.logprob) for t, p in ranked})
+        lp.tokens.append(text)
+        lp.text_offset.append(offset)
+        offset += len(text)
+    return offset
+
+
 def _logprobs(c: CompletionOutput, start: int, end: int, offset: int, decode: Any) -> tuple[Any, int]:
     """Completion-style logprobs of tokens [start, end) of a sample; returns them and the next text offset."""
     lp = CompletionLogprobs()
     logprobs = c.logprobs or []
-    for pos in range(start, min(end, len(logprobs))):
-        token = c.token_ids[pos]
-        sampled, ranked = sampled_and_top(logprobs[pos], token)
-        text = token_text(sampled, decode(token))
-        lp.tokens.append(text)
-        lp.token_logprobs.append(sampled.logprob)
-        lp.top_logprobs.append({token_text(p, decode(t)): p.logprob for t, p in ranked})
-        lp.text_offset.append(offset)
-        offset += len(text)
+    end = min(end, len(logprobs))
+    offset = _append_logprobs(lp, c.token_ids[start:end], list(logprobs[start:end]), offset, decode)
     return lp, offset
 
 
@@ -67,9 +85,17 @@ async def create_completion(
         raise bad_request(
             "best_of must equal n (beam search and best-of selection are not supported)", "best_of"
         )
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported", "echo")
-    params = sampling_params(body, body.max_tokens, body.logprobs)
+    # max_tokens 0 with echo (vLLM's way to score a prompt): one token is generated and not returned.
+    prompt_only = body.max_tokens == 0
+    if prompt_only and not body.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+    echo_logprobs = body.echo and body.logprobs is not None
+    if body.stream and (echo_logprobs or prompt_only):
+        raise bad_request("echo with logprobs or with max_tokens 0 is not available with stream", "stream")
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and echo_logprobs:
+        prompt_logprobs = body.logprobs
+    params = sampling_params(body, 1 if prompt_only else body.max_tokens, body.logprobs, prompt_logprobs)
     request_id = random_id("cmpl")
     prepared = await prepare(state, request_id, _prompts(body.prompt), params, body, tenant)
     tokenizer = started(state.engine.tokenizer)
@@ -96,25 +122,29 @@ async def create_completion(
     choices = []
     completion_tokens = 0
     for i, out in enumerate(call.outputs()):
+        prompt_lps = prompt_logprobs_json(out.prompt_logprobs)
         for c in out.outputs:
-            completion_tokens += len(c.token_ids)
-            lp = _logprobs(c, 0, len(c.token_ids), 0, decode)[0] if body.logprobs is not None else None
-            text = (echo[i] if echo else "") + c.text
+            token_ids, text = ([], "") if prompt_only else (c.token_ids, c.text)
+            completion_tokens += len(token_ids)
+            lp = None
+            if body.logprobs is not None:
+                lp, offset = CompletionLogprobs(), 0
+                if echo_logprobs:
+                    offset = _append_logprobs(
+                        lp, out.prompt_token_ids, list(out.prompt_logprobs or []), offset, decode
+                    )
+                _append_logprobs(lp, token_ids, list(c.logprobs or []), offset, decode)
             choices.append(
                 CompletionChoice(
                     index=i * n + c.index,
-                    text=text,
+                    text=(echo[i] if echo else "") + text,
                     logprobs=lp,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
+                    finish_reason="length" if prompt_only and c.finish_reason is not None else c.finish_reason,
+                    stop_reason=None if prompt_only else c.stop_reason,
+                    prompt_logprobs=prompt_lps,
                 )
             )
-    prompt_tokens = call.num_prompt_tokens
-    usage = UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
+    usage = call.usage(completion_tokens)
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
 
 
@@ -174,11 +204,7 @@ async def _stream(
                     if finished:
                         completion_tokens += len(c.token_ids)
         if include_usage:
-            usage = UsageInfo(
-                prompt_tokens=call.num_prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=call.num_prompt_tokens + completion_tokens,
-            )
+            usage = call.usage(completion_tokens)
             last = CompletionChunk(
                 id=request_id, created=created, model=state.model_name, choices=[], usage=usage
             )
