@@ -2,7 +2,7 @@
 loglikelihood and a perplexity (loglikelihood_rolling) task on local data (tests/server/lm_eval_tasks,
 nothing downloaded), finds the server's tokenizer through GET /tokenizer_info, and every per-document
 loglikelihood it reports equals what transformers computes on the same tokens. Skipped without lm-eval
-(`pip install "lm-eval[api]==0.4.13"`: a large install, so not in the dev extra)."""
+(`pip install -e ".[eval]"`: a large install, so not in the dev extra)."""
 
 from __future__ import annotations
 

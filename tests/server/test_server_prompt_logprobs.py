@@ -163,3 +163,27 @@ def test_tokenizer_info(http, hf, llama_dir):
     assert info["chat_template"] == tok.chat_template
     assert info["model_max_length"] == tok.model_max_length
     assert str(llama_dir) not in resp.text  # no filesystem path leaves the server
+
+
+def test_streamed_echo_with_logprobs_equals_the_whole_response(server):
+    client = server.client()
+    kw = dict(model=MODEL, prompt=TEXTS[:2], max_tokens=3, temperature=0, echo=True, logprobs=1)
+    whole = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert mine[0].text == TEXTS[choice.index]  # the prompt first, with its logprobs
+        assert mine[0].logprobs.token_logprobs[0] is None
+        assert "".join(c.text for c in mine) == choice.text
+        lps = [v for c in mine if c.logprobs for v in c.logprobs.token_logprobs]
+        assert lps == choice.logprobs.token_logprobs
+        offsets = [v for c in mine if c.logprobs for v in c.logprobs.text_offset]
+        assert offsets == choice.logprobs.text_offset
+        assert mine[-1].finish_reason == "length"
+
+    kw.update(max_tokens=0, prompt=TEXTS[0])
+    whole = client.completions.create(**kw)
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == TEXTS[0] == whole.choices[0].text
+    assert [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs] == whole.choices[0].logprobs.token_logprobs
+    assert chunks[-1].finish_reason == "length"

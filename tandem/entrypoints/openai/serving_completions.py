@@ -90,8 +90,6 @@ async def create_completion(
     if prompt_only and not body.echo:
         raise bad_request("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
     echo_logprobs = body.echo and body.logprobs is not None
-    if body.stream and (echo_logprobs or prompt_only):
-        raise bad_request("echo with logprobs or with max_tokens 0 is not available with stream", "stream")
     prompt_logprobs = body.prompt_logprobs
     if prompt_logprobs is None and echo_logprobs:
         prompt_logprobs = body.logprobs
@@ -113,7 +111,17 @@ async def create_completion(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return call.stream_to(
                 lambda c: SSEResponse(
-                    _stream(state, c, request_id, n, echo, body.logprobs is not None, include_usage, decode),
+                    _stream(
+                        state,
+                        c,
+                        request_id,
+                        n,
+                        echo,
+                        body.logprobs is not None,
+                        include_usage,
+                        decode,
+                        prompt_only,
+                    ),
                     c.close,
                 )
             )
@@ -157,29 +165,52 @@ async def _stream(
     want_logprobs: bool,
     include_usage: bool,
     decode: Any,
+    prompt_only: bool = False,
 ) -> AsyncIterator[str]:
+    """With echo, each choice's first chunk is its prompt; with logprobs too, that chunk waits for
+    the prompt's logprobs and carries them. `prompt_only` (max_tokens 0): the prompt, then the
+    finish, nothing generated."""
     created = int(time.time())
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     offsets: dict[int, int] = {}
     completion_tokens = 0
+    unechoed: set[int] = set()  # prompts whose echo waits for their logprobs
 
     def chunk(choice: CompletionChoice) -> str:
         c = CompletionChunk(id=request_id, created=created, model=state.model_name, choices=[choice])
         return f"data: {c.model_dump_json()}\n\n"
 
     try:
-        if echo:
+        if echo and want_logprobs:
+            unechoed = set(range(len(echo)))
+        elif echo:
             for i, text in enumerate(echo):
                 for k in range(n):
                     offsets[i * n + k] = len(text)
                     yield chunk(CompletionChoice(index=i * n + k, text=text))
         async for batch in call.updates():
             for i, out in batch:
+                if i in unechoed and echo is not None:
+                    held = out.prompt_logprobs or []
+                    started = any(c.token_ids or c.finish_reason for c in out.outputs)
+                    if len(held) < len(out.prompt_token_ids) and not started:
+                        continue  # the prompt is still being computed
+                    unechoed.discard(i)
+                    echoed = CompletionLogprobs()
+                    offset = _append_logprobs(echoed, out.prompt_token_ids, list(held), 0, decode)
+                    for k in range(n):
+                        offsets[i * n + k] = offset
+                        yield chunk(CompletionChoice(index=i * n + k, text=echo[i], logprobs=echoed))
                 for c in out.outputs:
                     key = i * n + c.index
                     if key in sent_tokens and sent_tokens[key] < 0:
                         continue  # already finished
+                    if prompt_only:
+                        if c.finish_reason is not None:
+                            sent_tokens[key] = -1
+                            yield chunk(CompletionChoice(index=key, text="", finish_reason="length"))
+                        continue
                     start_tok = sent_tokens.get(key, 0)
                     start_txt = sent_text.get(key, 0)
                     delta = c.text[start_txt:] if len(c.text) > start_txt else ""
