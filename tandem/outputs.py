@@ -49,3 +49,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Why the request failed (its samples finish with reason "error"); None when it did not.
     error: str | None = None
+    # With `SamplingParams.prompt_logprobs`: None for the first prompt token (nothing precedes it),
+    # then per prompt token a dict holding it and the top-k alternatives (as vLLM's).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -133,6 +133,8 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     # Keep only the last k prompt tokens (-1: the last max_model_len); None keeps the whole prompt.
     truncate_prompt_tokens: int | None = None
+    # Logprobs of the prompt's tokens (each with this many top alternatives), computed in the prefill.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -240,6 +242,10 @@ class SamplingParams:
             check_int("logprobs")
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs")
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise ValueError(f"SamplingParams.stop holds {len(self.stop_strings)} strings, more than {MAX_STOP_STRINGS}")
         for s in self.stop_strings:

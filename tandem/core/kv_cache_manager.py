@@ -76,7 +76,7 @@ class KVCacheManager:
 
     def match_len(self, req: Request) -> int:
         """Tokens of `req` a cached prefix would cover (read-only; for ordering the queue)."""
-        if self.cache is None:
+        if self.cache is None or req.owes_prompt_logprobs:
             return 0
         return self.cache.match_len(req.token_ids[: req.num_tokens - 1], req.cache_salt)
 
@@ -84,7 +84,7 @@ class KVCacheManager:
         """Blocks that admitting `req` (with no blocks) and computing its tokens takes out of
         `num_available`: those beyond its cached prefix, plus the prefix blocks idle now (matching
         locks them, so they stop counting as available)."""
-        if self.cache is None:
+        if self.cache is None or req.owes_prompt_logprobs:
             return self.blocks_for(req.num_tokens)
         matched, idle = self.cache.match_stats(req.token_ids[: req.num_tokens - 1], req.cache_salt)
         return self.blocks_for(req.num_tokens) - matched // self.block_size + idle
@@ -93,8 +93,13 @@ class KVCacheManager:
         """Give a request with no blocks its longest cached prefix; returns the tokens covered.
 
         At least the last token is always left to compute, so its logits exist.
+
+        A request still owed prompt logprobs takes nothing from the cache: a cached prefix has KV
+        but no logits, and its logprobs need the logits of every prompt position, so the prefix
+        would be computed again anyway (as vLLM does, it skips reading the cache; its blocks still
+        go into the cache for others).
         """
-        if self.cache is None or req.block_ids:
+        if self.cache is None or req.block_ids or req.owes_prompt_logprobs:
             return 0
         blocks, node = self.cache.match(req.token_ids[: req.num_tokens - 1], req.cache_salt)
         self.pool.incref(blocks)

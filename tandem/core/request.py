@@ -77,6 +77,9 @@ class Request:
     protected_until_outputs: int = 0
     # The prefix-cache node whose path this request has locked (opaque to everything but the cache).
     prefix_node: object | None = None
+    # With `sampling.prompt_logprobs`: the index of the next prompt token whose logprob is owed
+    # (the first token has none). Survives preemption, so a recomputed prompt emits nothing twice.
+    prompt_logprobs_next: int = 1
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -104,6 +107,10 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        return self.sampling.prompt_logprobs is not None and self.prompt_logprobs_next < len(self.prompt_token_ids)
 
     @property
     def num_seats(self) -> int:

@@ -79,6 +79,9 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     accepted: dict[str, list[int]] = field(default_factory=dict)
     draft_passes: list[DraftPass] = field(default_factory=list)
+    # Requests owed prompt logprobs: the index of the first prompt token covered this step, and one
+    # entry per token from there (tandem/worker/prompt_logprobs.py).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Seconds in the target model itself (layers and logits), to tell engine overhead from compute.
     forward_time: float = 0.0
 

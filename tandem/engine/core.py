@@ -263,7 +263,7 @@ class EngineCore:
     def make_member(self, req: EngineCoreRequest, index: int, outputs: list[int] | None = None) -> Request:
         """The scheduler's Request for sample `index` of `req`, with `outputs` already produced."""
         params = req.params
-        return Request(
+        member = Request(
             request_id=req.request_id if index == 0 else f"{req.request_id}#{index}",
             prompt_token_ids=req.prompt_token_ids,
             sampling=params,
@@ -278,6 +278,10 @@ class EngineCore:
             seed=sample_seed(params.seed, index),
             token_ids=[*req.prompt_token_ids, *outputs] if outputs else [],
         )
+        if outputs or index > 0:
+            # Prompt logprobs are the leader's, and a sample with output had its prompt's sent already.
+            member.prompt_logprobs_next = len(req.prompt_token_ids)
+        return member
 
     def samples(self, request_id: str) -> list[Request | None] | None:
         """A user request's samples as the scheduler holds them (None: one that has ended), or None."""
@@ -394,6 +398,16 @@ class EngineCore:
         if sched.is_empty:
             return []
         changed = self.scheduler.update(sched, result)
+        if result.prompt_logprobs:
+            # Prompt chunks that sampled nothing still hand their prompt logprobs out now.
+            listed = {id(r) for r in changed}
+            changed += [
+                r for r in sched.requests if r.request_id in result.prompt_logprobs and id(r) not in listed
+            ]
+            for r in sched.requests:
+                got = result.prompt_logprobs.get(r.request_id)
+                if got is not None:
+                    r.prompt_logprobs_next = got[0] + len(got[1])
         update_seconds = time.perf_counter() - start
         out = [self._sample_output(req, before, result) for req in changed]
         # Only once every output has its incarnation: samples finishing together share the group entry.
@@ -419,6 +433,9 @@ class EngineCore:
             new_logprobs=None if lps is None else lps[: len(new)],
             incarnation=self._incarnations.get(req.group_id, 0),
         )
+        prompt_lps = result.prompt_logprobs.get(req.request_id)
+        if prompt_lps is not None:
+            so.prompt_logprobs_start, so.prompt_logprobs = prompt_lps
         if req.is_finished:
             so.finish_reason = req.status.finish_reason
             so.stop_reason = req.stop_reason

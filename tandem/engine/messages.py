@@ -65,6 +65,10 @@ class SampleOutput:
     error: str | None = None
     # The request's `incarnation`.
     incarnation: int = 0
+    # Logprobs of prompt tokens computed this step (sample 0 only, with `prompt_logprobs` set): one
+    # per token from the prompt's token `prompt_logprobs_start` on.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_start: int = 0
 
 
 # -- API process -> engine ---------------------------------------------------

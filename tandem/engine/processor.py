@@ -151,6 +151,7 @@ class _Group:
     num_cached_tokens: int = 0
     finished_time: float | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -184,7 +185,13 @@ class OutputProcessor:
             for i in range(params.n)
         ]
         self.groups[req.request_id] = _Group(
-            req.request_id, prompt_text, req.prompt_token_ids, params, req.arrival_time, samples
+            req.request_id,
+            prompt_text,
+            req.prompt_token_ids,
+            params,
+            req.arrival_time,
+            samples,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
     def abort(self, request_ids: list[str]) -> None:
@@ -216,7 +223,11 @@ class OutputProcessor:
                 continue  # the front end already ended it (stop string); the core may lag a step
             touched[group.request_id] = group
             try:
+                if up.prompt_logprobs:
+                    self._add_prompt_logprobs(group, up.prompt_logprobs_start, up.prompt_logprobs)
                 self._apply(group, sample, up, now, stops)
+                if group.finished:
+                    self._check_prompt_logprobs(group)
             except Exception as exc:
                 logger.exception("request %s failed in the front end", group.request_id)
                 group.fail(f"{type(exc).__name__}: {exc}", now)
@@ -260,10 +271,35 @@ class OutputProcessor:
             sample.num_preemptions = up.num_preemptions
             group.finished_time = up.finished_time or now
 
+    def _add_prompt_logprobs(self, group: _Group, start: int, lps: list[TokenLogprobs]) -> None:
+        """Append prompt logprobs from prompt token `start` on. Tokens already held are skipped (a
+        run resumed elsewhere computes its prompt again); a gap is an error, never a silent hole."""
+        held = group.prompt_logprobs
+        if held is None:
+            return
+        if start > len(held):
+            raise RuntimeError(f"prompt logprobs from token {start} arrived while {len(held)} are held")
+        for j in range(len(held), start + len(lps)):
+            held.append(self._entry(group.prompt_token_ids[j], lps[j - start]))
+
+    @staticmethod
+    def _check_prompt_logprobs(group: _Group) -> None:
+        held = group.prompt_logprobs
+        completed = any(s.finish_reason in ("stop", "length") for s in group.samples)
+        if held is not None and completed and len(held) != len(group.prompt_token_ids):
+            raise RuntimeError(
+                f"the request finished with {len(held)} of {len(group.prompt_token_ids)} prompt logprobs"
+            )
+
     def _add_logprobs(
         self, sample: _Sample, logprobs: list[dict[int, Logprob]], token: int, lp: TokenLogprobs
     ) -> None:
         """Append a token's logprobs to `logprobs` (the sample's list: it keeps them)."""
+        logprobs.append(self._entry(token, lp))
+        sample.cumulative_logprob += lp.logprob
+
+    def _entry(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """One position's logprobs: the top-k alternatives, led by `token` where it is not among them."""
         decode = self.tokenizer.decode_token
         entry = {
             tid: Logprob(val, rank + 1, decode(tid))
@@ -271,8 +307,7 @@ class OutputProcessor:
         }
         if token not in entry:
             entry = {token: Logprob(lp.logprob, lp.rank, decode(token)), **entry}
-        logprobs.append(entry)
-        sample.cumulative_logprob += lp.logprob
+        return entry
 
     def _output(self, group: _Group, finished: bool) -> RequestOutput:
         completions = [
@@ -306,4 +341,5 @@ class OutputProcessor:
             finished=finished,
             metrics=metrics,
             error=group.error,
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
         )

@@ -182,6 +182,7 @@ class Receiver:
             r.protected_until_outputs = st.protected_until_outputs
             r.first_scheduled_time = st.first_scheduled_time
             r.first_token_time = st.first_token_time
+            r.prompt_logprobs_next = max(r.prompt_logprobs_next, st.prompt_logprobs_next)
             members.append(r)
         for st, leader in zip(samples, members):
             if st is not None and leader is not None:

@@ -301,6 +301,7 @@ class Sender:
             protected_until_outputs=r.protected_until_outputs,
             first_scheduled_time=r.first_scheduled_time,
             first_token_time=r.first_token_time,
+            prompt_logprobs_next=r.prompt_logprobs_next,
         )
 
     # -- ending ---------------------------------------------------------------

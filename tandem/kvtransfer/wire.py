@@ -27,6 +27,8 @@ class SampleState(msgspec.Struct):
     protected_until_outputs: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # The next prompt token owed a prompt logprob (Request.prompt_logprobs_next).
+    prompt_logprobs_next: int = 1
 
 
 class Begin(msgspec.Struct, tag="begin"):

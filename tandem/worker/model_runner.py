@@ -11,6 +11,7 @@ from tandem.core.request import Request
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.model.loader import load_model, resolve_dtype
 from tandem.sampling_params import SamplingParams
+from tandem.worker import prompt_logprobs
 from tandem.worker.batch import SampleRow, build_batch
 from tandem.worker.drafter import Drafter
 from tandem.worker.sampler import Sampler, SamplingBatch
@@ -195,6 +196,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         hidden = self.model(batch, self.kv_caches)
         out.forward_time = time.perf_counter() - t0
+        if any(r.owes_prompt_logprobs for r in sched.requests):
+            t0 = time.perf_counter()
+            slices = prompt_logprobs.plan(sched.requests, sched.num_tokens, ends)
+            out.prompt_logprobs = prompt_logprobs.compute(slices, hidden, self.model.compute_logits)
+            out.forward_time += time.perf_counter() - t0
         if not rows:
             return out
         t0 = time.perf_counter()

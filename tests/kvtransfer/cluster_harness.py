@@ -57,6 +57,8 @@ class Tracked:
     run: int
     tokens: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
+    # (first prompt token covered, its logprobs onwards) as the outputs brought them
+    prompt_logprobs: list[tuple[int, list]] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)
     pending: tuple[int, int, str] | None = None  # (destination, its run, transfer id)
     held: list[SampleOutput] = field(default_factory=list)
@@ -106,6 +108,8 @@ class Cluster:
         toks.extend(so.new_token_ids)
         if so.new_logprobs is not None:
             t.logprobs.setdefault(so.index, []).extend(so.new_logprobs)
+        if so.prompt_logprobs:
+            t.prompt_logprobs.append((so.prompt_logprobs_start, so.prompt_logprobs))
         if so.finish_reason is not None:
             t.finished.add(so.index)
 

@@ -76,6 +76,34 @@ def test_one_migration_at_each_point(llama_dir, tmp_path, tick):
         )
 
 
+@pytest.mark.parametrize("tick", [0, 2])
+def test_prompt_logprobs_across_a_move(llama_dir, tmp_path, tick):
+    """Moved before its first chunk's output is seen (resumed there: the prompt is computed again,
+    and its logprobs sent again, which the front end skips) or mid-prefill (live: each sent once):
+    in order, no gap, equal to one engine's."""
+    cfg = config(llama_dir, max_num_batched_tokens=8)
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    cluster = run(cfg, tmp_path, [(prompt, params)], {tick: [(0, 1)]})
+    assert cluster.migrated == (tick == 2) and cluster.recomputed == (tick == 0)
+    got: list = []
+    for start, lps in cluster.requests["r0"].prompt_logprobs:
+        assert start <= len(got) + 1  # never a gap
+        if tick == 2:
+            assert start == len(got) + 1  # a live move sends nothing twice
+        for j, lp in enumerate(lps, start=start):
+            if j <= len(got):
+                assert abs(got[j - 1].logprob - lp.logprob) < 1e-5
+            else:
+                got.append(lp)
+    llm = LLM(cfg.model, num_kv_blocks=cfg.num_kv_blocks, num_threads=1, block_size=cfg.block_size)
+    ref = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].prompt_logprobs
+    assert len(got) == len(prompt) - 1 == len(ref) - 1
+    for j, lp in enumerate(got, start=1):
+        assert abs(lp.logprob - ref[j][prompt[j]].logprob) < 1e-5
+        assert lp.top_ids == [t for t, v in ref[j].items() if v.rank <= 2]
+
+
 @pytest.mark.parametrize(
     "params",
     [

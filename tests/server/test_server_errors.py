@@ -31,6 +31,8 @@ BAD = [
     ("n zero", C, {**OK, "n": 0}, 400, "n"),
     ("n is a float", C, {**OK, "n": 1.5}, 400, "n"),
     ("logprobs too many", C, {**OK, "logprobs": 50}, 400, "logprobs"),
+    ("prompt_logprobs too many", C, {**OK, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("prompt_logprobs streamed", C, {**OK, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("presence_penalty out of range", C, {**OK, "presence_penalty": 3}, 400, "presence_penalty"),
     ("frequency_penalty out of range", C, {**OK, "frequency_penalty": -3}, 400, "frequency_penalty"),
     ("top_k negative", C, {**OK, "top_k": -5}, 400, "top_k"),

@@ -32,6 +32,7 @@ from tandem.entrypoints.openai.serving import ServerState, started
 from tandem.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from tandem.entrypoints.openai.serving_completions import create_completion
 from tandem.entrypoints.openai.tenants import Tenant
+from tandem.entrypoints.openai.tokenizer_info import tokenizer_info
 
 logger = logging.getLogger("tandem.server")
 
@@ -239,6 +240,10 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
         return p.TokenizeResponse(
             count=len(ids), max_model_len=started(engine.limits).max_model_len, tokens=ids, token_strs=strs
         ).model_dump()
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info(t: TenantDep) -> Any:
+        return tokenizer_info(started(state.engine.tokenizer))
 
     @app.post("/detokenize")
     async def detokenize(body: p.DetokenizeRequest, t: TenantDep) -> Any:

@@ -3,8 +3,8 @@
 Requests are strict (no type coercion) and reject unknown fields, except the documented vLLM
 extras, which every generation request accepts: top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, skip_special_tokens, priority, include_stop_str_in_output,
-allowed_token_ids, bad_words, cache_salt, truncate_prompt_tokens, return_tokens_as_token_ids, and the
-structured-output fields (response_format, structured_outputs, guided_json/regex/choice/grammar).
+allowed_token_ids, bad_words, cache_salt, truncate_prompt_tokens, return_tokens_as_token_ids, prompt_logprobs,
+and the structured-output fields (response_format, structured_outputs, guided_json/regex/choice/grammar).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class SamplingFields(Strict):
     cache_salt: Text | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     return_tokens_as_token_ids: bool | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -180,10 +181,27 @@ class DetokenizeRequest(Strict):
 # -- responses -----------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs` (keyed by token id in each position's dict)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# None for the first prompt token, then per token {token id: PromptLogprob}.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogprobs(BaseModel):
@@ -199,6 +217,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -278,6 +297,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

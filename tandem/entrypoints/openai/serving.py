@@ -20,7 +20,7 @@ from tandem.engine.messages import EngineCoreRequest
 from tandem.entrypoints.openai.connections import ConnectionLimits, ConnectionTable
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
 from tandem.entrypoints.openai.metrics import ServerMetrics
-from tandem.entrypoints.openai.protocol import SamplingFields
+from tandem.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from tandem.entrypoints.openai.tenants import Tenant, Tenants
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -154,10 +154,14 @@ def sampling_params(
     logprobs: int | None,
     state: ServerState | None = None,
     n: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters for a request. With the server's `state`: its --generation-config
     defaults fill the fields the request leaves unset, and --max-logprobs bounds logprobs; `n`
-    overrides the request's (best_of)."""
+    overrides the request's (best_of); `prompt_logprobs` the body's (completions' echo asks for
+    them with `logprobs`)."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs are not available with stream", "prompt_logprobs")
     d = state.sampling_defaults if state is not None else {}
 
     def pick(value: Any, name: str, fallback: Any) -> Any:
@@ -197,6 +201,7 @@ def sampling_params(
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
+            prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
     except ValueError as exc:
         raise bad_request(exc) from exc
@@ -323,6 +328,17 @@ class EngineCall:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(req.prompt_token_ids) for req, _ in self.prepared)
+
+    def usage(self, completion_tokens: int) -> UsageInfo:
+        """Token counts, with the prompt tokens the engine found in its prefix cache."""
+        cached = sum(o.metrics.num_cached_tokens for o in self.last if o is not None and o.metrics is not None)
+        prompt_tokens = self.num_prompt_tokens
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
     def start(self) -> None:
         """Admit (tenant limits: 429) and queue; the caller has `prepare`d (queue bound: 503) just before."""

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
+from tandem.entrypoints.openai.prompt_logprobs import prompt_logprobs_json
 from tandem.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -19,7 +20,6 @@ from tandem.entrypoints.openai.protocol import (
     DeltaMessage,
     TokenLogprob,
     TopLogprob,
-    UsageInfo,
     random_id,
 )
 from tandem.entrypoints.openai.serving import (
@@ -157,11 +157,14 @@ async def create_chat_completion(
                 stop_reason=c.stop_reason,
             )
         )
-    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-    usage = UsageInfo(
-        prompt_tokens=len(ids), completion_tokens=completion_tokens, total_tokens=len(ids) + completion_tokens
+    usage = call.usage(sum(len(c.token_ids) for c in out.outputs))
+    return ChatCompletionResponse(
+        id=request_id,
+        model=state.model_name,
+        choices=choices,
+        usage=usage,
+        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
     )
-    return ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
 
 
 async def _stream(
@@ -227,12 +230,7 @@ async def _stream(
                         finished[k] = True
                         completion_tokens += len(c.token_ids)
         if include_usage:
-            prompt_tokens = call.num_prompt_tokens
-            usage = UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            )
+            usage = call.usage(completion_tokens)
             last = ChatCompletionChunk(
                 id=request_id, created=created, model=state.model_name, choices=[], usage=usage
             )

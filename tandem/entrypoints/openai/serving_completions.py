@@ -9,13 +9,13 @@ from typing import Any
 
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
 from tandem.entrypoints.openai.fim import fim_prompt
+from tandem.entrypoints.openai.prompt_logprobs import clamp, prompt_logprobs_json
 from tandem.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
     random_id,
 )
 from tandem.entrypoints.openai.serving import (
@@ -30,7 +30,7 @@ from tandem.entrypoints.openai.serving import (
 )
 from tandem.entrypoints.openai.sse import SSEResponse
 from tandem.entrypoints.openai.tenants import Tenant
-from tandem.outputs import CompletionOutput
+from tandem.outputs import CompletionOutput, Logprob
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -43,19 +43,37 @@ def _prompts(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
+def _append_logprobs(
+    lp: CompletionLogprobs,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    offset: int,
+    decode: TokenText,
+) -> int:
+    """Add tokens' completion-style logprobs to `lp` (an entry None, an echoed prompt's first token:
+    no logprob, as vLLM gives it); returns the next text offset."""
+    for token, entry in zip(token_ids, entries, strict=False):
+        if entry is None:
+            text = decode(token)
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+        else:
+            sampled, ranked = sampled_and_top(entry, token)
+            text = decode(token, sampled)
+            lp.token_logprobs.append(clamp(sampled.logprob))
+            lp.top_logprobs.append({decode(t, p): clamp(p.logprob) for t, p in ranked})
+        lp.tokens.append(text)
+        lp.text_offset.append(offset)
+        offset += len(text)
+    return offset
+
+
 def _logprobs(c: CompletionOutput, start: int, end: int, offset: int, decode: TokenText) -> tuple[Any, int]:
     """Completion-style logprobs of tokens [start, end) of a sample; returns them and the next text offset."""
     lp = CompletionLogprobs()
     logprobs = c.logprobs or []
-    for pos in range(start, min(end, len(logprobs))):
-        token = c.token_ids[pos]
-        sampled, ranked = sampled_and_top(logprobs[pos], token)
-        text = decode(token, sampled)
-        lp.tokens.append(text)
-        lp.token_logprobs.append(sampled.logprob)
-        lp.top_logprobs.append({decode(t, p): p.logprob for t, p in ranked})
-        lp.text_offset.append(offset)
-        offset += len(text)
+    end = min(end, len(logprobs))
+    offset = _append_logprobs(lp, c.token_ids[start:end], list(logprobs[start:end]), offset, decode)
     return lp, offset
 
 
@@ -69,11 +87,18 @@ async def create_completion(
             raise bad_request(f"best_of ({best_of}) must be at least n ({body.n})", "best_of")
         if body.stream:
             raise bad_request("best_of > n cannot be streamed (the best are known only at the end)", "best_of")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported", "echo")
+    # max_tokens 0 with echo (vLLM's way to score a prompt): one token is generated and not returned.
+    prompt_only = body.max_tokens == 0
+    if prompt_only and not body.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+    echo_logprobs = body.echo and body.logprobs is not None
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and echo_logprobs:
+        prompt_logprobs = body.logprobs
     # best_of ranks samples by cumulative logprob: the engine computes it when logprobs are on.
     gen_logprobs = body.logprobs if body.logprobs is not None or best_of is None else 0
-    params = sampling_params(body, body.max_tokens, gen_logprobs, state, n=best_of)
+    max_tokens = 1 if prompt_only else body.max_tokens
+    params = sampling_params(body, max_tokens, gen_logprobs, state, n=best_of, prompt_logprobs=prompt_logprobs)
     prompts = _prompts(body.prompt)
     tokenizer = started(state.engine.tokenizer)
     if body.suffix:
@@ -94,7 +119,17 @@ async def create_completion(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return call.stream_to(
                 lambda c: SSEResponse(
-                    _stream(state, c, request_id, n, echo, body.logprobs is not None, include_usage, decode),
+                    _stream(
+                        state,
+                        c,
+                        request_id,
+                        n,
+                        echo,
+                        body.logprobs is not None,
+                        include_usage,
+                        decode,
+                        prompt_only,
+                    ),
                     c.close,
                 )
             )
@@ -103,26 +138,30 @@ async def create_completion(
     choices = []
     completion_tokens = 0
     for i, out in enumerate(call.outputs()):
+        prompt_lps = prompt_logprobs_json(out.prompt_logprobs)
         samples = out.outputs if best_of is None else _best(out.outputs, body.n)
         for c in samples:
-            completion_tokens += len(c.token_ids)
-            lp = _logprobs(c, 0, len(c.token_ids), 0, decode)[0] if body.logprobs is not None else None
-            text = (echo[i] if echo else "") + c.text
+            token_ids, text = ([], "") if prompt_only else (c.token_ids, c.text)
+            completion_tokens += len(token_ids)
+            lp = None
+            if body.logprobs is not None:
+                lp, offset = CompletionLogprobs(), 0
+                if echo_logprobs:
+                    offset = _append_logprobs(
+                        lp, out.prompt_token_ids, list(out.prompt_logprobs or []), offset, decode
+                    )
+                _append_logprobs(lp, token_ids, list(c.logprobs or []), offset, decode)
             choices.append(
                 CompletionChoice(
                     index=i * body.n + c.index,
-                    text=text,
+                    text=(echo[i] if echo else "") + text,
                     logprobs=lp,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
+                    finish_reason="length" if prompt_only and c.finish_reason is not None else c.finish_reason,
+                    stop_reason=None if prompt_only else c.stop_reason,
+                    prompt_logprobs=prompt_lps,
                 )
             )
-    prompt_tokens = call.num_prompt_tokens
-    usage = UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
+    usage = call.usage(completion_tokens)
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
 
 
@@ -154,29 +193,52 @@ async def _stream(
     want_logprobs: bool,
     include_usage: bool,
     decode: TokenText,
+    prompt_only: bool = False,
 ) -> AsyncIterator[str]:
+    """With echo, each choice's first chunk is its prompt; with logprobs too, that chunk waits for
+    the prompt's logprobs and carries them. `prompt_only` (max_tokens 0): the prompt, then the
+    finish, nothing generated."""
     created = int(time.time())
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     offsets: dict[int, int] = {}
     completion_tokens = 0
+    unechoed: set[int] = set()  # prompts whose echo waits for their logprobs
 
     def chunk(choice: CompletionChoice) -> str:
         c = CompletionChunk(id=request_id, created=created, model=state.model_name, choices=[choice])
         return f"data: {c.model_dump_json()}\n\n"
 
     try:
-        if echo:
+        if echo and want_logprobs:
+            unechoed = set(range(len(echo)))
+        elif echo:
             for i, text in enumerate(echo):
                 for k in range(n):
                     offsets[i * n + k] = len(text)
                     yield chunk(CompletionChoice(index=i * n + k, text=text))
         async for batch in call.updates():
             for i, out in batch:
+                if i in unechoed and echo is not None:
+                    held = out.prompt_logprobs or []
+                    started = any(c.token_ids or c.finish_reason for c in out.outputs)
+                    if len(held) < len(out.prompt_token_ids) and not started:
+                        continue  # the prompt is still being computed
+                    unechoed.discard(i)
+                    echoed = CompletionLogprobs()
+                    offset = _append_logprobs(echoed, out.prompt_token_ids, list(held), 0, decode)
+                    for k in range(n):
+                        offsets[i * n + k] = offset
+                        yield chunk(CompletionChoice(index=i * n + k, text=echo[i], logprobs=echoed))
                 for c in out.outputs:
                     key = i * n + c.index
                     if key in sent_tokens and sent_tokens[key] < 0:
                         continue  # already finished
+                    if prompt_only:
+                        if c.finish_reason is not None:
+                            sent_tokens[key] = -1
+                            yield chunk(CompletionChoice(index=key, text="", finish_reason="length"))
+                        continue
                     start_tok = sent_tokens.get(key, 0)
                     start_txt = sent_text.get(key, 0)
                     delta = c.text[start_txt:] if len(c.text) > start_txt else ""
@@ -201,11 +263,7 @@ async def _stream(
                     if finished:
                         completion_tokens += len(c.token_ids)
         if include_usage:
-            usage = UsageInfo(
-                prompt_tokens=call.num_prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=call.num_prompt_tokens + completion_tokens,
-            )
+            usage = call.usage(completion_tokens)
             last = CompletionChunk(
                 id=request_id, created=created, model=state.model_name, choices=[], usage=usage
             )
