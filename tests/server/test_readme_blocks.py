@@ -43,17 +43,25 @@ def commands(script: str) -> list[str]:
 
 
 class Servers:
-    """The `tandem serve` processes the blocks start, one per distinct command line."""
+    """The `tandem serve` process the blocks start: one at a time on the port, so a block with
+    other flags replaces the server before it (a second server could not bind the port, and the
+    first would answer its health check and its requests)."""
 
     def __init__(self, env: dict[str, str], cwd: Path) -> None:
         self.env, self.cwd = env, cwd
         self.procs: dict[str, subprocess.Popen] = {}
+        self.current: str | None = None
+        self.started = 0
 
     def start(self, command: str, port: int) -> None:
         command = command.rstrip("&").strip()
-        if command in self.procs:
+        if command == self.current:
             return  # the same server, already up
-        log_path = self.cwd / f"serve-{len(self.procs)}.log"
+        self.stop()
+        self.procs = {}
+        self.current = command
+        self.started += 1
+        log_path = self.cwd / f"serve-{self.started}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 ["bash", "-c", f"exec {command}"], cwd=self.cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT,

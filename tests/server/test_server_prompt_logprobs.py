@@ -176,7 +176,9 @@ def test_streamed_echo_with_logprobs_equals_the_whole_response(server):
         assert mine[0].logprobs.token_logprobs[0] is None
         assert "".join(c.text for c in mine) == choice.text
         lps = [v for c in mine if c.logprobs for v in c.logprobs.token_logprobs]
-        assert lps == choice.logprobs.token_logprobs
+        # Within float32 noise: the two runs batch the prompts differently.
+        assert lps[0] is None and choice.logprobs.token_logprobs[0] is None
+        assert lps[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-4)
         offsets = [v for c in mine if c.logprobs for v in c.logprobs.text_offset]
         assert offsets == choice.logprobs.text_offset
         assert mine[-1].finish_reason == "length"
