@@ -270,7 +270,16 @@ class AsyncEngineClient:
         self.streams[req.request_id] = stream
         try:
             self._outputs.add(req, prompt_text)
-            self._route(req, instance)
+            try:
+                self._route(req, instance)
+            except EngineDeadError as exc:
+                if self.dispatcher is None or len(self._live) < 2:
+                    raise
+                # The instance died before its output loop noticed. Giving it up now resumes its
+                # requests elsewhere, this one (routed already) among them, or fails them if none
+                # can run: either way the stream says what became of it.
+                self._instance_died(instance, str(exc))
+                return stream
             if handoff is not None:
                 self._start_move(req.request_id, instance, handoff, after_prefill=True)
         except BaseException:

@@ -9,8 +9,10 @@ import asyncio
 
 import pytest
 
+from tandem.cluster.config import ClusterConfig
+from tandem.cluster.dispatch import Dispatcher
 from tandem.core.limits import EngineLimits
-from tandem.engine.core_client import AsyncEngineClient, RequestAbortedError, RequestStream
+from tandem.engine.core_client import AsyncEngineClient, EngineDeadError, RequestAbortedError, RequestStream
 from tandem.engine.messages import EngineCoreRequest
 from tandem.engine.processor import OutputProcessor
 from tandem.engine.tokenizer import Tokenizer
@@ -142,6 +144,38 @@ def test_a_disconnect_wakes_the_waiting_handler_at_once():
             return loop.time() - start
 
     assert asyncio.run(scenario()) < 0.2
+
+
+class DeadConnection:
+    def send(self, payload: bytes) -> None:
+        raise EngineDeadError("engine instance 0 is not reachable")
+
+
+class Recording:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, payload: bytes) -> None:
+        self.sent.append(payload)
+
+
+def test_a_request_sent_to_an_instance_that_just_died_runs_on_another(tokenizer_dir):
+    """Dispatched to an instance whose death its output loop has not seen yet: the request is
+    resumed on a live instance, not failed (before, the client got a 500 "not reachable")."""
+    alive = Recording()
+    c = AsyncEngineClient(config=None, connections=[DeadConnection(), alive])
+    c.tokenizer = Tokenizer(str(tokenizer_dir))
+    c.outputs = OutputProcessor(c.tokenizer)
+    c.limits = EngineLimits(512, 64, 16, 64, 4)
+    c._live = {0, 1}
+    c.dispatcher = Dispatcher(ClusterConfig(num_instances=2, dispatch_policy="round_robin"), [100, 100], 16)
+    stream = c.add(request("e"), None, asyncio.Event())
+    assert stream.error is None and not stream.finished
+    assert c.routes == {"e": 1} and c._live == {1} and len(alive.sent) == 1
+    # With no other instance left, the failure is the client's to see, and nothing stays registered.
+    with pytest.raises(EngineDeadError):
+        c.add(request("f"), None, asyncio.Event(), instance=0)
+    assert "f" not in c.streams and "f" not in c.routes
 
 
 def test_an_output_unread_when_the_stream_fails_is_followed_by_the_error():
