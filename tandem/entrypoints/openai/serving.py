@@ -464,10 +464,6 @@ def error_for(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal error: {exc}")
 
 
-def token_text(lp: Logprob, fallback: str) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else fallback
-
-
 @dataclass(frozen=True)
 class TokenText:
     """How a logprob's token is written: its text, or `token_id:N` (return_tokens_as_token_ids,
