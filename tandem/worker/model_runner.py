@@ -62,9 +62,10 @@ class ModelRunner:
         if self.device.type != "cpu":
             return
         from tandem.model.linear import warm_row_counts
+        from tandem.model.loader import model_module
 
         for model in [self.model] + ([self.drafter.model] if self.drafter is not None else []):
-            warm_row_counts(model, range(1, max_rows + 1))
+            warm_row_counts(model_module(model), range(1, max_rows + 1))
 
     @torch.inference_mode()
     def time_passes(
