@@ -12,6 +12,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# dtype="auto" would pick bfloat16 on CPUs with AMX or AVX512-BF16; the suite's exactness checks
+# against transformers need float32 on every machine (servers started by tests inherit this).
+os.environ["TANDEM_AUTO_DTYPE"] = "float32"
 
 # Test modules in every folder import the helper modules that sit here (tiny_checkpoints,
 # scheduler_harness) by name.

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from tandem.config import ModelConfig
+from tandem.cpu import cpu_flags
 from tandem.model.attention import get_attention_backend
 from tandem.model.interface import CausalLM, CausalLMClass
 from tandem.model.layers import RotaryEmbedding
-from tandem.model.linear import pack_linears
+from tandem.model.linear import onednn_available, pack_linears
 from tandem.model.llama import LlamaForCausalLM
 from tandem.model.quant import quantize_model
 from tandem.model.weights import load_weights
@@ -25,11 +27,33 @@ MODEL_REGISTRY: dict[str, CausalLMClass] = {
 }
 
 
+# Overrides what dtype="auto" means on a CPU ("float32" or "bfloat16"); the test suite sets float32
+# so that its exactness checks against transformers hold on every machine.
+AUTO_DTYPE_ENV = "TANDEM_AUTO_DTYPE"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # fp32 is the fast dtype on CPUs without native 16-bit matmul.
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        return _DTYPES[auto_dtype(device)[0]]
+    return _DTYPES[name]
+
+
+def auto_dtype(device: torch.device) -> tuple[str, str]:
+    """What dtype="auto" picks on `device`, and why (said at start-up)."""
+    if device.type != "cpu":
+        return "bfloat16", f"{device.type} device"
+    forced = os.environ.get(AUTO_DTYPE_ENV, "").strip()
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"{AUTO_DTYPE_ENV} must be float32 or bfloat16, got {forced!r}")
+        return forced, f"{AUTO_DTYPE_ENV}={forced}"
+    # bfloat16 matmuls run natively (AMX tiles or AVX512-BF16 dot products) and read half float32's
+    # bytes; without those instructions they are emulated and slower than float32.
+    native = sorted({"amx_bf16", "avx512_bf16"} & cpu_flags())
+    if native and onednn_available(torch.bfloat16):
+        return "bfloat16", f"the CPU has {' and '.join(native)}"
+    return "float32", "the CPU has no AMX-BF16 or AVX512-BF16"
 
 
 def load_model(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -9,13 +10,15 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.request import Request
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
-from tandem.model.loader import load_model, resolve_dtype
+from tandem.model.loader import auto_dtype, load_model, resolve_dtype
 from tandem.sampling_params import SamplingParams
 from tandem.worker import prompt_logprobs
 from tandem.worker.batch import SampleRow, build_batch
 from tandem.worker.drafter import Drafter
 from tandem.worker.sampler import Sampler, SamplingBatch
 from tandem.worker.token_mask import GrammarHook, token_mask
+
+logger = logging.getLogger("tandem.worker")
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -37,6 +40,8 @@ class ModelRunner:
         self.model_config = model_config
         self.block_size = engine_config.block_size
         self.dtype = resolve_dtype(engine_config.dtype, self.device)
+        if engine_config.dtype == "auto":
+            logger.info("dtype auto: %s (%s)", *auto_dtype(self.device))
         self.model = load_model(
             model_config,
             self.dtype,
