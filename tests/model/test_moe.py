@@ -312,3 +312,16 @@ def test_engine_int8_experts(model_factory, prompts):
         # int8 weights move the logprobs a little; the first token's stays close to float's.
         first = got.token_ids[0]
         assert abs(got.logprobs[0][first].logprob - ref_lp[0, first].item()) < 0.1
+
+
+@pytest.mark.slow
+def test_engine_speculation_keeps_greedy_output(model_factory, prompts):
+    """n-gram speculation verifies several tokens per request in one pass through the experts."""
+    model_dir = moe_dir(model_factory, "qwen3_moe")
+    expected = [ids for ids, _ in hf_greedy(model_dir, prompts)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(str(model_dir), max_num_seqs=8, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.get_stats()["spec_decode"]["num_draft_tokens"] > 0
