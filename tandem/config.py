@@ -13,11 +13,14 @@ from typing import Any
 
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
 
+# Mixture-of-experts architectures (tandem/model/moe.py); their router settings: MoEConfig.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8",)
@@ -63,6 +66,70 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A mixture-of-experts model's experts and router, as transformers reads them from config.json.
+
+    Each token's router logits go through a float32 softmax over all experts; the `top_k` largest
+    probabilities pick its experts and weight their outputs (divided by their sum where
+    `norm_topk_prob`). A Qwen2-MoE layer adds a shared expert gated by sigmoid(x . w)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    # Routing weights stay float32 (Mixtral) or are rounded to the activations' dtype (Qwen).
+    float32_routing_weights: bool
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # Layer i has experts unless i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0.
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    # transformers writes either name for the expert count (an attribute_map alias).
+    num_experts = int(_first(cfg, "num_local_experts", "num_experts", default=-1))
+    if num_experts < 0:
+        raise KeyError("num_experts")
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=num_experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            expert_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+            float32_routing_weights=True,
+        )
+    if arch == "Qwen2MoeForCausalLM" and cfg.get("use_sliding_window"):
+        # transformers gives every other layer below max_window_layers a window: not one window for all.
+        raise ValueError("Qwen2-MoE with use_sliding_window (windows on some layers only) is not supported")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    top_k = int(cfg["num_experts_per_tok"])
+    if num_experts and not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        float32_routing_weights=False,
+        shared_expert_intermediate_size=shared,
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str
     architecture: str
@@ -83,6 +150,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str
+    moe: MoEConfig | None = None  # None for a dense model
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike[str]) -> ModelConfig:
@@ -108,7 +176,7 @@ class ModelConfig:
             num_heads = int(cfg["num_attention_heads"])
             head_dim = int(cfg.get("head_dim") or hidden // num_heads)
             sliding = None
-            if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
+            if arch in ("MistralForCausalLM", "MixtralForCausalLM") or cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
             return ModelConfig(
                 path=str(folder),
@@ -123,13 +191,16 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                attention_bias=bool(
+                    _first(cfg, "attention_bias", "qkv_bias", default=arch.startswith("Qwen2"))
+                ),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
                 rope=RopeConfig.from_hf(cfg),
                 sliding_window=int(sliding) if sliding else None,
                 eos_token_ids=_eos_ids(folder, cfg),
                 bos_token_id=cfg.get("bos_token_id"),
                 torch_dtype=str(_first(cfg, "dtype", "torch_dtype", default="float32")),
+                moe=_moe_config(arch, cfg),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ValueError) and "rope" in str(exc):

@@ -48,6 +48,9 @@ def build_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: int =
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
     kwargs = dict(TINY, vocab_size=512, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
     kwargs.update(overrides)

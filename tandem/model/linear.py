@@ -83,6 +83,22 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
+def plain_product(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`x @ w.T` for weights of `dtype` kept only as stored (no oneDNN copy: stacked MoE experts):
+    Tandem's few-row kernel for the rows PackedLinear gives it where it built, `F.linear` otherwise."""
+    name = _KERNEL.get(dtype)
+    if name is None or not kernels.has(name):
+        return F.linear
+    kernel = getattr(torch.ops.tandem, name)
+    low = _MKL_MAX_ROWS if dtype == torch.float32 else 0
+    high = _KERNEL_MAX_ROWS[dtype]
+
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return kernel(x, w, None) if low < x.shape[0] <= high else F.linear(x, w)
+
+    return product
+
+
 @torch.inference_mode()
 def warm_row_counts(model: nn.Module, rows: range) -> None:
     """Run each distinct packed-layer shape once at each of `rows` rows.

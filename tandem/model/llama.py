@@ -66,10 +66,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, backend)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        # The feed-forward block: a gated MLP unless the architecture brings its own (MoE: experts).
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -88,12 +89,15 @@ class LlamaForCausalLM(nn.Module):
         # The backend every layer's attention shares: the runner prepares it once per pass.
         self.backend = backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def make_layer(self, cfg: ModelConfig, backend: TorchAttentionBackend, index: int) -> nn.Module:
+        return DecoderLayer(cfg, backend)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states after the final norm, one row per token of the flat batch."""

@@ -11,10 +11,12 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.cpu import cpu_flags
 from tandem.model.attention import get_attention_backend
+from tandem.model.experts import prepare_experts
 from tandem.model.interface import CausalLM, CausalLMClass
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.linear import onednn_available, pack_linears
 from tandem.model.llama import LlamaForCausalLM
+from tandem.model.moe import MoEForCausalLM
 from tandem.model.quant import quantize_model
 from tandem.model.weights import load_weights
 
@@ -24,6 +26,9 @@ MODEL_REGISTRY: dict[str, CausalLMClass] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoEForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
 }
 
 
@@ -81,6 +86,7 @@ def load_model(
         quantize_model(module, quantization)
     else:
         pack_linears(module)
+    prepare_experts(module, quantization)
     return model
 
 
