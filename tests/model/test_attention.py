@@ -9,6 +9,7 @@ import torch
 from tandem import kernels
 from tandem.model.attention import FUSED_MAX_QUERY, TorchAttentionBackend, _Paged
 from tandem.model.forward_batch import ForwardBatch
+from tandem.model.kv_quant import KVCacheFormat
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
 
@@ -102,6 +103,38 @@ def test_pure_decode_batch_skips_the_gathers() -> None:
     k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
     expected = reference(q, k_cache, v_cache, batch, HEAD_DIM**-0.5, None)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_cache_matches_reference_on_what_it_holds(kv_cache_dtype, dtype) -> None:
+    """A quantized cache: the new K/V land in their slots as quantized rows (scales included), and
+    every request, the fresh prompt too, attends to exactly the dequantized values the cache holds.
+    Short queries stay on the torch path even where the kernel built (it reads the model dtype)."""
+    rng = np.random.default_rng(7)
+    torch.manual_seed(7)
+    q_lens = [1, 5, 1, 3, 40, 17, 5]  # decodes, verifications, a fresh prompt, a chunk with context
+    seq_lens = [9, 30, 22, 7, 40, 50, 5]
+    num_blocks = 64
+    fmt = KVCacheFormat(kv_cache_dtype, dtype)
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, kv_format=fmt)
+    backend.prepare(batch)
+    assert not any(isinstance(g, _Paged) for g in batch.attn_metadata)
+    cache = fmt.quantize(torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    assert cache.dtype == torch.uint8 and cache.shape[-1] == HEAD_DIM + 4
+    t = batch.num_tokens
+    qkv = torch.randn(t, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
+    out = backend.forward(q, k, v, cache, batch)
+    assert out.dtype == dtype and out.shape == q.shape
+    rows = cache.view(2, -1, KV_HEADS, HEAD_DIM + 4)
+    assert torch.equal(rows[0][batch.slot_mapping], fmt.quantize(k))
+    assert torch.equal(rows[1][batch.slot_mapping], fmt.quantize(v))
+    k_cache, v_cache = fmt.dequantize(rows[0], HEAD_DIM), fmt.dequantize(rows[1], HEAD_DIM)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, HEAD_DIM**-0.5, None)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
 def needs_kernel(test):
