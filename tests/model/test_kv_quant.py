@@ -123,6 +123,7 @@ def teacher_forced_logits(model_dir, dtype: str, kv_cache_dtype: str, ids: list[
     return torch.cat(out)
 
 
+@pytest.mark.slow
 def test_quantized_cache_keeps_logits_close(llama_dir) -> None:
     """Against the float32 cache, over 64 prompt positions and 32 decode steps of the tiny random
     Llama (logits' standard deviation about 1.6): int8 stays within 0.35 of every logit (measured
