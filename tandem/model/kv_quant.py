@@ -57,7 +57,9 @@ class KVCacheFormat:
     def __post_init__(self) -> None:
         canonical = canonical_kv_cache_dtype(self.kv_cache_dtype)
         if canonical not in ("auto", *QUANTIZED_KV_DTYPES):
-            raise ValueError(f"kv_cache_dtype must be auto, int8, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be auto, int8, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}"
+            )
         object.__setattr__(self, "kv_cache_dtype", canonical)
 
     @property

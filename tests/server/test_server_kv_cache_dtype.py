@@ -21,6 +21,10 @@ def test_serves_with_an_int8_cache(llama_dir) -> None:
         client = server.client()
         for prompt, want in zip(prompts, expected):
             got = client.completions.create(
-                model=str(llama_dir), prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+                model=str(llama_dir),
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0,
+                extra_body={"ignore_eos": True},
             )
             assert got.choices[0].text == want.outputs[0].text
