@@ -224,9 +224,8 @@ def quantized_kernel(test):
 
 
 @quantized_kernel
-@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "window"), [(torch.float32, None), (torch.float32, 5), (torch.bfloat16, None)])
 def test_quantized_cache_matches_reference_on_what_it_holds(kv_cache_dtype, dtype, window, use_kernel) -> None:
     """A quantized cache: the new K/V land in their slots as quantized rows (scales included), and
     every request, the fresh prompt too, attends to exactly the dequantized values the cache holds,
