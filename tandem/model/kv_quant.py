@@ -122,16 +122,3 @@ class KVCacheFormat:
         values = rows[..., :head_dim].view(_ELEMENT[self.kv_cache_dtype])
         scale = rows[..., off : off + SCALE_BYTES].view(torch.float32)
         return (values.float() * scale).to(self.model_dtype)
-
-    def max_error(self, x: torch.Tensor) -> torch.Tensor:
-        """A bound on |x - dequantize(quantize(x))| per element (0 under auto), for the tests and docs:
-        int8 rounds to half a step of the row's scale; fp8 e4m3 has 3 mantissa bits (half an ulp is at
-        most 1/16 of the value) and, below its smallest normal, a fixed step of 2^-9 scales."""
-        xf = x.float()
-        if not self.quantized:
-            return torch.zeros_like(xf)
-        scale = xf.abs().amax(dim=-1, keepdim=True) / _QMAX[self.kv_cache_dtype]
-        slack = 1e-6 * scale  # float32 rounding of the division and the product
-        if self.kv_cache_dtype == "int8":
-            return (scale / 2 + slack).expand_as(xf)
-        return xf.abs() / 16 + scale * 2.0**-10 + slack
