@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8",)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -246,6 +247,10 @@ class EngineConfig:
     attention_backend: str = "torch"
     # Quantization of the linear layers: None or "int8" (see tandem/model/quant.py).
     quantization: str | None = None
+    # How the KV cache holds K and V: "auto" (the model dtype), or "int8" / "fp8" (= "fp8_e4m3"): one
+    # byte per value plus a float32 scale per token and KV head, about half of bfloat16's bytes, so
+    # the same kv_cache_memory holds about twice the tokens (tandem/model/kv_quant.py).
+    kv_cache_dtype: str = "auto"
     num_threads: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = FCFS
@@ -277,6 +282,8 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",

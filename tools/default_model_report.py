@@ -57,27 +57,41 @@ def greedy(model, prefix: list[int], n: int) -> list[int]:
     return out[0, len(prefix) :].tolist()
 
 
-def _tandem_model(path: Path, dtype: str, quantization: str | None, max_len: int):
-    """The checkpoint through Tandem's own loader: (config, torch dtype, model, attention backend)."""
+def _tandem_model(path: Path, dtype: str, quantization: str | None, max_len: int, kv_cache_dtype: str):
+    """The checkpoint through Tandem's own loader: (config, model, attention backend, a function
+    allocating one layer's KV cache of `num_blocks` blocks of `max_len` tokens)."""
     from tandem.config import ModelConfig
+    from tandem.model.kv_quant import KVCacheFormat
     from tandem.model.loader import load_model, resolve_dtype
 
     cfg = ModelConfig.from_pretrained(path)
     dt = resolve_dtype(dtype, torch.device("cpu"))
-    model = load_model(cfg, dt, torch.device("cpu"), "torch", max_len, quantization)
-    return cfg, dt, model, model.layers[0].self_attn.backend
+    model = load_model(cfg, dt, torch.device("cpu"), "torch", max_len, quantization, kv_cache_dtype)
+    fmt = KVCacheFormat(kv_cache_dtype, dt)
+
+    def cache(num_blocks: int) -> torch.Tensor:
+        return fmt.allocate(num_blocks, max_len, cfg.num_kv_heads, cfg.head_dim, "cpu")
+
+    return cfg, model, model.layers[0].self_attn.backend, cache
 
 
 @torch.no_grad()
 def tandem_perplexity(
-    path: Path, dtype: str, quantization: str | None, ids: torch.Tensor, seq: int = 256, max_rows: int = 256
+    path: Path,
+    dtype: str,
+    quantization: str | None,
+    ids: torch.Tensor,
+    seq: int = 256,
+    max_rows: int = 256,
+    kv_cache_dtype: str = "auto",
 ) -> float:
-    """Held-out perplexity through Tandem's own model code, with its dtype and weight format."""
+    """Held-out perplexity through Tandem's own model code, with its dtype, weight format and KV cache
+    format (a quantized cache: each window's attention reads its K/V back from the cache's format)."""
     import numpy as np
 
     from tandem.model.forward_batch import ForwardBatch
 
-    cfg, dt, model, backend = _tandem_model(path, dtype, quantization, seq)
+    _, model, backend, cache = _tandem_model(path, dtype, quantization, seq, kv_cache_dtype)
     total, count = 0.0, 0
     n = min(max_rows, (ids.numel() - 1) // seq)
     for i in range(0, n, 8):
@@ -85,7 +99,7 @@ def tandem_perplexity(
         x = torch.cat([ids[j * seq : j * seq + seq] for j in rows])
         b = len(rows)
         # One block of `seq` slots per sequence: each is a fresh prompt of exactly one block.
-        caches = [torch.zeros(2, b, seq, cfg.num_kv_heads, cfg.head_dim, dtype=dt) for _ in model.layers]
+        caches = [cache(b) for _ in model.layers]
         batch = ForwardBatch(
             input_ids=x,
             positions=torch.arange(seq).repeat(b),
@@ -116,6 +130,7 @@ def tandem_decode_perplexity(
     seq: int = 256,
     streams: int = 4,
     max_seqs: int = 32,
+    kv_cache_dtype: str = "auto",
 ) -> float:
     """Perplexity scored one token per step, `streams` sequences at a time: the decode path.
 
@@ -127,7 +142,7 @@ def tandem_decode_perplexity(
 
     from tandem.model.forward_batch import ForwardBatch
 
-    cfg, dt, model, backend = _tandem_model(path, dtype, quantization, seq)
+    _, model, backend, cache = _tandem_model(path, dtype, quantization, seq, kv_cache_dtype)
     total, count = 0.0, 0
     n = min(max_seqs, (ids.numel() - 1) // seq)
     with torch.inference_mode():
@@ -135,7 +150,7 @@ def tandem_decode_perplexity(
             rows = list(range(i, min(n, i + streams)))
             b = len(rows)
             x = torch.stack([ids[j * seq : j * seq + seq] for j in rows])  # [b, seq]
-            caches = [torch.zeros(2, b, seq, cfg.num_kv_heads, cfg.head_dim, dtype=dt) for _ in model.layers]
+            caches = [cache(b) for _ in model.layers]
             for pos in range(seq - 1):
                 batch = ForwardBatch(
                     input_ids=x[:, pos].contiguous(),
@@ -156,6 +171,29 @@ def tandem_decode_perplexity(
 
 
 WEIGHT_FORMATS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("bfloat16", "int8")]
+# KV cache formats (`kv_cache_dtype`), each with float32 weights: auto is the float32 cache.
+KV_FORMATS = ["auto", "int8", "fp8"]
+
+
+def held_out_ids(tok, texts: list[str] | None = None) -> torch.Tensor:
+    """The held-out files as one token stream, each file followed by EOS."""
+    ids = []
+    for t in texts if texts is not None else held_out_texts(max_files=40):
+        ids.extend([*tok.encode(t, add_special_tokens=False), tok.eos_token_id])
+    return torch.tensor(ids)
+
+
+def kv_cache_perplexity(ids: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Perplexity per KV cache format (float32 weights), in one pass per window and on the decode path."""
+    return {
+        "tandem_kv_cache_perplexity": {
+            kv: tandem_perplexity(DEFAULT_MODEL_DIR, "float32", None, ids, kv_cache_dtype=kv) for kv in KV_FORMATS
+        },
+        "tandem_kv_cache_decode_perplexity": {
+            kv: tandem_decode_perplexity(DEFAULT_MODEL_DIR, "float32", None, ids, kv_cache_dtype=kv)
+            for kv in KV_FORMATS
+        },
+    }
 
 
 def acceptance(target, draft, prefixes: list[list[int]], k: int, length: int) -> dict[str, float]:
@@ -282,6 +320,23 @@ def markdown(report: dict) -> str:
         ]
         for name, ppl in dec.items():
             lines.append(f"| {name} | {ppl:.4f} | {100 * (ppl / dec['float32'] - 1):+.3f}% |")
+    kv = report.get("tandem_kv_cache_perplexity")
+    kv_dec = report.get("tandem_kv_cache_decode_perplexity")
+    if kv and kv_dec:
+        lines += [
+            "",
+            "The accuracy cost of `kv_cache_dtype` (float32 weights; `auto` is the float32 cache): the same",
+            "held-out text, every window's attention reading its keys and values back from the cache's",
+            "format, through one pass per window and through the decode path as above:",
+            "",
+            "| KV cache | perplexity | change | decode path | change |",
+            "|---|---|---|---|---|",
+        ]
+        for name in kv:
+            lines.append(
+                f"| {name} | {kv[name]:.4f} | {100 * (kv[name] / kv['auto'] - 1):+.3f}% | "
+                f"{kv_dec[name]:.4f} | {100 * (kv_dec[name] / kv_dec['auto'] - 1):+.3f}% |"
+            )
     lines += [
         "",
         "What it is good for: code-completion demos, and speculative-decoding and quantization",
@@ -317,17 +372,30 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--num-prefixes", type=int, default=12)
     ap.add_argument("--length", type=int, default=64)
+    ap.add_argument(
+        "--kv-only",
+        action="store_true",
+        help="measure only the KV cache formats' perplexity, into the report already in --json",
+    )
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    if args.kv_only:
+        if args.json is None or not args.json.is_file():
+            ap.error("--kv-only adds to an existing report: give it with --json")
+        report = json.loads(args.json.read_text())
+        report.update(kv_cache_perplexity(held_out_ids(tok)))
+        print(json.dumps({k: v for k, v in report.items() if k.startswith("tandem_kv")}, indent=2))
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        if args.markdown:
+            args.markdown.write_text(markdown(report))
+        return
     target = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR), dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(str(DRAFT_DIR), dtype=torch.float32).eval()
     texts = held_out_texts(max_files=40)
-    ids = []
-    for t in texts:
-        ids.extend([*tok.encode(t, add_special_tokens=False), tok.eos_token_id])
-    ids_t = torch.tensor(ids)
+    ids_t = held_out_ids(tok, texts)
+    ids = ids_t.tolist()
     report: dict = {
         "held_out_tokens_scored": min(256, (len(ids) - 1) // 256) * 256,
         "target_perplexity": perplexity(target, ids_t),
@@ -344,6 +412,7 @@ def main() -> None:
         f"{dtype}{'+' + q if q else ''}": tandem_decode_perplexity(DEFAULT_MODEL_DIR, dtype, q, ids_t)
         for dtype, q in WEIGHT_FORMATS
     }
+    report.update(kv_cache_perplexity(ids_t))
     # Code prefixes: the first lines of held-out files' function definitions.
     prefixes, samples = [], []
     for t in texts:

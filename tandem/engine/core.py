@@ -100,11 +100,12 @@ def num_kv_blocks(config: EngineConfig, mc: ModelConfig, max_model_len: int) -> 
         return config.num_kv_blocks
     import torch
 
+    from tandem.model.kv_quant import KVCacheFormat
     from tandem.model.loader import resolve_dtype
     from tandem.worker.model_runner import ModelRunner
 
-    dtype = resolve_dtype(config.dtype, torch.device("cpu"))
-    per_block = ModelRunner.kv_bytes_per_block(mc, config.block_size, dtype)
+    kv_format = KVCacheFormat(config.kv_cache_dtype, resolve_dtype(config.dtype, torch.device("cpu")))
+    per_block = ModelRunner.kv_bytes_per_block(mc, config.block_size, kv_format)
     by_memory = config.kv_cache_memory // per_block
     if by_memory < 1:
         raise ValueError(

@@ -127,7 +127,13 @@ class EngineLoop:
             self.poller.register(self.kv.socket, zmq.POLLIN)
         kv_address = None if self.kv is None else self.kv.address
         self._send(m.Ready(os.getpid(), self.core.limits, self.core.kv.cache is not None, kv_address))
-        logger.info("engine core ready: %d KV blocks of %d tokens", self.core.num_blocks, config.block_size)
+        logger.info(
+            "engine core ready: %d KV blocks of %d tokens (%d tokens, KV cache %s)",
+            self.core.num_blocks,
+            config.block_size,
+            self.core.num_blocks * config.block_size,
+            self.core.runner.kv_format.name,
+        )
 
     def _send(self, msg: object) -> None:
         self.out.send(self.enc.encode(msg), copy=False)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.config import KV_CACHE_DTYPES
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
 from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -35,6 +36,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=["int8"],
         help="int8: int8 weights and dynamically quantized activations in the linear layers",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="KV cache storage: auto (the model dtype), or int8 / fp8 (= fp8_e4m3) with a scale per token "
+        "and KV head, about twice bfloat16's tokens in the same --kv-cache-memory",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling generator")
     g.add_argument(
@@ -127,6 +135,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer",
         "dtype",
         "quantization",
+        "kv_cache_dtype",
         "seed",
         "max_model_len",
         "max_num_seqs",

@@ -22,7 +22,7 @@ class LLM:
     """Generate completions for a batch of prompts with continuous batching.
 
     Engine arguments are named as in vLLM: `max_model_len`, `max_num_seqs`,
-    `max_num_batched_tokens`, `block_size`, `dtype`, `seed`, plus
+    `max_num_batched_tokens`, `block_size`, `dtype`, `kv_cache_dtype`, `seed`, plus
     `kv_cache_memory` (bytes) or `num_kv_blocks`.
     """
 

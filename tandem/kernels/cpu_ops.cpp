@@ -17,7 +17,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -299,10 +302,35 @@ at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // Attention over the paged KV cache for batches of short queries (decodes, speculative
 // verifications): writes the step's new K/V into the cache and attends each query to its own
 // request's context through the block table, causally, with no gathered copy of the context and no
-// padding or mask tensors. Portable C++ (vectorised by the compiler); float32 or bfloat16 cache.
+// padding or mask tensors. Portable C++ (vectorised by the compiler); float32 or bfloat16 cache,
+// or a quantized one (kv_cache_dtype int8 / fp8, tandem/model/kv_quant.py): rows of head_dim
+// one-byte values, zero padding to 4 bytes, and the row's float32 scale.
+
+// An fp8 e4m3 (float8_e4m3fn) value of a quantized cache row, widened through a 256-entry table.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+std::array<float, 256> fp8_e4m3_table() {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b)
+    t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+  return t;
+}
+const std::array<float, 256> kFp8E4M3 = fp8_e4m3_table();
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+inline float to_float(Fp8E4M3 v) { return kFp8E4M3[v.bits]; }
+
+// The float32 scale stored `offset` bytes into a quantized cache row.
+template <typename C>
+inline float row_scale(const C* row, int64_t offset) {
+  float s;
+  std::memcpy(&s, reinterpret_cast<const uint8_t*>(row) + offset, sizeof s);
+  return s;
+}
 
 // exp for x <= 0 (softmax after subtracting the maximum): Cody-Waite range reduction and the
 // classic single-precision minimax polynomial; relative error about 1e-7.
@@ -353,24 +381,28 @@ inline void weighted_values(const float* p, int64_t span, const E* const* vrows,
   }
 }
 
-template <typename E>
+// E: the queries' and output's dtype; C: the cache's element (E itself, or int8_t / Fp8E4M3 values
+// of quantized rows, kScaled). k and v are the step's new rows as the cache stores them.
+template <typename E, typename C, bool kScaled>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                           const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
                           const int64_t* qsl, int64_t B, double scale_d, int64_t window, at::Tensor& out) {
   const int64_t ntok = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1);
   const int64_t BS = kv_cache.size(2), group = H / KVH;
-  E* kc = kv_cache.data_ptr<E>();
-  E* vc = kc + kv_cache.stride(0);
+  // A cache row: RS elements of C (D values, then, when scaled, padding and the scale at byte SO).
+  const int64_t RS = kv_cache.size(4), SO = (D + 3) / 4 * 4;
+  C* kc = reinterpret_cast<C*>(kv_cache.data_ptr());
+  C* vc = kc + kv_cache.stride(0);
   const E* qp = q.data_ptr<E>();
-  const E* kp = k.data_ptr<E>();
-  const E* vp = v.data_ptr<E>();
+  const C* kp = reinterpret_cast<const C*>(k.data_ptr());
+  const C* vp = reinterpret_cast<const C*>(v.data_ptr());
   E* op = out.data_ptr<E>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
   for (int64_t t = 0; t < ntok; ++t) {
     for (int64_t g = 0; g < KVH; ++g) {
-      std::memcpy(kc + (slots[t] * KVH + g) * D, kp + t * ks0 + g * ks1, D * sizeof(E));
-      std::memcpy(vc + (slots[t] * KVH + g) * D, vp + t * vs0 + g * vs1, D * sizeof(E));
+      std::memcpy(kc + (slots[t] * KVH + g) * RS, kp + t * ks0 + g * ks1, RS * sizeof(C));
+      std::memcpy(vc + (slots[t] * KVH + g) * RS, vp + t * vs0 + g * vs1, RS * sizeof(C));
     }
   }
   int64_t max_ctx = 0;
@@ -386,7 +418,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
     // qt: the tile's queries transposed ([D][kQueryTile]); st: scores, then probabilities, of each
     // context position for the tile ([position][kQueryTile]).
     std::vector<float> qt(D * kQueryTile), st((max_ctx + kPosTile) * kQueryTile);
-    std::vector<const E*> krows(max_ctx + kPosTile), vrows(max_ctx);
+    std::vector<const C*> krows(max_ctx + kPosTile), vrows(max_ctx);
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
       const int64_t tiles = (task_start[b + 1] - task_start[b]) / KVH, local = task - task_start[b];
@@ -411,20 +443,27 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t span = jhi - jlo + 1;
       for (int64_t j = 0; j < span; ++j) {
         const int64_t pos = jlo + j, row = tables[b * max_blocks + pos / BS] * BS + pos % BS;
-        krows[j] = kc + (row * KVH + g) * D;
-        vrows[j] = vc + (row * KVH + g) * D;
+        krows[j] = kc + (row * KVH + g) * RS;
+        vrows[j] = vc + (row * KVH + g) * RS;
       }
       for (int64_t j = span; j < span + kPosTile; ++j) krows[j] = krows[0];  // tail of the last tile
       // Scores: for kPosTile positions at a time, accumulate key element d times query column d.
       for (int64_t j0 = 0; j0 < span; j0 += kPosTile) {
         float acc[kPosTile][kQueryTile] = {};
-        const E* const* kr = krows.data() + j0;
+        const C* const* kr = krows.data() + j0;
         for (int64_t d = 0; d < D; ++d) {
           const float* qd = qt.data() + d * kQueryTile;
           for (int64_t jj = 0; jj < kPosTile; ++jj) {
             const float kv = to_float(kr[jj][d]);
 #pragma omp simd
             for (int64_t c = 0; c < kQueryTile; ++c) acc[jj][c] += kv * qd[c];
+          }
+        }
+        if constexpr (kScaled) {  // a key row is its values times its scale: scale the dot products
+          for (int64_t jj = 0; jj < kPosTile; ++jj) {
+            const float ks = row_scale(kr[jj], SO);
+#pragma omp simd
+            for (int64_t c = 0; c < kQueryTile; ++c) acc[jj][c] *= ks;
           }
         }
         std::memcpy(st.data() + j0 * kQueryTile, acc, sizeof acc);
@@ -449,6 +488,14 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
           sum[c] += s[c];
         }
       }
+      if constexpr (kScaled) {  // likewise a value row: fold its scale into the weights (not the sums)
+        for (int64_t j = 0; j < span; ++j) {
+          float* s = st.data() + j * kQueryTile;
+          const float vs = row_scale(vrows[j], SO);
+#pragma omp simd
+          for (int64_t c = 0; c < kQueryTile; ++c) s[c] *= vs;
+        }
+      }
       // Values: kOutRows query vectors x kOutCols head elements per pass.
       float inv[kQueryTile];
       E* orows[kQueryTile];
@@ -462,9 +509,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
           const float* p = st.data() + r0;
           float a[kOutRows][kOutCols] = {};
           if (n == kOutCols) {
-            weighted_values<E, kOutCols>(p, span, vrows.data(), d0, n, a);
+            weighted_values<C, kOutCols>(p, span, vrows.data(), d0, n, a);
           } else {
-            weighted_values<E, 0>(p, span, vrows.data(), d0, n, a);
+            weighted_values<C, 0>(p, span, vrows.data(), d0, n, a);
           }
           for (int64_t r = 0; r < kOutRows && r0 + r < nc; ++r)
             for (int64_t dd = 0; dd < n; ++dd) orows[r0 + r][d0 + dd] = static_cast<E>(a[r][dd] * inv[r0 + r]);
@@ -472,6 +519,57 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       }
     }
   });
+}
+
+// Checks the layout both entry points share; returns the output tensor [T, H, D].
+at::Tensor check_paged(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op, ": q, k, v must be 3-D");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), op,
+              ": kv_cache must be a contiguous [2, blocks, block_size, kv_heads, row] tensor");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, op, ": rows must be contiguous");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(), op,
+              ": k, v and the cache must share a dtype");
+  TORCH_CHECK(k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4) && v.size(1) == k.size(1) &&
+                  v.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
+              op, ": head counts or rows do not match the cache");
+  const int64_t T = q.size(0), B = seq_lens.numel();
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && slot_mapping.numel() == T, op, ": one slot per token");
+  TORCH_CHECK(query_start_loc.numel() == B + 1 && block_tables.dim() == 2 && block_tables.size(0) == B, op,
+              ": one block table row and one query range per request");
+  for (const at::Tensor* t : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), op, ": index tensors must be contiguous int64");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1), BS = kv_cache.size(2);
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, op, ": query_start_loc must run from 0 to the token count");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(nq >= 1 && nq <= sl[b] && sl[b] <= max_blocks * BS, op, ": request ", b,
+                " has a query range that does not fit its context or block table");
+  }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 only");
+  return at::empty({T, q.size(1), q.size(2)}, q.options());
+}
+
+// A quantized cache's kernel for the queries' dtype.
+template <typename C, bool kScaled>
+void dispatch_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                    const at::Tensor& query_start_loc, double scale, int64_t window, at::Tensor& out) {
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1), B = seq_lens.numel();
+  if (q.scalar_type() == at::kFloat) {
+    paged_attention_impl<float, C, kScaled>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl, B, scale, window,
+                                            out);
+  } else {
+    paged_attention_impl<at::BFloat16, C, kScaled>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl, B, scale,
+                                                   window, out);
+  }
 }
 
 // q [T, H, D], k and v [T, KVH, D] (rows may be strided views), kv_cache [2, blocks, block_size,
@@ -482,39 +580,43 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                            int64_t sliding_window) {
   const char* op = "tandem paged_attention";
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op, ": q, k, v must be 3-D");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), op,
-              ": kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, op, ": head_dim must be contiguous");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && k.scalar_type() == kv_cache.scalar_type() &&
-                  v.scalar_type() == kv_cache.scalar_type(),
-              op, ": q, k, v and the cache must share a dtype");
-  TORCH_CHECK(k.size(1) == kv_cache.size(3) && q.size(2) == kv_cache.size(4) && q.size(1) % k.size(1) == 0, op,
-              ": head counts or head_dim do not match the cache");
-  const int64_t T = q.size(0), B = seq_lens.numel();
-  TORCH_CHECK(k.size(0) == T && v.size(0) == T && slot_mapping.numel() == T, op, ": one slot per token");
-  TORCH_CHECK(query_start_loc.numel() == B + 1 && block_tables.dim() == 2 && block_tables.size(0) == B, op,
-              ": one block table row and one query range per request");
-  for (const at::Tensor* t : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), op, ": index tensors must be contiguous int64");
-  at::Tensor out = at::empty({T, q.size(1), q.size(2)}, q.options());
-  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  at::Tensor out = check_paged(op, q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && q.size(2) == kv_cache.size(4), op,
+              ": q and the cache must share a dtype and head_dim");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const int64_t max_blocks = block_tables.size(1), BS = kv_cache.size(2);
-  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, op, ": query_start_loc must run from 0 to the token count");
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t nq = qsl[b + 1] - qsl[b];
-    TORCH_CHECK(nq >= 1 && nq <= sl[b] && sl[b] <= max_blocks * BS, op, ": request ", b,
-                " has a query range that does not fit its context or block table");
-  }
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1), B = seq_lens.numel();
   if (q.scalar_type() == at::kFloat) {
-    paged_attention_impl<float>(q, k, v, kv_cache, slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
-                                max_blocks, sl, qsl, B, scale, sliding_window, out);
+    paged_attention_impl<float, float, false>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl, B, scale,
+                                              sliding_window, out);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 only");
-    paged_attention_impl<at::BFloat16>(q, k, v, kv_cache, slot_mapping.data_ptr<int64_t>(),
-                                       block_tables.data_ptr<int64_t>(), max_blocks, sl, qsl, B, scale,
-                                       sliding_window, out);
+    paged_attention_impl<at::BFloat16, at::BFloat16, false>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl,
+                                                            B, scale, sliding_window, out);
+  }
+  return out;
+}
+
+// The same over a quantized cache (uint8 rows: head_dim int8 or fp8 e4m3 values, padding to 4
+// bytes, a float32 scale); k_rows and v_rows are the step's new K/V already quantized to such rows.
+at::Tensor paged_attention_quantized(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                                     at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                     const at::Tensor& query_start_loc, double scale, int64_t sliding_window,
+                                     bool fp8) {
+  const char* op = "tandem paged_attention_quantized";
+  at::Tensor out =
+      check_paged(op, q, k_rows, v_rows, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc);
+  TORCH_CHECK(kv_cache.scalar_type() == at::kByte, op, ": the cache must be uint8 rows");
+  TORCH_CHECK(kv_cache.size(4) == (q.size(2) + 3) / 4 * 4 + 4, op,
+              ": a cache row must be head_dim bytes, padding to 4 and a float32 scale");
+  if (fp8) {
+    dispatch_paged<Fp8E4M3, true>(q, k_rows, v_rows, kv_cache, slot_mapping, block_tables, seq_lens,
+                                  query_start_loc, scale, sliding_window, out);
+  } else {
+    dispatch_paged<int8_t, true>(q, k_rows, v_rows, kv_cache, slot_mapping, block_tables, seq_lens,
+                                 query_start_loc, scale, sliding_window, out);
   }
   return out;
 }
@@ -528,6 +630,10 @@ TORCH_LIBRARY(tandem, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window) -> Tensor");
+  m.def(
+      "paged_attention_quantized(Tensor q, Tensor k_rows, Tensor v_rows, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, bool fp8) "
+      "-> Tensor");
 #if defined(__AVX512BF16__)
   m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 #endif
@@ -541,6 +647,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("gemv_f32", &gemv_f32);
 #endif
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_quantized", &paged_attention_quantized);
 #if defined(__AVX512BF16__)
   m.impl("gemv_bf16", &gemv_bf16);
 #endif

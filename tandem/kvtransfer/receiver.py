@@ -64,8 +64,9 @@ class Receiver:
         self.transfers: dict[str, Incoming] = {}
         self.installed: OrderedDict[str, tuple[str, int]] = OrderedDict()  # transfer -> (request, run)
         self.block_bytes = core.runner.kv_bytes_per_block(
-            core.model_config, core.kv.block_size, core.runner.dtype
+            core.model_config, core.kv.block_size, core.runner.kv_format
         )
+        self.kv_cache_dtype = core.runner.kv_format.name
 
     @property
     def active(self) -> bool:
@@ -94,6 +95,13 @@ class Receiver:
         req = msg.request
         if msg.transfer_id in self.transfers or core.samples(req.request_id) is not None:
             return f"request {req.request_id} is already here"
+        if msg.kv_cache_dtype != self.kv_cache_dtype:
+            # Same-sized blocks of another format (int8 and fp8; bfloat16 and float16) would be
+            # written without complaint and read as garbage.
+            return (
+                f"KV cache dtype {msg.kv_cache_dtype} does not match this instance's {self.kv_cache_dtype} "
+                "(both ends need the same kv_cache_dtype and dtype)"
+            )
         if msg.block_bytes != self.block_bytes:
             return f"KV blocks of {msg.block_bytes} bytes do not match this instance's {self.block_bytes}"
         try:

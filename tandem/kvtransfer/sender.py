@@ -77,7 +77,9 @@ class Sender:
         self.max_stages = cfg.migration_max_stages
         self.stop_blocks = cfg.migration_stop_blocks
         self.transfers: dict[str, Outgoing] = {}
-        self.block_bytes = core.runner.kv_bytes_per_block(core.model_config, core.kv.block_size, core.runner.dtype)
+        self.block_bytes = core.runner.kv_bytes_per_block(
+            core.model_config, core.kv.block_size, core.runner.kv_format
+        )
 
     @property
     def active(self) -> bool:
@@ -120,6 +122,7 @@ class Sender:
             num_seats=num_seats,
             num_blocks=num_blocks,
             block_bytes=self.block_bytes,
+            kv_cache_dtype=self.core.runner.kv_format.name,
         )
         self._send(out, begin)
 

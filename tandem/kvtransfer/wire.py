@@ -39,6 +39,9 @@ class Begin(msgspec.Struct, tag="begin"):
     num_seats: int
     num_blocks: int
     block_bytes: int
+    # What the blocks hold (KVCacheFormat.name: "int8", "fp8_e4m3", or the model dtype under auto);
+    # the destination refuses a transfer whose format is not its own.
+    kv_cache_dtype: str
 
 
 class Accepted(msgspec.Struct, tag="accepted"):

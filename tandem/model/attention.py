@@ -16,6 +16,12 @@ write and the attention straight through the block tables: no gathered copy of t
 mask, no padding, and a dozen fewer torch operators per layer, which is most of a small-batch
 step's attention cost on a CPU. In a step that also carries prompt chunks, only the chunks take
 the grouped SDPA path.
+
+A quantized KV cache (`kv_cache_dtype` int8 or fp8, tandem/model/kv_quant.py): new K/V are
+quantized as they are written; the torch path dequantizes gathered rows to the model dtype, and
+attention over a fresh prompt uses its own K/V as the cache will return them; short queries go to
+the kernel's quantized variant (`paged_attention_quantized`), which widens each row and applies its
+scale as it reads it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 
 from tandem import kernels
 from tandem.model.forward_batch import ForwardBatch
+from tandem.model.kv_quant import KVCacheFormat
 
 # Longest query (tokens per request in a step) the fused kernel takes; longer ones (prompt chunks)
 # go to SDPA, whose blocked kernels win once queries are long.
@@ -68,14 +75,18 @@ class TorchAttentionBackend:
         head_dim: int,
         sliding_window: int | None = None,
         use_kernel: bool | None = None,
+        kv_format: KVCacheFormat | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        # None: the cache holds the model dtype (whatever the tensors passed in are).
+        self.kv_format = kv_format if kv_format is not None and kv_format.quantized else None
         # use_kernel=False keeps the pure-torch path (tests); None takes the kernel where it built.
-        self.fused = use_kernel is not False and kernels.has("paged_attention")
+        op = "paged_attention" if self.kv_format is None else "paged_attention_quantized"
+        self.fused = use_kernel is not False and kernels.has(op)
 
     def prepare(self, batch: ForwardBatch) -> None:
         short = np.zeros(batch.num_requests, dtype=bool)
@@ -163,31 +174,32 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D]."""
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, row] (row = D
+        in the model dtype, or a quantized row of `kv_format`)."""
         meta = batch.attn_metadata
+        fmt = self.kv_format
         if isinstance(meta, _Paged):
-            return torch.ops.tandem.paged_attention(
-                q,
-                k,
-                v,
-                kv_cache,
-                batch.slot_mapping,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                self.scale,
-                self.sliding_window or 0,
-            )
-        kvh, hd = self.num_kv_heads, self.head_dim
-        k_cache = kv_cache[0].view(-1, kvh, hd)
-        v_cache = kv_cache[1].view(-1, kvh, hd)
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+            if fmt is not None:
+                k, v = fmt.quantize(k), fmt.quantize(v)
+            return self._kernel(q, k, v, kv_cache, batch.slot_mapping, meta)
+        kvh, row = self.num_kv_heads, kv_cache.shape[-1]
+        k_cache = kv_cache[0].view(-1, kvh, row)
+        v_cache = kv_cache[1].view(-1, kvh, row)
+        k_rows, v_rows = k, v  # the new K/V as the cache stores them
+        if fmt is None:
+            k_cache.index_copy_(0, batch.slot_mapping, k)
+            v_cache.index_copy_(0, batch.slot_mapping, v)
+        else:
+            k_rows, v_rows = fmt.quantize(k), fmt.quantize(v)
+            k_cache.index_copy_(0, batch.slot_mapping, k_rows)
+            v_cache.index_copy_(0, batch.slot_mapping, v_rows)
+            # From here on the step's own K/V are what the cache holds, as later steps will read them.
+            k, v = fmt.dequantize(k_rows, self.head_dim), fmt.dequantize(v_rows, self.head_dim)
         groups = batch.attn_metadata
         if len(groups) == 1 and isinstance(groups[0], _Group) and groups[0].whole_batch:
             g = groups[0]
-            kg = k_cache[g.kv_slots].transpose(1, 2)  # [T, KVH, C, D]
-            vg = v_cache[g.kv_slots].transpose(1, 2)
+            kg = self._gather(k_cache, g.kv_slots).transpose(1, 2)  # [T, KVH, C, D]
+            vg = self._gather(v_cache, g.kv_slots).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2), kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
             )
@@ -196,18 +208,8 @@ class TorchAttentionBackend:
         for g in groups:
             if isinstance(g, _Paged):  # the short queries of a mixed batch (their K/V is written)
                 r = g.rows
-                out[r] = torch.ops.tandem.paged_attention(
-                    q[r],
-                    k[r],
-                    v[r],
-                    kv_cache,
-                    g.slot_mapping,
-                    g.block_tables,
-                    g.seq_lens,
-                    g.query_start_loc,
-                    self.scale,
-                    self.sliding_window or 0,
-                )
+                assert g.slot_mapping is not None
+                out[r] = self._kernel(q[r], k_rows[r], v_rows[r], kv_cache, g.slot_mapping, g)
                 continue
             if g.mask is None:  # fresh prompt: causal attention over its own K/V
                 rows = g.out_index
@@ -223,20 +225,46 @@ class TorchAttentionBackend:
                 out[rows] = o[0].transpose(0, 1)
                 continue
             qg = q[g.q_index].transpose(1, 2)  # [G, H, Q, D]
-            kg = k_cache[g.kv_slots].transpose(1, 2)  # [G, KVH, C, D]
-            vg = v_cache[g.kv_slots].transpose(1, 2)
+            kg = self._gather(k_cache, g.kv_slots).transpose(1, 2)  # [G, KVH, C, D]
+            vg = self._gather(v_cache, g.kv_slots).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
             ).transpose(1, 2)  # [G, Q, H, D]
             out[g.out_index] = o.reshape(-1, *o.shape[2:]) if g.valid is None else o[g.valid]
         return out
 
+    def _kernel(
+        self,
+        q: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        meta: _Paged,
+    ) -> torch.Tensor:
+        """The fused kernel over these queries; k_rows, v_rows: their new K/V in the cache's format."""
+        args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale, self.sliding_window or 0)
+        if self.kv_format is None:
+            return torch.ops.tandem.paged_attention(q, k_rows, v_rows, kv_cache, slots, *args)
+        fp8 = self.kv_format.kv_cache_dtype == "fp8_e4m3"
+        return torch.ops.tandem.paged_attention_quantized(q, k_rows, v_rows, kv_cache, slots, *args, fp8)
+
+    def _gather(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of these slots in the model dtype: `[..., KVH, D]`."""
+        rows = cache[slots]
+        return rows if self.kv_format is None else self.kv_format.dequantize(rows, self.head_dim)
+
 
 ATTENTION_BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend}
 
 
 def get_attention_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None,
+    kv_format: KVCacheFormat | None = None,
 ) -> TorchAttentionBackend:
     try:
         cls = ATTENTION_BACKENDS[name]
@@ -244,4 +272,4 @@ def get_attention_backend(
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(sorted(ATTENTION_BACKENDS))}"
         ) from None
-    return cls(num_heads, num_kv_heads, head_dim, sliding_window)
+    return cls(num_heads, num_kv_heads, head_dim, sliding_window, kv_format=kv_format)

@@ -13,6 +13,7 @@ from tandem.cpu import cpu_flags
 from tandem.model.attention import get_attention_backend
 from tandem.model.experts import prepare_experts
 from tandem.model.interface import CausalLM, CausalLMClass
+from tandem.model.kv_quant import KVCacheFormat
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.linear import onednn_available, pack_linears
 from tandem.model.llama import LlamaForCausalLM
@@ -68,12 +69,18 @@ def load_model(
     attention_backend: str,
     max_positions: int,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> CausalLM:
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"no model implementation for architecture {cfg.architecture!r}")
     backend = get_attention_backend(
-        attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window
+        attention_backend,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.sliding_window,
+        KVCacheFormat(kv_cache_dtype, dtype),
     )
     rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, device)
     with torch.device("meta"):

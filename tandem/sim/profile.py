@@ -240,9 +240,11 @@ class Prober:
             core.install(req, [member])
             ids.append(rid)
         index = torch.tensor([b for r in core.scheduler.running for b in r.block_ids])
-        for cache in core.runner.kv_caches:
-            pattern = torch.randn(2, 1, *cache.shape[2:], generator=self.gen).to(cache.dtype)
-            cache[:, index] = pattern
+        runner = core.runner
+        mc = core.model_config
+        for cache in runner.kv_caches:
+            values = torch.randn(2, 1, *cache.shape[2:4], mc.head_dim, generator=self.gen)
+            cache[:, index] = runner.kv_format.quantize(values)  # the cache's own format, scales and all
         return ids
 
     def decode(
@@ -362,7 +364,7 @@ def time_transfers(core: EngineCore, counts: Sequence[int], repeats: int) -> lis
     from tandem.kvtransfer.transport import MAX_PAYLOAD_BYTES, make_transport
 
     runner = core.runner
-    block_bytes = runner.kv_bytes_per_block(core.model_config, core.kv.block_size, runner.dtype)
+    block_bytes = runner.kv_bytes_per_block(core.model_config, core.kv.block_size, runner.kv_format)
     per_message = max(1, MAX_PAYLOAD_BYTES // block_bytes)
     out = []
     with tempfile.TemporaryDirectory(prefix="tandem-profile-") as tmp:

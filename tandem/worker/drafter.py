@@ -34,7 +34,8 @@ from tandem.worker.sampler import Sampler, SamplingBatch
 
 class DraftHost(Protocol):
     """What the drafter uses of the target's runner (tandem.worker.model_runner.ModelRunner): its
-    KV layout, placement and vocabulary, and its sampling, so draft tokens are drawn as the target's."""
+    KV layout (the draft's cache takes the target's `kv_cache_dtype`), placement and vocabulary, and
+    its sampling, so draft tokens are drawn as the target's."""
 
     block_size: int
     device: torch.device
@@ -69,6 +70,7 @@ class Drafter:
             engine_config.attention_backend,
             max_model_len,
             engine_config.quantization,
+            engine_config.kv_cache_dtype,
         )
         self.backend = self.model.backend
         self.kv_caches = host.allocate_kv(mc, num_blocks)

@@ -10,6 +10,7 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.request import Request
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
+from tandem.model.kv_quant import KVCacheFormat
 from tandem.model.loader import auto_dtype, load_model, resolve_dtype
 from tandem.sampling_params import SamplingParams
 from tandem.worker import prompt_logprobs
@@ -42,6 +43,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(engine_config.dtype, self.device)
         if engine_config.dtype == "auto":
             logger.info("dtype auto: %s (%s)", *auto_dtype(self.device))
+        # How the KV cache stores K and V (the draft model's cache too).
+        self.kv_format = KVCacheFormat(engine_config.kv_cache_dtype, self.dtype)
         self.model = load_model(
             model_config,
             self.dtype,
@@ -49,6 +52,7 @@ class ModelRunner:
             engine_config.attention_backend,
             max_model_len,
             engine_config.quantization,
+            engine_config.kv_cache_dtype,
         )
         self.backend = self.model.backend
         self.kv_caches = self.allocate_kv(model_config, num_blocks)
@@ -111,20 +115,26 @@ class ModelRunner:
         return out
 
     def allocate_kv(self, mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]:
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+        """Per layer `[2, num_blocks, block_size, kv_heads, row]`: row = head_dim in the model dtype,
+        or a quantized row with its scale (tandem/model/kv_quant.py)."""
+        fmt, bs = self.kv_format, self.block_size
+        return [
+            fmt.allocate(num_blocks, bs, mc.num_kv_heads, mc.head_dim, self.device) for _ in range(mc.num_layers)
+        ]
 
     @staticmethod
-    def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return model_config.kv_elements_per_token * block_size * itemsize
+    def kv_bytes_per_block(model_config: ModelConfig, block_size: int, kv_format: KVCacheFormat) -> int:
+        """Bytes of one block in every layer, K and V, scales included."""
+        rows = 2 * model_config.num_layers * model_config.num_kv_heads * block_size
+        return rows * kv_format.row_bytes(model_config.head_dim)
 
     # -- moving KV between instances -----------------------------------------
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of these blocks' KV in every layer, one contiguous tensor
-        `(layers, 2, len(block_ids), block_size, kv_heads, head_dim)` (the draft model's KV is not
-        included: a receiving drafter catches up on its own)."""
+        `(layers, 2, len(block_ids), block_size, kv_heads, row)` in the cache's storage dtype (a
+        quantized row carries its scale; the draft model's KV is not included: a receiving drafter
+        catches up on its own)."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return torch.stack([cache.index_select(1, ids) for cache in self.kv_caches])
 
@@ -134,7 +144,7 @@ class ModelRunner:
 
         cache = self.kv_caches[0]
         shape = (len(self.kv_caches), 2, len(block_ids), *cache.shape[2:])
-        expected = self.kv_bytes_per_block(self.model_config, self.block_size, self.dtype) * len(block_ids)
+        expected = self.kv_bytes_per_block(self.model_config, self.block_size, self.kv_format) * len(block_ids)
         if data.nbytes != expected:
             raise ValueError(
                 f"KV payload of {data.nbytes} bytes for {len(block_ids)} blocks (expected {expected})"
@@ -143,7 +153,7 @@ class ModelRunner:
             return
         with warnings.catch_warnings():  # a received buffer is read-only; it is only read from
             warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(data, dtype=self.dtype).view(shape)
+            src = torch.frombuffer(data, dtype=self.kv_format.storage_dtype).view(shape)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for layer, dst in enumerate(self.kv_caches):
             dst.index_copy_(1, ids, src[layer].to(self.device))

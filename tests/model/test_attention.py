@@ -9,6 +9,7 @@ import torch
 from tandem import kernels
 from tandem.model.attention import FUSED_MAX_QUERY, TorchAttentionBackend, _Paged
 from tandem.model.forward_batch import ForwardBatch
+from tandem.model.kv_quant import KVCacheFormat
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
 
@@ -213,3 +214,75 @@ def test_fused_kernel_rejects_inconsistent_layout() -> None:
     q, k = torch.randn(2, HEADS, HEAD_DIM), torch.randn(2, KV_HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match="does not fit"):
         backend.forward(q, k, k, cache, batch)
+
+
+def quantized_kernel(test):
+    """A test that runs the quantized cache's kernel where it built, and the torch path always."""
+    built = kernels.has("paged_attention_quantized")
+    kernel = pytest.param(True, marks=[pytest.mark.kernels, pytest.mark.skipif(not built, reason="no kernels")])
+    return pytest.mark.parametrize("use_kernel", [False, kernel], ids=["torch", "kernel"])(test)
+
+
+@quantized_kernel
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(("dtype", "window"), [(torch.float32, None), (torch.float32, 5), (torch.bfloat16, None)])
+def test_quantized_cache_matches_reference_on_what_it_holds(kv_cache_dtype, dtype, window, use_kernel) -> None:
+    """A quantized cache: the new K/V land in their slots as quantized rows (scales included), and
+    every request, the fresh prompt too, attends to exactly the dequantized values the cache holds,
+    on the torch path and, for the short queries, in the kernel."""
+    rng = np.random.default_rng(7)
+    torch.manual_seed(7)
+    q_lens = [1, 5, 1, 3, 40, 17, 5]  # decodes, verifications, a fresh prompt, a chunk with context
+    seq_lens = [9, 30, 22, 7, 40, 50, 5]
+    num_blocks = 64
+    fmt = KVCacheFormat(kv_cache_dtype, dtype)
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, window, use_kernel=use_kernel, kv_format=fmt)
+    backend.prepare(batch)
+    paged = [g for g in batch.attn_metadata if isinstance(g, _Paged)]
+    assert len(paged) == (1 if use_kernel else 0)
+    cache = fmt.quantize(torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    assert cache.dtype == torch.uint8 and cache.shape[-1] == HEAD_DIM + 4
+    t = batch.num_tokens
+    qkv = torch.randn(t, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
+    out = backend.forward(q, k, v, cache, batch)
+    assert out.dtype == dtype and out.shape == q.shape
+    rows = cache.view(2, -1, KV_HEADS, HEAD_DIM + 4)
+    assert torch.equal(rows[0][batch.slot_mapping], fmt.quantize(k))
+    assert torch.equal(rows[1][batch.slot_mapping], fmt.quantize(v))
+    k_cache, v_cache = fmt.dequantize(rows[0], HEAD_DIM), fmt.dequantize(rows[1], HEAD_DIM)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, HEAD_DIM**-0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 1, 40), (5, 1, 80), (6, 3, 64), (4, 2, 6)])
+def test_quantized_kernel_on_short_queries(kv_cache_dtype, heads, kv_heads, head_dim) -> None:
+    """Decodes and verifications only (the whole batch in one kernel call), over head sizes whose
+    rows pad to 4 bytes before the scale or span several 64-element output tiles."""
+    rng = np.random.default_rng(8)
+    torch.manual_seed(8)
+    q_lens, seq_lens = [1, 5, 16, 3, 9], [37, 12, 16, 70, 9]
+    num_blocks = 64
+    fmt = KVCacheFormat(kv_cache_dtype, torch.float32)
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, kv_format=fmt)
+    backend.prepare(batch)
+    assert isinstance(batch.attn_metadata, _Paged)
+    # Blocks of rows from 0.1 to 10 times the others' size: each scale must be applied to its own row
+    # (the tolerance is relative to those sizes).
+    sizes = torch.logspace(-1, 1, num_blocks)[:, None, None, None]
+    values = torch.randn(2, num_blocks, BLOCK, kv_heads, head_dim) * sizes
+    cache = fmt.quantize(values)
+    t = batch.num_tokens
+    q, k, v = (torch.randn(t, heads, head_dim), torch.randn(t, kv_heads, head_dim), torch.randn(t, kv_heads, head_dim))
+    out = backend.forward(q, k, v, cache, batch)
+    row = fmt.row_size(head_dim)
+    rows = cache.view(2, -1, kv_heads, row)
+    assert torch.equal(rows[0][batch.slot_mapping], fmt.quantize(k))
+    k_cache, v_cache = fmt.dequantize(rows[0], head_dim), fmt.dequantize(rows[1], head_dim)
+    expected = reference(q, k_cache, v_cache, batch, head_dim**-0.5, None)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-4)
