@@ -30,35 +30,78 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
+    """Rotary embedding parameters, as transformers' `rope_parameters` (or older `rope_scaling`) give
+    them; tandem/model/rope.py turns them into per-position tables."""
+
     theta: float = 10000.0
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # The fraction of each head that rotates (the rest passes through).
+    partial_rotary_factor: float = 1.0
+    # The model's max_position_embeddings: `dynamic` scales past it.
+    max_position_embeddings: int = 2048
+    # yarn and longrope: the factor cos and sin are multiplied by (None: derived from `factor`).
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # longrope: per-frequency divisors within the original length and past it.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
-        # transformers 5 writes `rope_parameters` (theta inside); older files write
-        # `rope_theta` plus an optional `rope_scaling` dict.
-        params = dict(cfg.get("rope_parameters") or {})
-        scaling = dict(cfg.get("rope_scaling") or {})
-        merged = {**scaling, **params}
-        theta = float(_first(merged, "rope_theta", default=_first(cfg, "rope_theta", default=10000.0)))
-        rope_type = str(_first(merged, "rope_type", "type", default="default"))
-        if rope_type not in ("default", "linear", "llama3"):
+    def from_hf(
+        cfg: dict[str, Any], params: dict[str, Any] | None = None, default_theta: float = 10000.0
+    ) -> RopeConfig:
+        """`cfg` is config.json; `params` replaces its rope dict where a model keeps several (Gemma 3)."""
+        if params is None:
+            # transformers 5 writes `rope_parameters` (theta inside); older files write
+            # `rope_theta` plus an optional `rope_scaling` dict.
+            params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        theta = float(_first(params, "rope_theta", default=_first(cfg, "rope_theta", default=default_theta)))
+        rope_type = str(_first(params, "rope_type", "type", default="default"))
+        if rope_type not in ROPE_TYPES:
             raise ValueError(
-                f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+                f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
             )
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        # As transformers: a top-level original_max_position_embeddings wins over the rope dict's.
+        original = _first(cfg, "original_max_position_embeddings", default=params.get("original_max_position_embeddings"))
+        if original is None and rope_type in ("llama3", "yarn", "longrope"):
+            original = max_pos
+        factor = params.get("factor")
+        if factor is None:
+            # yarn and longrope without a factor stretch the original length to the model's.
+            factor = max_pos / original if rope_type in ("yarn", "longrope") and original else 1.0
+        partial = _first(params, "partial_rotary_factor", default=_first(cfg, "partial_rotary_factor", default=1.0))
+        attention_factor = params.get("attention_factor")
         return RopeConfig(
             theta=theta,
             rope_type=rope_type,
-            factor=float(merged.get("factor", 1.0)),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+            factor=float(factor),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=None if original is None else int(original),
+            partial_rotary_factor=float(partial),
+            max_position_embeddings=max_pos,
+            attention_factor=None if attention_factor is None else float(attention_factor),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=_optional_float(params.get("mscale")),
+            mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
+            truncate=bool(params.get("truncate", True)),
+            short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+            long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
         )
 
 
@@ -140,6 +183,10 @@ class ModelConfig:
     def kv_elements_per_token(self) -> int:
         """K and V elements one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
