@@ -9,10 +9,12 @@ from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.model.attention import get_attention_backend
+from tandem.model.gemma import GemmaForCausalLM
 from tandem.model.interface import CausalLM, CausalLMClass
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.linear import pack_linears
 from tandem.model.llama import LlamaForCausalLM
+from tandem.model.phi3 import Phi3ForCausalLM
 from tandem.model.quant import quantize_model
 from tandem.model.weights import load_weights
 
@@ -22,6 +24,9 @@ MODEL_REGISTRY: dict[str, CausalLMClass] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
