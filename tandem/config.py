@@ -21,7 +21,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     *MOE_ARCHITECTURES,
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8",)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
@@ -34,35 +38,78 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
+    """Rotary embedding parameters, as transformers' `rope_parameters` (or older `rope_scaling`) give
+    them; tandem/model/rope.py turns them into per-position tables."""
+
     theta: float = 10000.0
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # The fraction of each head that rotates (the rest passes through).
+    partial_rotary_factor: float = 1.0
+    # The model's max_position_embeddings: `dynamic` scales past it.
+    max_position_embeddings: int = 2048
+    # yarn and longrope: the factor cos and sin are multiplied by (None: derived from `factor`).
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # longrope: per-frequency divisors within the original length and past it.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> RopeConfig:
-        # transformers 5 writes `rope_parameters` (theta inside); older files write
-        # `rope_theta` plus an optional `rope_scaling` dict.
-        params = dict(cfg.get("rope_parameters") or {})
-        scaling = dict(cfg.get("rope_scaling") or {})
-        merged = {**scaling, **params}
-        theta = float(_first(merged, "rope_theta", default=_first(cfg, "rope_theta", default=10000.0)))
-        rope_type = str(_first(merged, "rope_type", "type", default="default"))
-        if rope_type not in ("default", "linear", "llama3"):
+    def from_hf(
+        cfg: dict[str, Any], params: dict[str, Any] | None = None, default_theta: float = 10000.0
+    ) -> RopeConfig:
+        """`cfg` is config.json; `params` replaces its rope dict where a model keeps several (Gemma 3)."""
+        if params is None:
+            # transformers 5 writes `rope_parameters` (theta inside); older files write
+            # `rope_theta` plus an optional `rope_scaling` dict.
+            params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        theta = float(_first(params, "rope_theta", default=_first(cfg, "rope_theta", default=default_theta)))
+        rope_type = str(_first(params, "rope_type", "type", default="default"))
+        if rope_type not in ROPE_TYPES:
             raise ValueError(
-                f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+                f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
             )
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        # As transformers: a top-level original_max_position_embeddings wins over the rope dict's.
+        original = _first(cfg, "original_max_position_embeddings", default=params.get("original_max_position_embeddings"))
+        if original is None and rope_type in ("llama3", "yarn", "longrope"):
+            original = max_pos
+        factor = params.get("factor")
+        if factor is None:
+            # yarn and longrope without a factor stretch the original length to the model's.
+            factor = max_pos / original if rope_type in ("yarn", "longrope") and original else 1.0
+        partial = _first(params, "partial_rotary_factor", default=_first(cfg, "partial_rotary_factor", default=1.0))
+        attention_factor = params.get("attention_factor")
         return RopeConfig(
             theta=theta,
             rope_type=rope_type,
-            factor=float(merged.get("factor", 1.0)),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+            factor=float(factor),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=None if original is None else int(original),
+            partial_rotary_factor=float(partial),
+            max_position_embeddings=max_pos,
+            attention_factor=None if attention_factor is None else float(attention_factor),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=_optional_float(params.get("mscale")),
+            mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
+            truncate=bool(params.get("truncate", True)),
+            short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+            long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
         )
 
 
@@ -152,6 +199,8 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str
     moe: MoEConfig | None = None  # None for a dense model
+    # Gemma 2 / 3 only: what they add (GemmaConfig); None for every other architecture.
+    gemma: GemmaConfig | None = None
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike[str]) -> ModelConfig:
@@ -177,7 +226,9 @@ class ModelConfig:
             num_heads = int(cfg["num_attention_heads"])
             head_dim = int(cfg.get("head_dim") or hidden // num_heads)
             sliding = None
-            if arch in ("MistralForCausalLM", "MixtralForCausalLM") or cfg.get("use_sliding_window"):
+            if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") or cfg.get(
+                "use_sliding_window"
+            ):
                 sliding = cfg.get("sliding_window")
             return ModelConfig(
                 path=str(folder),
@@ -191,17 +242,18 @@ class ModelConfig:
                 head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
                 attention_bias=bool(
                     _first(cfg, "attention_bias", "qkv_bias", default=arch.startswith("Qwen2"))
                 ),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-                rope=RopeConfig.from_hf(cfg),
+                rope=_rope(arch, cfg),
                 sliding_window=int(sliding) if sliding else None,
                 eos_token_ids=_eos_ids(folder, cfg),
                 bos_token_id=cfg.get("bos_token_id"),
                 torch_dtype=str(_first(cfg, "dtype", "torch_dtype", default="float32")),
                 moe=_moe_config(arch, cfg),
+                gemma=parse_gemma(arch, cfg) if arch in GEMMA_ARCHITECTURES else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ValueError) and "rope" in str(exc):
@@ -212,6 +264,90 @@ class ModelConfig:
     def kv_elements_per_token(self) -> int:
         """K and V elements one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _rope(arch: str, cfg: dict[str, Any]) -> RopeConfig:
+    """The rope every layer uses (Gemma 3: its global layers)."""
+    if arch == "Gemma3ForCausalLM":
+        full, _ = _gemma3_rope_params(cfg)
+        return RopeConfig.from_hf(cfg, full, default_theta=1_000_000.0)
+    if arch == "Phi3ForCausalLM":
+        # Phi-3's config class: "su" and "yarn" mean longrope, and the original length is 4096
+        # unless given.
+        params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        if _first(params, "rope_type", "type") in ("su", "yarn"):
+            params = {**params, "rope_type": "longrope", "type": "longrope"}
+        cfg = {"original_max_position_embeddings": 4096, **cfg}
+        return RopeConfig.from_hf(cfg, params)
+    return RopeConfig.from_hf(cfg)
+
+
+@dataclass(frozen=True, slots=True)
+class GemmaConfig:
+    """What Gemma 2 and Gemma 3 add to the decoder: per-layer sliding windows, soft-capping, their
+    attention scale and activation; Gemma 3 also q/k norms and a rope of its own for local layers."""
+
+    sliding_window: int | None
+    sliding_layers: tuple[bool, ...]  # per layer: windowed (local) attention, else full (global)
+    query_pre_attn_scalar: float  # attention scale = query_pre_attn_scalar ** -0.5
+    attn_logit_softcapping: float | None
+    final_logit_softcapping: float | None
+    hidden_activation: str
+    qk_norm: bool
+    local_rope: RopeConfig | None  # Gemma 3's local layers; None: every layer uses ModelConfig.rope
+
+
+def parse_gemma(arch: str, cfg: dict[str, Any]) -> GemmaConfig:
+    gemma3 = arch == "Gemma3ForCausalLM"
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (Gemma embedding models) is not supported")
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        # Older configs: Gemma 2 alternates (even layers local); Gemma 3 has one global layer in
+        # every `sliding_window_pattern`.
+        pattern = int(_first(cfg, "sliding_window_pattern", "_sliding_window_pattern", default=6)) if gemma3 else 2
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    window = cfg.get("sliding_window", 4096)
+    # Gemma 3's modeling code never soft-caps attention, whatever its config says.
+    attn_cap = None if gemma3 else cfg.get("attn_logit_softcapping", 50.0)
+    local = None
+    if gemma3:
+        _, local_params = _gemma3_rope_params(cfg)
+        local = RopeConfig.from_hf(cfg, local_params)
+    return GemmaConfig(
+        sliding_window=None if window is None else int(window),
+        sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
+        final_logit_softcapping=_optional_float(
+            cfg.get("final_logit_softcapping", None if gemma3 else 30.0)
+        ),
+        hidden_activation=str(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
+        qk_norm=gemma3,
+        local_rope=local,
+    )
+
+
+def _gemma3_rope_params(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(global, local) rope dicts of a Gemma 3 config, nested by layer type (transformers 5) or
+    the older rope_theta / rope_local_base_freq / rope_scaling (global layers only)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), **params}
+        local = {}
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    return full, local
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:

@@ -1,5 +1,5 @@
 """Tiny test checkpoints: a small byte-level BPE tokenizer trained on a few stdlib sources, and
-random-weight Llama-family models built with transformers (the fixtures of conftest.py use them)."""
+random-weight models built with transformers (the fixtures of conftest.py use them)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=1024,
 )
+
+
+# Architectures whose test checkpoints get random norm weights (the older ones keep transformers'
+# initialisation, which their tests were written against).
+RANDOM_NORMS = ("gemma2", "gemma3", "phi3")
 
 
 def corpus() -> list[str]:
@@ -51,11 +56,21 @@ def build_model(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: int =
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     kwargs = dict(TINY, vocab_size=512, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs)).eval()
+    if arch in RANDOM_NORMS:
+        # Norm weights start equal (ones, or zeros for Gemma's 1 + w): random ones make a norm
+        # loaded into the wrong place, or computed the wrong way, change the output.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.2)
     model.save_pretrained(str(out))
     for f in tokenizer_dir.iterdir():
         (out / f.name).write_bytes(f.read_bytes())

@@ -22,11 +22,18 @@ quantized as they are written; the torch path dequantizes gathered rows to the m
 attention over a fresh prompt uses its own K/V as the cache will return them; short queries go to
 the kernel's quantized variant (`paged_attention_quantized`), which widens each row and applies its
 scale as it reads it.
+
+Layers may differ from the backend's defaults (`LayerAttention`: Gemma's alternating sliding
+windows, its attention scale and logit soft-capping). A model declares each variation with
+`layer()` when it is built; `prepare` then builds one mask per distinct window, and each layer's
+`forward` names its variation. Soft-capping changes the scores before the softmax, which neither
+SDPA's fused kernels nor Tandem's kernel do: a backend with a soft-capped layer computes explicit
+scores (as transformers' eager attention does) for those layers, and no layer takes the kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +46,15 @@ from tandem.model.kv_quant import KVCacheFormat
 # Longest query (tokens per request in a step) the fused kernel takes; longer ones (prompt chunks)
 # go to SDPA, whose blocked kernels win once queries are long.
 FUSED_MAX_QUERY = 16
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one layer's attention differs from the backend's defaults."""
+
+    sliding_window: int | None = None  # keys within this many positions of the query; None: all
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax
+    scale: float | None = None  # None: head_dim ** -0.5
 
 
 @dataclass(slots=True)
@@ -63,6 +79,8 @@ class _Group:
     valid: torch.Tensor | None  # [G, Q] which padded query slots are real; None when all are
     # Every token of the batch, in order, one per request (a pure decode batch): no gathers.
     whole_batch: bool = False
+    # The masks of layers whose window is not the backend's default, by window.
+    window_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 class TorchAttentionBackend:
@@ -87,6 +105,16 @@ class TorchAttentionBackend:
         # use_kernel=False keeps the pure-torch path (tests); None takes the kernel where it built.
         op = "paged_attention" if self.kv_format is None else "paged_attention_quantized"
         self.fused = use_kernel is not False and kernels.has(op)
+        # Windows of layers declared with `layer()` that differ from the default.
+        self.other_windows: set[int | None] = set()
+
+    def layer(self, spec: LayerAttention) -> LayerAttention:
+        """Declare a layer's variation before the first pass; the layer passes it to `forward`."""
+        if spec.sliding_window != self.sliding_window:
+            self.other_windows.add(spec.sliding_window)
+        if spec.softcap is not None:
+            self.fused = False
+        return spec
 
     def prepare(self, batch: ForwardBatch) -> None:
         short = np.zeros(batch.num_requests, dtype=bool)
@@ -138,7 +166,10 @@ class TorchAttentionBackend:
         # One fresh prompt with no cached context: plain causal attention on the new K/V.
         if idx.size == 1 and q_lens[0] == seq_lens[0] and self.sliding_window is None:
             q_index = torch.arange(int(starts[0]), int(starts[0] + q_lens[0]), device=device)
-            return _Group(q_index[None], torch.empty(0), None, q_index, None)
+            pos = np.arange(int(q_lens[0]))
+            causal = pos[None, :] <= pos[:, None]
+            masks = {w: torch.from_numpy(_windowed(causal, pos, pos, w)[None, None]).to(device) for w in self.other_windows}
+            return _Group(q_index[None], torch.empty(0), None, q_index, None, window_masks=masks)
         max_q = int(q_lens.max())
         max_c = int(seq_lens.max())
         j = np.arange(max_q)
@@ -152,9 +183,11 @@ class TorchAttentionBackend:
         slots = np.where(k_valid, slots, 0)
         # Padded query slots sit past the sequence end, so they see every real key and never
         # produce an all-masked row (which would be NaN).
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
-        if self.sliding_window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
+        causal = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+        mask = _windowed(causal, q_pos, k_pos, self.sliding_window)
+        window_masks = {
+            w: torch.from_numpy(_windowed(causal, q_pos, k_pos, w)[:, None]).to(device) for w in self.other_windows
+        }
         all_valid = bool(q_valid.all())
         whole = max_q == 1 and idx.size == batch.num_requests == batch.num_tokens
         return _Group(
@@ -164,6 +197,7 @@ class TorchAttentionBackend:
             mask=torch.from_numpy(mask[:, None]).to(device),
             out_index=torch.from_numpy(q_index[q_valid]).to(device),
             valid=None if all_valid else torch.from_numpy(q_valid).to(device),
+            window_masks=window_masks,
         )
 
     def forward(
@@ -173,9 +207,13 @@ class TorchAttentionBackend:
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         batch: ForwardBatch,
+        layer: LayerAttention | None = None,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, row] (row = D
-        in the model dtype, or a quantized row of `kv_format`)."""
+        in the model dtype, or a quantized row of `kv_format`). `layer`: the calling layer's
+        variation, as declared with `layer()`; None: the defaults."""
+        if layer is not None:
+            return self._forward_layer(q, k, v, kv_cache, batch, layer)
         meta = batch.attn_metadata
         fmt = self.kv_format
         if isinstance(meta, _Paged):
@@ -241,9 +279,16 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         slots: torch.Tensor,
         meta: _Paged,
+        scale: float | None = None,
+        window: int | None = -1,
     ) -> torch.Tensor:
-        """The fused kernel over these queries; k_rows, v_rows: their new K/V in the cache's format."""
-        args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale, self.sliding_window or 0)
+        """The fused kernel over these queries; k_rows, v_rows: their new K/V in the cache's format.
+        `scale` and `window` default to the backend's (None: no window)."""
+        if scale is None:
+            scale = self.scale
+        if window == -1:
+            window = self.sliding_window
+        args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window or 0)
         if self.kv_format is None:
             return torch.ops.tandem.paged_attention(q, k_rows, v_rows, kv_cache, slots, *args)
         fp8 = self.kv_format.kv_cache_dtype == "fp8_e4m3"
@@ -253,6 +298,93 @@ class TorchAttentionBackend:
         """The rows of these slots in the model dtype: `[..., KVH, D]`."""
         rows = cache[slots]
         return rows if self.kv_format is None else self.kv_format.dequantize(rows, self.head_dim)
+
+    def _forward_layer(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        """`forward` for a layer with its own window, scale or soft-cap (the same paths, each
+        reading the layer's mask and scale; soft-capped layers compute explicit scores)."""
+        scale = self.scale if layer.scale is None else layer.scale
+        window = layer.sliding_window
+        meta = batch.attn_metadata
+        fmt = self.kv_format
+        if isinstance(meta, _Paged):  # never with a soft-cap (declaring one turns the kernel off)
+            if fmt is not None:
+                k, v = fmt.quantize(k), fmt.quantize(v)
+            return self._kernel(q, k, v, kv_cache, batch.slot_mapping, meta, scale, window)
+        kvh, row = self.num_kv_heads, kv_cache.shape[-1]
+        k_cache = kv_cache[0].view(-1, kvh, row)
+        v_cache = kv_cache[1].view(-1, kvh, row)
+        k_rows, v_rows = (k, v) if fmt is None else (fmt.quantize(k), fmt.quantize(v))
+        k_cache.index_copy_(0, batch.slot_mapping, k_rows)
+        v_cache.index_copy_(0, batch.slot_mapping, v_rows)
+        if fmt is not None:  # the step's own K/V as later steps will read them
+            k, v = fmt.dequantize(k_rows, self.head_dim), fmt.dequantize(v_rows, self.head_dim)
+        out = torch.empty_like(q)
+        for g in meta:
+            if isinstance(g, _Paged):  # the short queries of a mixed batch (their K/V is written)
+                r = g.rows
+                assert g.slot_mapping is not None
+                out[r] = self._kernel(q[r], k_rows[r], v_rows[r], kv_cache, g.slot_mapping, g, scale, window)
+                continue
+            mask = g.mask if window == self.sliding_window else g.window_masks[window]
+            if g.kv_slots.numel() == 0:  # fresh prompt: its own K/V, causal unless a window masks
+                rows = g.out_index
+                o = _attend(
+                    q[rows].transpose(0, 1)[None],
+                    k[rows].transpose(0, 1)[None],
+                    v[rows].transpose(0, 1)[None],
+                    mask,
+                    scale,
+                    layer.softcap,
+                )
+                out[rows] = o[0].transpose(0, 1)
+                continue
+            qg = q.unsqueeze(2) if g.whole_batch else q[g.q_index].transpose(1, 2)  # [G, H, Q, D]
+            kg = self._gather(k_cache, g.kv_slots).transpose(1, 2)  # [G, KVH, C, D]
+            vg = self._gather(v_cache, g.kv_slots).transpose(1, 2)
+            o = _attend(qg, kg, vg, mask, scale, layer.softcap).transpose(1, 2)  # [G, Q, H, D]
+            out[g.out_index] = o.reshape(-1, *o.shape[2:]) if g.valid is None else o[g.valid]
+        return out
+
+
+def _windowed(causal: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
+    """The causal mask [..., Q, C] (q_pos [..., Q], k_pos [C]) limited to `window` keys per query."""
+    if window is None:
+        return causal
+    return causal & (k_pos[None, :] > q_pos[..., :, None] - window)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of q [G, H, Q, D] over k, v [G, KVH, C, D]; mask [G, 1, Q, C] (None: causal)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    # transformers' eager attention, in its order: scale, cap, mask, softmax in float32.
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n = q.shape[2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 ATTENTION_BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend}

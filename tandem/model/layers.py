@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import RopeConfig
+from tandem.model.rope import attention_scaling, rope_angles
 
 
 class RMSNorm(nn.Module):
@@ -27,45 +28,30 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type == "linear":
-        inv_freq = inv_freq / rope.factor
-    elif rope.rope_type == "llama3":
-        old_len = rope.original_max_position_embeddings or 8192
-        low_wavelen = old_len / rope.low_freq_factor
-        high_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq
-
-
 # cos and sign-folded sin rows for a pass's positions, shaped [T, 1, D] to broadcast over heads.
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class RotaryEmbedding:
-    """Neox-style rotary embedding with a precomputed float32 cos/sin table indexed by position.
+    """Neox-style rotary embedding with a precomputed float32 cos/sin table indexed by position
+    (tandem/model/rope.py computes each rope type's angles). With partial rotary the tables are
+    narrower than a head: only its first `rotary_dim` elements rotate.
 
     A plain object, not a module: its tables are not weights, so moving or
     casting the model leaves them alone.
     """
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, device: torch.device) -> None:
-        inv_freq = rope_inv_freq(rope, head_dim)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = t[:, None] * inv_freq[None, :]
+        freqs = rope_angles(rope, head_dim, max_positions)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device)
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        scale = attention_scaling(rope)
+        if scale != 1.0:  # yarn and longrope scale cos and sin (so q.k by scale squared)
+            cos, sin = cos * scale, sin * scale
+        self.cos = cos.to(device)
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_1, sin_2] exactly (negation is exact), and
         # the roll is one op where rotate_half is four.
-        half = head_dim // 2
+        half = emb.shape[-1] // 2
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device)
 
     def lookup(self, positions: torch.Tensor) -> Rope:
@@ -75,19 +61,40 @@ class RotaryEmbedding:
 def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Rotate every head of x: [T, heads, D] (neox style: the two halves of each head pair up)."""
     cos, sin_signed = rope
+    if cos.shape[-1] != x.shape[-1]:  # partial rotary: the rest of each head passes through
+        rot = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :rot], rope), x[..., rot:]), dim=-1)
     if x.dtype == torch.float32:
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
     xf = x.float()
     return (xf * cos + xf.roll(xf.shape[-1] // 2, -1) * sin_signed).to(x.dtype)
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# The `hidden_act` / `hidden_activation` names of config.json, as transformers' ACT2FN maps them.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+}
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation {activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            )
         self.intermediate = intermediate
+        self.act = ACTIVATIONS[activation]
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

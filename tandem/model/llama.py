@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import re
-from itertools import pairwise
-
 import torch
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.model.attention import TorchAttentionBackend
+from tandem.model.attention import LayerAttention, TorchAttentionBackend
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, apply_rope
-from tandem.model.weights import Target
-
-# Checkpoint projection -> (our fused parameter, shard index within it).
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+from tandem.model.llama_checkpoint import LlamaCheckpointMapping
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: TorchAttentionBackend, layer: LayerAttention | None = None
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -43,6 +32,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.backend = backend
+        # This layer's own window, scale or soft-cap (declared to the backend); None: its defaults.
+        self.layer = layer
 
     def forward(
         self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
@@ -61,7 +52,7 @@ class Attention(nn.Module):
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), rope)
             k = apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), rope)
-        o = self.backend.forward(q, k, v, kv_cache, batch)
+        o = self.backend.forward(q, k, v, kv_cache, batch, self.layer)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -81,7 +72,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(LlamaCheckpointMapping, nn.Module):
     def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.config = cfg
@@ -111,34 +102,3 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
-
-    # Checkpoint mapping (tandem.model.weights.WeightMapping).
-
-    def fused_bounds(self) -> dict[str, list[int]]:
-        """Row boundaries of each fused parameter's shards, by parameter suffix."""
-        cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return {
-            "self_attn.qkv_proj": [0, q, q + kv, q + 2 * kv],
-            "mlp.gate_up_proj": [0, cfg.intermediate_size, 2 * cfg.intermediate_size],
-        }
-
-    def checkpoint_target(self, name: str) -> Target | None:
-        if "rotary_emb.inv_freq" in name:
-            return None
-        if name == "lm_head.weight" and self.lm_head is None:
-            return None  # tied embeddings: some checkpoints store the copy anyway
-        m = _LAYER_RE.match(name)
-        if m and m.group(2) in _FUSED:
-            fused, shard = _FUSED[m.group(2)]
-            bounds = self.fused_bounds()[fused]
-            return Target(
-                f"layers.{m.group(1)}.{fused}.{m.group(3)}", rows=(bounds[shard], bounds[shard + 1])
-            )
-        return Target(name.removeprefix("model."))
-
-    def param_parts(self, param: str) -> list[Target]:
-        for fused, bounds in self.fused_bounds().items():
-            if f".{fused}." in param:
-                return [Target(param, rows=(a, b)) for a, b in pairwise(bounds)]
-        return [Target(param)]

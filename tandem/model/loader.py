@@ -12,12 +12,14 @@ from tandem.config import ModelConfig
 from tandem.cpu import cpu_flags
 from tandem.model.attention import get_attention_backend
 from tandem.model.experts import prepare_experts
+from tandem.model.gemma import GemmaForCausalLM
 from tandem.model.interface import CausalLM, CausalLMClass
 from tandem.model.kv_quant import KVCacheFormat
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.linear import onednn_available, pack_linears
 from tandem.model.llama import LlamaForCausalLM
 from tandem.model.moe import MoEForCausalLM
+from tandem.model.phi3 import Phi3ForCausalLM
 from tandem.model.quant import quantize_model
 from tandem.model.weights import load_weights
 
@@ -30,6 +32,9 @@ MODEL_REGISTRY: dict[str, CausalLMClass] = {
     "MixtralForCausalLM": MoEForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
