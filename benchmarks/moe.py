@@ -264,15 +264,23 @@ def tandem_child(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 # -- llama.cpp (optional) ---------------------------------------------------------------------
 
 # Runs llama.cpp's converter with the Llama-style vocabulary reader for the Qwen3 classes: their
-# default reader only accepts the byte-level BPE tokenizers of published Qwen checkpoints.
+# default reader only accepts the byte-level BPE tokenizers of published Qwen checkpoints. The
+# converter is one file in older llama.cpp, a `conversion` package with a class lookup in newer.
 _CONVERT = """
 import sys
 sys.path[:0] = [sys.argv.pop(1), sys.argv.pop(1)]
 import convert_hf_to_gguf as c
+
+def llama_vocab(cls):
+    cls.set_vocab = lambda self: self._set_vocab_llama_hf()
+    return cls
+
 for name in ("Qwen3MoeModel", "Qwen3Model"):
-    cls = getattr(c, name, None)
-    if cls is not None:
-        cls.set_vocab = lambda self: self._set_vocab_llama_hf()
+    if hasattr(c, name):
+        llama_vocab(getattr(c, name))
+if hasattr(c, "get_model_class"):
+    lookup = c.get_model_class
+    c.get_model_class = lambda name, *a, **k: llama_vocab(lookup(name, *a, **k))
 c.main()
 """
 
@@ -281,7 +289,7 @@ def find_llama_cpp(root: Path) -> tuple[Path, Path | None, Path | None] | str:
     converter = root / "convert_hf_to_gguf.py"
     if not converter.is_file():
         return f"no convert_hf_to_gguf.py in {root}"
-    text = converter.read_text(errors="ignore")
+    text = "".join(f.read_text(errors="ignore") for f in [converter, *sorted(root.glob("conversion/*.py"))])
     if "Qwen3MoeForCausalLM" not in text:
         return "this llama.cpp's GGUF converter does not know Qwen3MoeForCausalLM"
     if "_set_vocab_llama_hf" not in text:

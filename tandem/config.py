@@ -147,10 +147,13 @@ def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
     num_experts = int(_first(cfg, "num_local_experts", "num_experts", default=-1))
     if num_experts < 0:
         raise KeyError("num_experts")
+    top_k = int(cfg["num_experts_per_tok"])
+    if num_experts and not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
     if arch == "MixtralForCausalLM":
         return MoEConfig(
             num_experts=num_experts,
-            top_k=int(cfg["num_experts_per_tok"]),
+            top_k=top_k,
             expert_intermediate_size=int(cfg["intermediate_size"]),
             norm_topk_prob=True,
             float32_routing_weights=True,
@@ -161,9 +164,6 @@ def _moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
     step = int(cfg.get("decoder_sparse_step") or 1)
     if step < 1:
         raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
-    top_k = int(cfg["num_experts_per_tok"])
-    if num_experts and not 1 <= top_k <= num_experts:
-        raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
     return MoEConfig(
         num_experts=num_experts,

@@ -266,13 +266,20 @@ def test_an_expert_beyond_the_config_is_refused(model_factory, tmp_path):
         _load(folder)
 
 
-def test_qwen2_moe_partial_sliding_windows_are_refused(model_factory, tmp_path):
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (dict(use_sliding_window=True, sliding_window=32), "use_sliding_window"),  # some layers only
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),  # more than the 8 experts
+    ],
+)
+def test_bad_moe_configs_are_refused(model_factory, tmp_path, change, field):
     folder = tmp_path / "m"
     shutil.copytree(moe_dir(model_factory, "qwen2_moe"), folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(use_sliding_window=True, sliding_window=32)
+    cfg.update(change)
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="use_sliding_window"):
+    with pytest.raises(ValueError, match=field):
         ModelConfig.from_pretrained(folder)
 
 
