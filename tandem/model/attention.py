@@ -200,90 +200,12 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D]. `layer`:
         the calling layer's variation, as declared with `layer()`; None: the defaults."""
+        scale, window, softcap = self.scale, self.sliding_window, None
         if layer is not None:
-            return self._forward_layer(q, k, v, kv_cache, batch, layer)
+            scale = self.scale if layer.scale is None else layer.scale
+            window, softcap = layer.sliding_window, layer.softcap
         meta = batch.attn_metadata
-        if isinstance(meta, _Paged):
-            return torch.ops.tandem.paged_attention(
-                q,
-                k,
-                v,
-                kv_cache,
-                batch.slot_mapping,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                self.scale,
-                self.sliding_window or 0,
-            )
-        kvh, hd = self.num_kv_heads, self.head_dim
-        k_cache = kv_cache[0].view(-1, kvh, hd)
-        v_cache = kv_cache[1].view(-1, kvh, hd)
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
-        groups = batch.attn_metadata
-        if len(groups) == 1 and isinstance(groups[0], _Group) and groups[0].whole_batch:
-            g = groups[0]
-            kg = k_cache[g.kv_slots].transpose(1, 2)  # [T, KVH, C, D]
-            vg = v_cache[g.kv_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
-            )
-            return o.squeeze(2)  # [T, H, D]
-        out = torch.empty_like(q)
-        for g in groups:
-            if isinstance(g, _Paged):  # the short queries of a mixed batch (their K/V is written)
-                r = g.rows
-                out[r] = torch.ops.tandem.paged_attention(
-                    q[r],
-                    k[r],
-                    v[r],
-                    kv_cache,
-                    g.slot_mapping,
-                    g.block_tables,
-                    g.seq_lens,
-                    g.query_start_loc,
-                    self.scale,
-                    self.sliding_window or 0,
-                )
-                continue
-            if g.mask is None:  # fresh prompt: causal attention over its own K/V
-                rows = g.out_index
-                # 4-D inputs: with 3-D ones torch takes its unfused math path on CPU (~4x slower).
-                o = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1)[None],
-                    k[rows].transpose(0, 1)[None],
-                    v[rows].transpose(0, 1)[None],
-                    is_causal=True,
-                    scale=self.scale,
-                    enable_gqa=True,
-                )
-                out[rows] = o[0].transpose(0, 1)
-                continue
-            qg = q[g.q_index].transpose(1, 2)  # [G, H, Q, D]
-            kg = k_cache[g.kv_slots].transpose(1, 2)  # [G, KVH, C, D]
-            vg = v_cache[g.kv_slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
-            ).transpose(1, 2)  # [G, Q, H, D]
-            out[g.out_index] = o.reshape(-1, *o.shape[2:]) if g.valid is None else o[g.valid]
-        return out
-
-    def _forward_layer(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        batch: ForwardBatch,
-        layer: LayerAttention,
-    ) -> torch.Tensor:
-        """`forward` for a layer with its own window, scale or soft-cap (the same paths, each
-        reading the layer's mask and scale; soft-capped layers compute explicit scores)."""
-        scale = self.scale if layer.scale is None else layer.scale
-        window = layer.sliding_window
-        meta = batch.attn_metadata
-        if isinstance(meta, _Paged):  # never with a soft-cap (declaring one turns the kernel off)
+        if isinstance(meta, _Paged):  # never with a soft-cap: declaring one turns the kernel off
             return torch.ops.tandem.paged_attention(
                 q,
                 k,
@@ -301,8 +223,15 @@ class TorchAttentionBackend:
         v_cache = kv_cache[1].view(-1, kvh, hd)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
+        groups = batch.attn_metadata
+        if len(groups) == 1 and isinstance(groups[0], _Group) and groups[0].whole_batch:
+            g = groups[0]
+            kg = k_cache[g.kv_slots].transpose(1, 2)  # [T, KVH, C, D]
+            vg = v_cache[g.kv_slots].transpose(1, 2)
+            o = _attend(q.unsqueeze(2), kg, vg, self._mask(g, window), scale, softcap)
+            return o.squeeze(2)  # [T, H, D]
         out = torch.empty_like(q)
-        for g in meta:
+        for g in groups:
             if isinstance(g, _Paged):  # the short queries of a mixed batch (their K/V is written)
                 r = g.rows
                 out[r] = torch.ops.tandem.paged_attention(
@@ -318,25 +247,28 @@ class TorchAttentionBackend:
                     window or 0,
                 )
                 continue
-            mask = g.mask if window == self.sliding_window else g.window_masks[window]
-            if g.kv_slots.numel() == 0:  # fresh prompt: its own K/V, causal unless a window masks
+            if g.kv_slots.numel() == 0:  # fresh prompt: over its own K/V, causal unless windowed
                 rows = g.out_index
+                # 4-D inputs: with 3-D ones torch takes its unfused math path on CPU (~4x slower).
                 o = _attend(
                     q[rows].transpose(0, 1)[None],
                     k[rows].transpose(0, 1)[None],
                     v[rows].transpose(0, 1)[None],
-                    mask,
+                    self._mask(g, window),
                     scale,
-                    layer.softcap,
+                    softcap,
                 )
                 out[rows] = o[0].transpose(0, 1)
                 continue
-            qg = q.unsqueeze(2) if g.whole_batch else q[g.q_index].transpose(1, 2)  # [G, H, Q, D]
+            qg = q[g.q_index].transpose(1, 2)  # [G, H, Q, D]
             kg = k_cache[g.kv_slots].transpose(1, 2)  # [G, KVH, C, D]
             vg = v_cache[g.kv_slots].transpose(1, 2)
-            o = _attend(qg, kg, vg, mask, scale, layer.softcap).transpose(1, 2)  # [G, Q, H, D]
+            o = _attend(qg, kg, vg, self._mask(g, window), scale, softcap).transpose(1, 2)  # [G, Q, H, D]
             out[g.out_index] = o.reshape(-1, *o.shape[2:]) if g.valid is None else o[g.valid]
         return out
+
+    def _mask(self, g: _Group, window: int | None) -> torch.Tensor | None:
+        return g.mask if window == self.sliding_window else g.window_masks[window]
 
 
 def _windowed(causal: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
