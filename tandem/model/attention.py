@@ -212,64 +212,60 @@ class TorchAttentionBackend:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, row] (row = D
         in the model dtype, or a quantized row of `kv_format`). `layer`: the calling layer's
         variation, as declared with `layer()`; None: the defaults."""
+        scale, window, softcap = self.scale, self.sliding_window, None
         if layer is not None:
-            return self._forward_layer(q, k, v, kv_cache, batch, layer)
+            scale = self.scale if layer.scale is None else layer.scale
+            window, softcap = layer.sliding_window, layer.softcap
         meta = batch.attn_metadata
         fmt = self.kv_format
-        if isinstance(meta, _Paged):
+        if isinstance(meta, _Paged):  # never with a soft-cap: declaring one turns the kernel off
             if fmt is not None:
                 k, v = fmt.quantize(k), fmt.quantize(v)
-            return self._kernel(q, k, v, kv_cache, batch.slot_mapping, meta)
+            return self._kernel(q, k, v, kv_cache, batch.slot_mapping, meta, scale, window)
         kvh, row = self.num_kv_heads, kv_cache.shape[-1]
         k_cache = kv_cache[0].view(-1, kvh, row)
         v_cache = kv_cache[1].view(-1, kvh, row)
-        k_rows, v_rows = k, v  # the new K/V as the cache stores them
-        if fmt is None:
-            k_cache.index_copy_(0, batch.slot_mapping, k)
-            v_cache.index_copy_(0, batch.slot_mapping, v)
-        else:
-            k_rows, v_rows = fmt.quantize(k), fmt.quantize(v)
-            k_cache.index_copy_(0, batch.slot_mapping, k_rows)
-            v_cache.index_copy_(0, batch.slot_mapping, v_rows)
-            # From here on the step's own K/V are what the cache holds, as later steps will read them.
+        k_rows, v_rows = (k, v) if fmt is None else (fmt.quantize(k), fmt.quantize(v))
+        k_cache.index_copy_(0, batch.slot_mapping, k_rows)
+        v_cache.index_copy_(0, batch.slot_mapping, v_rows)
+        if fmt is not None:  # from here on the step's own K/V are what later steps will read
             k, v = fmt.dequantize(k_rows, self.head_dim), fmt.dequantize(v_rows, self.head_dim)
         groups = batch.attn_metadata
         if len(groups) == 1 and isinstance(groups[0], _Group) and groups[0].whole_batch:
             g = groups[0]
             kg = self._gather(k_cache, g.kv_slots).transpose(1, 2)  # [T, KVH, C, D]
             vg = self._gather(v_cache, g.kv_slots).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
-            )
+            o = _attend(q.unsqueeze(2), kg, vg, self._mask(g, window), scale, softcap)
             return o.squeeze(2)  # [T, H, D]
         out = torch.empty_like(q)
         for g in groups:
             if isinstance(g, _Paged):  # the short queries of a mixed batch (their K/V is written)
                 r = g.rows
                 assert g.slot_mapping is not None
-                out[r] = self._kernel(q[r], k_rows[r], v_rows[r], kv_cache, g.slot_mapping, g)
+                out[r] = self._kernel(q[r], k_rows[r], v_rows[r], kv_cache, g.slot_mapping, g, scale, window)
                 continue
-            if g.mask is None:  # fresh prompt: causal attention over its own K/V
+            if g.kv_slots.numel() == 0:  # fresh prompt: over its own K/V, causal unless windowed
                 rows = g.out_index
                 # 4-D inputs: with 3-D ones torch takes its unfused math path on CPU (~4x slower).
-                o = F.scaled_dot_product_attention(
+                o = _attend(
                     q[rows].transpose(0, 1)[None],
                     k[rows].transpose(0, 1)[None],
                     v[rows].transpose(0, 1)[None],
-                    is_causal=True,
-                    scale=self.scale,
-                    enable_gqa=True,
+                    self._mask(g, window),
+                    scale,
+                    softcap,
                 )
                 out[rows] = o[0].transpose(0, 1)
                 continue
             qg = q[g.q_index].transpose(1, 2)  # [G, H, Q, D]
             kg = self._gather(k_cache, g.kv_slots).transpose(1, 2)  # [G, KVH, C, D]
             vg = self._gather(v_cache, g.kv_slots).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, scale=self.scale, enable_gqa=True
-            ).transpose(1, 2)  # [G, Q, H, D]
+            o = _attend(qg, kg, vg, self._mask(g, window), scale, softcap).transpose(1, 2)  # [G, Q, H, D]
             out[g.out_index] = o.reshape(-1, *o.shape[2:]) if g.valid is None else o[g.valid]
         return out
+
+    def _mask(self, g: _Group, window: int | None) -> torch.Tensor | None:
+        return g.mask if window == self.sliding_window else g.window_masks[window]
 
     def _kernel(
         self,
@@ -279,15 +275,10 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         slots: torch.Tensor,
         meta: _Paged,
-        scale: float | None = None,
-        window: int | None = -1,
+        scale: float,
+        window: int | None,
     ) -> torch.Tensor:
-        """The fused kernel over these queries; k_rows, v_rows: their new K/V in the cache's format.
-        `scale` and `window` default to the backend's (None: no window)."""
-        if scale is None:
-            scale = self.scale
-        if window == -1:
-            window = self.sliding_window
+        """The fused kernel over these queries; k_rows, v_rows: their new K/V in the cache's format."""
         args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window or 0)
         if self.kv_format is None:
             return torch.ops.tandem.paged_attention(q, k_rows, v_rows, kv_cache, slots, *args)
@@ -298,60 +289,6 @@ class TorchAttentionBackend:
         """The rows of these slots in the model dtype: `[..., KVH, D]`."""
         rows = cache[slots]
         return rows if self.kv_format is None else self.kv_format.dequantize(rows, self.head_dim)
-
-    def _forward_layer(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        batch: ForwardBatch,
-        layer: LayerAttention,
-    ) -> torch.Tensor:
-        """`forward` for a layer with its own window, scale or soft-cap (the same paths, each
-        reading the layer's mask and scale; soft-capped layers compute explicit scores)."""
-        scale = self.scale if layer.scale is None else layer.scale
-        window = layer.sliding_window
-        meta = batch.attn_metadata
-        fmt = self.kv_format
-        if isinstance(meta, _Paged):  # never with a soft-cap (declaring one turns the kernel off)
-            if fmt is not None:
-                k, v = fmt.quantize(k), fmt.quantize(v)
-            return self._kernel(q, k, v, kv_cache, batch.slot_mapping, meta, scale, window)
-        kvh, row = self.num_kv_heads, kv_cache.shape[-1]
-        k_cache = kv_cache[0].view(-1, kvh, row)
-        v_cache = kv_cache[1].view(-1, kvh, row)
-        k_rows, v_rows = (k, v) if fmt is None else (fmt.quantize(k), fmt.quantize(v))
-        k_cache.index_copy_(0, batch.slot_mapping, k_rows)
-        v_cache.index_copy_(0, batch.slot_mapping, v_rows)
-        if fmt is not None:  # the step's own K/V as later steps will read them
-            k, v = fmt.dequantize(k_rows, self.head_dim), fmt.dequantize(v_rows, self.head_dim)
-        out = torch.empty_like(q)
-        for g in meta:
-            if isinstance(g, _Paged):  # the short queries of a mixed batch (their K/V is written)
-                r = g.rows
-                assert g.slot_mapping is not None
-                out[r] = self._kernel(q[r], k_rows[r], v_rows[r], kv_cache, g.slot_mapping, g, scale, window)
-                continue
-            mask = g.mask if window == self.sliding_window else g.window_masks[window]
-            if g.kv_slots.numel() == 0:  # fresh prompt: its own K/V, causal unless a window masks
-                rows = g.out_index
-                o = _attend(
-                    q[rows].transpose(0, 1)[None],
-                    k[rows].transpose(0, 1)[None],
-                    v[rows].transpose(0, 1)[None],
-                    mask,
-                    scale,
-                    layer.softcap,
-                )
-                out[rows] = o[0].transpose(0, 1)
-                continue
-            qg = q.unsqueeze(2) if g.whole_batch else q[g.q_index].transpose(1, 2)  # [G, H, Q, D]
-            kg = self._gather(k_cache, g.kv_slots).transpose(1, 2)  # [G, KVH, C, D]
-            vg = self._gather(v_cache, g.kv_slots).transpose(1, 2)
-            o = _attend(qg, kg, vg, mask, scale, layer.softcap).transpose(1, 2)  # [G, Q, H, D]
-            out[g.out_index] = o.reshape(-1, *o.shape[2:]) if g.valid is None else o[g.valid]
-        return out
 
 
 def _windowed(causal: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:
