@@ -666,16 +666,19 @@ void check_int4(const char* op, const at::Tensor& qw, const at::Tensor& scales, 
                 op, ": scales and zs must be contiguous float32 [N, K / group_size]");
 }
 
+// Writes into `out` ([N, K] float32 or bfloat16, contiguous): callers reuse one buffer, so a large
+// weight is not a fresh allocation (and its page faults) on every call.
 at::Tensor dequant_int4(const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zs, int64_t group_size,
-                        at::ScalarType dtype) {
+                        at::Tensor out) {
   check_int4("tandem dequant_int4", qw, scales, zs, group_size);
   const int64_t N = qw.size(0), K = qw.size(1) * 2;
-  at::Tensor out = at::empty({N, K}, qw.options().dtype(dtype));
-  if (dtype == at::kFloat) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "tandem dequant_int4: out must be a contiguous [N, K] tensor");
+  if (out.scalar_type() == at::kFloat) {
     dequant_int4_impl<float>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(), N, K,
                              group_size, out.data_ptr<float>());
   } else {
-    TORCH_CHECK(dtype == at::kBFloat16, "tandem dequant_int4: float32 or bfloat16 output only");
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "tandem dequant_int4: float32 or bfloat16 output only");
     dequant_int4_impl<at::BFloat16>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(), N, K,
                                     group_size, out.data_ptr<at::BFloat16>());
   }
@@ -820,7 +823,7 @@ TORCH_LIBRARY(tandem, m) {
 #if defined(__AVX512VNNI__)
   m.def("gemm_w8a8(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
 #endif
-  m.def("dequant_int4(Tensor qweight, Tensor scales, Tensor zs, int group_size, ScalarType dtype) -> Tensor");
+  m.def("dequant_int4(Tensor qweight, Tensor scales, Tensor zs, int group_size, Tensor(a!) out) -> Tensor(a!)");
 #if defined(__AVX2__) && defined(__FMA__)
   m.def("gemm_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zs, int group_size, Tensor? bias) -> Tensor");
 #endif

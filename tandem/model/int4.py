@@ -30,6 +30,18 @@ INT4_KERNEL_MAX_ROWS = 8
 BLOCK = 32
 
 
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A flat buffer of at least `numel` elements, grown to the largest layer and kept. Steps run
+    one at a time in the engine's process, and each product finishes before the next layer's."""
+    buf = _SCRATCH.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
 def check_shape(in_features: int, group_size: int, what: str) -> None:
     """The internal layout's constraints, as a ValueError naming the layer."""
     if in_features % BLOCK:
@@ -102,9 +114,13 @@ class Int4Linear(nn.Module):
         self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if want and kernels.has("gemm_int4") else 0
         self.compiled_dequant = want and kernels.has("dequant_int4")
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+    def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
+        """The weight [out, in] in `dtype`. scratch=True writes it into a buffer shared by every
+        layer (valid until the next layer's call): the per-call path allocates nothing."""
         if self.compiled_dequant and dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.tandem.dequant_int4(self.qweight, self.scales, self.zs, self.group_size, dtype)
+            n, k = self.out_features, self.in_features
+            out = _scratch(dtype, n * k).view(n, k) if scratch else torch.empty(n, k, dtype=dtype)
+            return torch.ops.tandem.dequant_int4(self.qweight, self.scales, self.zs, self.group_size, out)
         return dequantize_torch(self.qweight, self.scales, self.zs, self.group_size, dtype)
 
     def path(self) -> str:
@@ -121,7 +137,7 @@ class Int4Linear(nn.Module):
         if 0 < rows <= self.kernel_max_rows and x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.tandem.gemm_int4(x, self.qweight, self.scales, self.zs, self.group_size, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized(x.dtype), bias)
+        return F.linear(x, self.dequantized(x.dtype, scratch=True), bias)
 
 
 def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
