@@ -122,7 +122,9 @@ def _gptq(cfg: dict[str, Any]) -> QuantizationConfig:
 def _ct_weights(cfg: dict[str, Any]) -> dict[str, Any]:
     """The one weight scheme every config group shares."""
     groups = cfg.get("config_groups") or {}
-    schemes = [g.get("weights") for g in groups.values() if isinstance(g, dict) and g.get("weights")]
+    schemes: list[dict[str, Any]] = [
+        g["weights"] for g in groups.values() if isinstance(g, dict) and isinstance(g.get("weights"), dict)
+    ]
     if not schemes:
         raise ValueError("quantization_config: compressed-tensors config_groups quantize no weights")
     keys = ("num_bits", "type", "strategy", "group_size", "symmetric", "block_structure", "actorder")
@@ -155,8 +157,13 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantizationConfig:
         if strategy not in ("tensor", "channel", "block"):
             raise ValueError(f"quantization_config: compressed-tensors FP8 strategy {strategy!r} is not supported")
         block = w.get("block_structure")
-        if strategy == "block" and not (isinstance(block, list) and len(block) == 2):
-            raise ValueError("quantization_config: compressed-tensors block strategy needs block_structure [rows, cols]")
+        weight_block = None
+        if strategy == "block":
+            if not (isinstance(block, list) and len(block) == 2):
+                raise ValueError(
+                    "quantization_config: compressed-tensors block strategy needs block_structure [rows, cols]"
+                )
+            weight_block = (int(block[0]), int(block[1]))
         return QuantizationConfig(
             method="compressed-tensors",
             weights="fp8",
@@ -164,7 +171,7 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantizationConfig:
             group_size=None,
             zero_point=False,
             checkpoint_format=fmt,
-            weight_block=(int(block[0]), int(block[1])) if strategy == "block" else None,
+            weight_block=weight_block,
         )
     if kind != "int":
         raise ValueError(f"quantization_config: compressed-tensors weight type {kind!r} is not supported")

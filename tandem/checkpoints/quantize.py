@@ -21,6 +21,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -149,7 +150,7 @@ def _fp8(prefix: str, w: torch.Tensor, s: Scheme, per_channel: bool,
     return {f"{prefix}.weight": f8, f"{prefix}.{scale_name}": scale}, f8.float() * full
 
 
-def _config(s: Scheme) -> dict:
+def _config(s: Scheme) -> dict[str, Any]:
     if s.method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": s.group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
@@ -158,7 +159,7 @@ def _config(s: Scheme) -> dict:
                 "sym": s.sym, "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
                 "lm_head": False, "checkpoint_format": s.gptq_format}
     if s.method == "fp8":
-        cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+        cfg: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
         if s.fp8_block is not None:
             cfg["weight_block_size"] = list(s.fp8_block)
         return cfg
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reference", type=Path, default=None, help="also write the dequantized float checkpoint here")
     a = p.parse_args(argv)
     block = tuple(a.fp8_block) if a.fp8_block else (128, 128) if a.method == "fp8" else None
-    scheme = Scheme(a.method, a.group_size, a.sym, a.gptq_format, block)  # type: ignore[arg-type]
+    scheme = Scheme(a.method, a.group_size, a.sym, a.gptq_format, block)
     write_quantized(a.src, a.dst, scheme, a.reference)
 
 
