@@ -9,6 +9,7 @@ AVX512-BF16 CPUs), `int8` (the float checkpoint quantized at load) and `int4` (t
     python benchmarks/int4.py                       # the 415M model: c=1 and c=32, ~10 minutes
     python benchmarks/int4.py --layers              # also time the linear paths per layer shape
     python benchmarks/int4.py --quick               # a tiny model and few tokens: a smoke test
+    python benchmarks/int4.py --perplexity          # accuracy: the default model written as 4-bit
 
 c=1 decode tok/s = decoded tokens / (time of a max_tokens=N+1 run - time of a max_tokens=1 run):
 the prompt's pass is taken out. Writes benchmarks/results/int4.json (`--result-json`).
@@ -153,6 +154,40 @@ def time_layers(int4_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]
     return rows_out
 
 
+def default_model_perplexity(args: argparse.Namespace) -> dict[str, Any]:
+    """The embedded default model's held-out perplexity as float32 and written in 4-bit formats
+    (groups of 32: its MLP width, 864, has no larger power-of-two divisor), through the prompt path
+    (dequantize-then-GEMM) and the decode path (the 4-bit kernel), as docs/default_model.md does
+    for int8 (tools/default_model_report.py's scorers)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from default_model_report import held_out_texts, tandem_decode_perplexity, tandem_perplexity
+
+    from tandem.checkpoints import DEFAULT_MODEL_DIR
+    from tandem.checkpoints.quantize import Scheme, write_quantized
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    ids: list[int] = []
+    for t in held_out_texts(max_files=40):
+        ids.extend([*tok.encode(t, add_special_tokens=False), tok.eos_token_id])
+    ids_t = torch.tensor(ids)
+    folders = {"float32": DEFAULT_MODEL_DIR}
+    for name, scheme in (("awq-g32", Scheme("awq", 32)), ("gptq-g32-sym", Scheme("gptq", 32, sym=True))):
+        folders[name] = args.cache_dir / f"default-{name}"
+        if not (folders[name] / "config.json").is_file():
+            write_quantized(DEFAULT_MODEL_DIR, folders[name], scheme)
+    out: dict[str, Any] = {}
+    for name, folder in folders.items():
+        out[name] = {
+            "prompt_path": tandem_perplexity(folder, "float32", None, ids_t),
+            "decode_path": tandem_decode_perplexity(folder, "float32", None, ids_t),
+        }
+        print(name, json.dumps(out[name]), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a float checkpoint (default: build the 415M one)")
@@ -167,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--layers", action="store_true", help="also time the 4-bit layer paths alone")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens: checks the script runs")
+    ap.add_argument("--perplexity", action="store_true", help="only the default model's 4-bit perplexity")
     ap.add_argument("--result-json", type=Path, default=REPO_ROOT / "benchmarks/results/int4.json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -177,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from tandem.cpu import cpu_flags
 
+    if args.perplexity:
+        ppl = default_model_perplexity(args)
+        path = args.result_json.with_name("int4_perplexity.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"command": "python benchmarks/int4.py --perplexity", "perplexity": ppl},
+                                   indent=2) + "\n")
+        print(f"wrote {path}")
+        return 0
     float_dir, int4_dir = build_checkpoints(args)
     common: dict[str, Any] = {"max_num_seqs": max(args.concurrency, 1), "num_kv_blocks": 64 + 8 * args.concurrency}
     if args.num_threads:

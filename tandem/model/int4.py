@@ -24,8 +24,11 @@ from torch import nn
 
 from tandem import kernels
 
-# Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM (benchmarks/int4.py).
-INT4_KERNEL_MAX_ROWS = 8
+# Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM. On an AVX2 host the
+# kernel was still 2-8x faster than dequantize + float32 GEMM at 32-64 rows (benchmarks/int4.py
+# --layers, docs/quantized_checkpoints.md); 16 covers decode batches and speculative verification
+# and leaves larger products to the GEMM, which AMX makes much faster than it is there.
+INT4_KERNEL_MAX_ROWS = 16
 # Elements per packed block of the internal layout (and per activation scale in the kernel).
 BLOCK = 32
 
