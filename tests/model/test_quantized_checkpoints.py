@@ -232,3 +232,19 @@ def test_quantization_argument_must_agree_with_the_checkpoint(written, source):
     # Naming the checkpoint's own method (or vLLM's kernel alias for it) is accepted.
     llm = LLM(str(qdir), quantization="gptq_marlin", num_kv_blocks=16)
     assert llm.generate("x", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+
+
+def test_biases_of_4bit_layers_load(model_factory, tmp_path):
+    """Qwen2's q/k/v biases stay float next to 4-bit weights, fused in the same rows."""
+    src = model_factory("qwen2", seed=4)
+    qdir = write_quantized(src, tmp_path / "q", Scheme("gptq", 32), reference=tmp_path / "ref")
+    model = load_model(ModelConfig.from_pretrained(qdir), torch.float32, torch.device("cpu"), "torch", 64)
+    ref = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    qkv = model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, Int4Linear) and qkv.bias is not None
+    p = "model.layers.1.self_attn."
+    bias = torch.cat([ref[f"{p}{x}_proj.bias"] for x in "qkv"])
+    weight = torch.cat([ref[f"{p}{x}_proj.weight"] for x in "qkv"])
+    eye = torch.eye(weight.shape[1])
+    torch.testing.assert_close(qkv(torch.zeros(17, weight.shape[1]))[0], bias, rtol=0, atol=1e-6)
+    torch.testing.assert_close(qkv(eye).T - bias[:, None], weight, rtol=1e-6, atol=1e-6)
