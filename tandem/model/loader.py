@@ -83,6 +83,8 @@ def load_model(
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"no model implementation for architecture {cfg.architecture!r}")
+    # "int8" for a float checkpoint, None otherwise; a disagreement with the checkpoint raises.
+    at_load = resolve_method(quantization, cfg.quantization)
     backend = get_attention_backend(
         attention_backend,
         cfg.num_heads,
@@ -97,7 +99,6 @@ def load_model(
     # Materialise without random init; every parameter is then overwritten from the checkpoint.
     module = model_module(model).to_empty(device=device)
     folder = Path(cfg.path)
-    at_load = resolve_method(quantization, cfg.quantization)
     int4: dict[str, Int4Linear] = {}
     if cfg.quantization is None:
         load_weights(module, model, folder)

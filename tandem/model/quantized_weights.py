@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tandem.model.int4 import Int4Linear, check_shape, fuse_int4
@@ -53,7 +53,10 @@ class QuantizedCheckpoint:
 
     def _open(self, file: Path) -> Any:
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except SafetensorError as exc:
+                raise ValueError(f"cannot read weights from {file}: {exc}") from exc
         return self._handles[file]
 
     def _is_fp8(self, name: str) -> bool:
