@@ -1,8 +1,10 @@
-"""Tandem's compressed-tensors checkpoints read by the format's own library (through transformers):
-the layouts the writers produce are the published ones, and Tandem reads the same weights.
+"""Tandem's compressed-tensors and block-FP8 checkpoints read by transformers (with the
+compressed-tensors library; accelerate for FP8, which it dequantizes on a CPU): the layouts the
+writers produce are the published ones, and Tandem reads the same weights.
 
-(transformers reads AWQ and GPTQ only with gptqmodel / optimum installed, and block FP8 only with
-accelerate; those are not test dependencies.)
+(transformers reads AWQ and GPTQ only with gptqmodel / optimum installed, which pull in compiled
+GPU packages; those are not test dependencies. It reads FP8 blocks only where they divide the
+weight, and per-tensor `weight_scale` fp8 checkpoints not at all.)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from tandem.config import ModelConfig
 from tandem.model.int4_formats import read_compressed_tensors
 from tandem.model.loader import load_model
 
-ct = pytest.importorskip("compressed_tensors")
+pytest.importorskip("compressed_tensors")
 
 
 def _projections(model) -> dict[str, torch.Tensor]:
@@ -39,17 +41,22 @@ def _projections(model) -> dict[str, torch.Tensor]:
 
 
 # float32 scales: the library dequantizes in the scales' dtype, so float16 ones would round its result.
-@pytest.mark.parametrize("scheme", [Scheme("ct-int4", 32, sym=True, scale_dtype=torch.float32), Scheme("ct-fp8", fp8_block=None)],
-                         ids=["int4-sym", "fp8-channel"])
+SCHEMES = [Scheme("ct-int4", 32, sym=True, scale_dtype=torch.float32), Scheme("ct-fp8", fp8_block=None),
+           Scheme("fp8", fp8_block=(32, 32))]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=["ct-int4-sym", "ct-fp8-channel", "fp8-block"])
 def test_transformers_and_tandem_read_the_same_weights(scheme, model_factory, tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     src: Path = model_factory("llama", seed=5)
     qdir = write_quantized(src, tmp_path / "q", scheme, reference=tmp_path / "ref")
-    decompress = CompressedTensorsConfig(run_compressed=False)
-    hf = _projections(
-        AutoModelForCausalLM.from_pretrained(str(qdir), dtype=torch.float32, quantization_config=decompress)
-    )
+    extra = {}
+    if scheme.method == "fp8":
+        pytest.importorskip("accelerate")
+    else:
+        extra["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    hf = _projections(AutoModelForCausalLM.from_pretrained(str(qdir), dtype=torch.float32, **extra))
     ref = _projections(AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref"), dtype=torch.float32))
     ours = load_model(ModelConfig.from_pretrained(qdir), torch.float32, torch.device("cpu"), "torch", 64)
     for i, layer in enumerate(ours.layers):
