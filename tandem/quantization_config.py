@@ -4,10 +4,10 @@ Pure Python (no torch), like tandem/config.py which holds it. Formats read (the 
 tandem/model/int4_formats.py and docs/quantized_checkpoints.md):
 
 - `awq`: AutoAWQ GEMM, 4 bits, group-wise with zero points;
-- `gptq`: AutoGPTQ / GPTQModel, 4 bits, `desc_act: false` (or a g_idx that is in order),
-  `sym` true or false, `checkpoint_format` "gptq" (v1 zeros) or "gptq_v2";
+- `gptq`: AutoGPTQ / GPTQModel, 4 bits, `desc_act` false or true (act-order), `sym` true or
+  false, `checkpoint_format` "gptq" (v1 zeros) or "gptq_v2";
 - `compressed-tensors`: `pack-quantized` int4 weights (group or channel, with or without zero
-  points) and `float-quantized` FP8 weights (channel, tensor or block scales);
+  points, `actorder` too) and `float-quantized` FP8 weights (channel, tensor or block scales);
 - `fp8`: float8_e4m3fn weights with `weight_scale_inv` per block (`weight_block_size`, as
   DeepSeek-V3 and Qwen3-FP8 ship) or a `weight_scale` per tensor or channel.
 
@@ -113,7 +113,6 @@ def _gptq(cfg: dict[str, Any]) -> QuantizationConfig:
         bits=4,
         group_size=_group(cfg.get("group_size"), "gptq"),
         zero_point=not bool(cfg.get("sym", True)),
-        # Loaded when every layer's g_idx turns out to be in order (checked at load).
         desc_act=bool(cfg.get("desc_act", False)),
         checkpoint_format=fmt,
     )
@@ -180,8 +179,6 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantizationConfig:
         raise ValueError(f"quantization_config: compressed-tensors int4 weights in format {fmt!r} are not supported")
     if strategy not in ("group", "channel"):
         raise ValueError(f"quantization_config: compressed-tensors int4 strategy {strategy!r} is not supported")
-    if w.get("actorder") == "group":
-        raise ValueError("quantization_config: compressed-tensors group activation ordering (actorder: group) is not supported")
     return QuantizationConfig(
         method="compressed-tensors",
         weights="int4",

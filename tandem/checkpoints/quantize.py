@@ -43,6 +43,27 @@ class Scheme:
     # ct-fp8: None for one scale per output channel.
     fp8_block: tuple[int, int] | None = (128, 128)
     scale_dtype: torch.dtype = torch.float16
+    # gptq, ct-int4: act-order, groups of inputs taken in a permuted order (the permutation depends
+    # on in_features only, so projections that share an input, fused in Tandem, share it as GPTQ's do).
+    desc_act: bool = False
+
+
+def act_order(in_features: int) -> torch.Tensor:
+    """The input order act-order groups follow (GPTQ sorts by activation size; any order will do)."""
+    return torch.randperm(in_features, generator=torch.Generator().manual_seed(in_features))
+
+
+def _grouped(w: torch.Tensor, s: Scheme, zero_range: tuple[int, int] = (0, 15)
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q, scales, zeros, dequantized weight, g_idx or None), q and the weight in input order."""
+    in_f = w.shape[1]
+    perm = act_order(in_f) if s.desc_act else torch.arange(in_f)
+    q, scale, zero = quantize_groups(w[:, perm], s.group_size, s.sym, s.scale_dtype, zero_range)
+    deq = _dequant_int4(q, scale, zero)
+    inv = torch.argsort(perm)
+    group = in_f if s.group_size == -1 else s.group_size
+    g_idx = (torch.arange(in_f) // group)[inv].to(torch.int32) if s.desc_act else None
+    return q[:, inv].contiguous(), scale, zero, deq[:, inv].contiguous(), g_idx
 
 
 def pack_int32(values: torch.Tensor) -> torch.Tensor:
@@ -97,7 +118,7 @@ def _awq(prefix: str, w: torch.Tensor, s: Scheme) -> tuple[dict[str, torch.Tenso
 def _gptq(prefix: str, w: torch.Tensor, s: Scheme) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     v1 = s.gptq_format == "gptq"
     # v1 stores zero - 1 in four bits: a zero of 0 cannot be written.
-    q, scale, zero = quantize_groups(w, s.group_size, s.sym, s.scale_dtype, (1 if v1 else 0, 15))
+    q, scale, zero, deq, g_idx = _grouped(w, s, (1 if v1 else 0, 15))
     in_f = w.shape[1]
     group = in_f if s.group_size == -1 else s.group_size
     stored_zero = zero.to(torch.int64) - (1 if v1 else 0)
@@ -105,13 +126,13 @@ def _gptq(prefix: str, w: torch.Tensor, s: Scheme) -> tuple[dict[str, torch.Tens
         f"{prefix}.qweight": pack_int32(q).T.contiguous(),  # packed along in: [in/8, out]
         f"{prefix}.qzeros": pack_int32(stored_zero.T.contiguous()),  # [groups, out/8]
         f"{prefix}.scales": scale.T.contiguous(),
-        f"{prefix}.g_idx": (torch.arange(in_f) // group).to(torch.int32),
+        f"{prefix}.g_idx": g_idx if g_idx is not None else (torch.arange(in_f) // group).to(torch.int32),
     }
-    return tensors, _dequant_int4(q, scale, zero)
+    return tensors, deq
 
 
 def _ct_int4(prefix: str, w: torch.Tensor, s: Scheme) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    q, scale, zero = quantize_groups(w, s.group_size, s.sym, s.scale_dtype)
+    q, scale, zero, deq, g_idx = _grouped(w, s)
     tensors = {
         f"{prefix}.weight_packed": pack_int32(q),  # [out, in/8]; stored = signed value + 8
         f"{prefix}.weight_scale": scale.contiguous(),
@@ -119,7 +140,9 @@ def _ct_int4(prefix: str, w: torch.Tensor, s: Scheme) -> tuple[dict[str, torch.T
     }
     if not s.sym:  # signed zero point + 8, packed along out: [out/8, groups]
         tensors[f"{prefix}.weight_zero_point"] = pack_int32(zero.to(torch.uint8).T.contiguous()).T.contiguous()
-    return tensors, _dequant_int4(q, scale, zero)
+    if g_idx is not None:
+        tensors[f"{prefix}.weight_g_idx"] = g_idx
+    return tensors, deq
 
 
 def _fp8_scales(w: torch.Tensor, block: tuple[int, int] | None, per_channel: bool) -> torch.Tensor:
@@ -155,7 +178,7 @@ def _config(s: Scheme) -> dict[str, Any]:
         return {"quant_method": "awq", "bits": 4, "group_size": s.group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
     if s.method == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": s.group_size, "desc_act": False,
+        return {"quant_method": "gptq", "bits": 4, "group_size": s.group_size, "desc_act": s.desc_act,
                 "sym": s.sym, "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
                 "lm_head": False, "checkpoint_format": s.gptq_format}
     if s.method == "fp8":
@@ -167,7 +190,7 @@ def _config(s: Scheme) -> dict[str, Any]:
         strategy = "channel" if s.group_size == -1 else "group"
         weights = {"num_bits": 4, "type": "int", "symmetric": s.sym, "strategy": strategy,
                    "group_size": None if s.group_size == -1 else s.group_size, "dynamic": False,
-                   "actorder": None, "block_structure": None, "observer": "minmax"}
+                   "actorder": "group" if s.desc_act else None, "block_structure": None, "observer": "minmax"}
         inputs = None
         fmt = "pack-quantized"
     else:
@@ -243,12 +266,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--sym", action="store_true")
+    p.add_argument("--desc-act", action="store_true", help="gptq, ct-int4: act-order groups")
     p.add_argument("--gptq-format", choices=["gptq", "gptq_v2"], default="gptq")
     p.add_argument("--fp8-block", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"))
     p.add_argument("--reference", type=Path, default=None, help="also write the dequantized float checkpoint here")
     a = p.parse_args(argv)
     block = tuple(a.fp8_block) if a.fp8_block else (128, 128) if a.method == "fp8" else None
-    scheme = Scheme(a.method, a.group_size, a.sym, a.gptq_format, block)
+    scheme = Scheme(a.method, a.group_size, a.sym, a.gptq_format, block, desc_act=a.desc_act)
     write_quantized(a.src, a.dst, scheme, a.reference)
 
 

@@ -5,7 +5,10 @@ Tandem's kernel reads: `qweight` [out, in/2] bytes, where each 32-element block 
 16 bytes whose low nibbles are elements 0..15 and high nibbles elements 16..31, unsigned 0..15;
 element k of row n is `(q - zero) * scale` of its group of `group_size` inputs. Scales and
 `zs = scale * zero` are float32 [out, in / group_size]. That is a quarter of bfloat16's weight
-bytes plus 8 bytes per group.
+bytes plus 8 bytes per group. Act-order checkpoints (GPTQ `desc_act`, compressed-tensors
+`actorder: group`) group inputs out of order: their columns are stored sorted by group and
+`in_perm` gathers the activations into that order first (a copy of the activations, not of
+the weight).
 
 Paths, by rows of the product (a decode step of a few streams is a few rows):
 - up to `INT4_KERNEL_MAX_ROWS` rows: `tandem.gemm_int4` (AVX2 + FMA; tandem/kernels/cpu_ops.cpp)
@@ -86,6 +89,7 @@ class Int4Linear(nn.Module):
     qweight: torch.Tensor  # buffers (register_buffer)
     scales: torch.Tensor
     zs: torch.Tensor
+    in_perm: torch.Tensor | None
 
     def __init__(
         self,
@@ -95,10 +99,16 @@ class Int4Linear(nn.Module):
         group_size: int,
         bias: torch.Tensor | None,
         use_kernel: bool | None = None,
+        in_perm: torch.Tensor | None = None,
     ) -> None:
-        """q [N, K] unsigned 0..15, scales and zeros [N, K / group_size] (zeros may be fractional)."""
+        """q [N, K] unsigned 0..15, scales and zeros [N, K / group_size] (zeros may be fractional);
+        with `in_perm`, group g holds inputs in_perm[g * group_size : (g + 1) * group_size]."""
         super().__init__()
         n, k = q.shape
+        if in_perm is not None:
+            in_perm = in_perm.to(torch.int64).contiguous()
+            q = q[:, in_perm]
+        self.register_buffer("in_perm", in_perm, persistent=False)
         check_shape(k, group_size, "Int4Linear")
         groups = k // group_size
         if tuple(scales.shape) != (n, groups) or tuple(zeros.shape) != (n, groups):
@@ -118,8 +128,9 @@ class Int4Linear(nn.Module):
         self.compiled_dequant = want and kernels.has("dequant_int4")
 
     def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
-        """The weight [out, in] in `dtype`. scratch=True writes it into a buffer shared by every
-        layer (valid until the next layer's call): the per-call path allocates nothing."""
+        """The weight [out, in] in `dtype`, inputs in `in_perm` order if there is one. scratch=True
+        writes it into a buffer shared by every layer (valid until the next layer's call): the
+        per-call path allocates nothing."""
         if self.compiled_dequant and dtype in (torch.float32, torch.bfloat16):
             n, k = self.out_features, self.in_features
             out = _scratch(dtype, n * k).view(n, k) if scratch else torch.empty(n, k, dtype=dtype)
@@ -136,6 +147,8 @@ class Int4Linear(nn.Module):
         if x.dim() != 2:
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
+        if self.in_perm is not None:
+            x = x.index_select(1, self.in_perm)
         rows = x.shape[0]
         if 0 < rows <= self.kernel_max_rows and x.dtype in (torch.float32, torch.bfloat16):
             return torch.ops.tandem.gemm_int4(x, self.qweight, self.scales, self.zs, self.group_size, self.bias)
@@ -148,11 +161,18 @@ def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
     first = parts[0]
     if any(p.in_features != first.in_features or p.group_size != first.group_size for p in parts):
         raise ValueError("layers fused together must share in_features and group_size")
+    perms = [p.in_perm for p in parts]
+    same = all(q is None for q in perms) or all(
+        q is not None and first.in_perm is not None and torch.equal(q, first.in_perm) for q in perms
+    )
+    if not same:
+        raise ValueError("layers fused together must share their act-order input permutation")
     fused = Int4Linear.__new__(Int4Linear)
     nn.Module.__init__(fused)
     fused.register_buffer("qweight", torch.cat([p.qweight for p in parts]), persistent=False)
     fused.register_buffer("scales", torch.cat([p.scales for p in parts]), persistent=False)
     fused.register_buffer("zs", torch.cat([p.zs for p in parts]), persistent=False)
+    fused.register_buffer("in_perm", first.in_perm, persistent=False)
     fused.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
     fused.in_features, fused.group_size = first.in_features, first.group_size
     fused.out_features = sum(p.out_features for p in parts)

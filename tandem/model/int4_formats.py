@@ -12,7 +12,8 @@ eight 4-bit values, value j in bits 4j..4j+3):
 - GPTQ: qweight [in/8, out] packed along in, in order; qzeros [groups, out/8] along out, in order,
   stored as zero - 1 in v1 checkpoints (`checkpoint_format: "gptq"`, as the CUDA kernels read them,
   so a stored 15 is a zero of 16) and as is in "gptq_v2"; scales [groups, out]; g_idx [in], the
-  group of each input row.
+  group of each input row: in order (i // group), or permuted by act-order (`desc_act`), where the
+  groups are consecutive runs of `group` inputs in order of decreasing activation size.
 - compressed-tensors pack-quantized: weight_packed [out, in/8] along in, in order, values offset
   by 8 (signed -8..7 stored as 0..15); weight_scale [out, groups]; weight_zero_point (asymmetric
   only) [out/8, groups] packed along out with the same offset, so zero = the stored value.
@@ -28,7 +29,26 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Column j of a group of eight sits in nibble AWQ_NIBBLE_OF[j].
 AWQ_NIBBLE_OF = tuple(AWQ_PACK_ORDER.index(j) for j in range(8))
 
-Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# (q [out, in] 0..15 in the checkpoint's input order, scales [out, groups], zeros [out, groups],
+# None or the input order that makes each group contiguous: act-order checkpoints).
+Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def group_order(name: str, g_idx: torch.Tensor | None, groups: int, in_f: int) -> torch.Tensor | None:
+    """None when g_idx is absent or in order; else the permutation of inputs that sorts them by
+    group (stable), after checking every group has the same number of inputs."""
+    if g_idx is None:
+        return None
+    _expect(name, g_idx, (in_f,))
+    g = g_idx.to(torch.int64)
+    group = in_f // groups
+    in_order = torch.arange(in_f, dtype=torch.int64) // group
+    if torch.equal(g, in_order):
+        return None
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], in_order):
+        raise ValueError(f"{name} does not give each of the {groups} groups {group} inputs")
+    return perm
 
 
 def unpack_int32(words: torch.Tensor) -> torch.Tensor:
@@ -63,7 +83,7 @@ def read_awq(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: tor
     cols = (torch.arange(out_f // 8)[:, None] * 8 + order).reshape(-1)  # natural column -> unpacked index
     q = unpack_int32(qweight)[:, cols]  # [in, out]
     zeros = unpack_int32(qzeros)[:, cols]  # [groups, out]
-    return q.T.contiguous(), scales.float().T.contiguous(), zeros.float().T.contiguous()
+    return q.T.contiguous(), scales.float().T.contiguous(), zeros.float().T.contiguous(), None
 
 
 def read_gptq(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -73,17 +93,10 @@ def read_gptq(name: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: to
     _expect(f"{name}.qweight", qweight, (in_f // 8, out_f), torch.int32)
     _expect(f"{name}.qzeros", qzeros, (g, out_f // 8), torch.int32)
     _expect(f"{name}.scales", scales, (g, out_f))
-    if g_idx is not None:
-        _expect(f"{name}.g_idx", g_idx, (in_f,))
-        in_order = torch.arange(in_f, dtype=torch.int64) // (in_f // g)
-        if not torch.equal(g_idx.to(torch.int64), in_order):
-            raise ValueError(
-                f"{name}.g_idx is not in order: GPTQ act-order (desc_act) checkpoints whose groups "
-                "are permuted are not supported"
-            )
+    perm = group_order(f"{name}.g_idx", g_idx, g, in_f)
     q = unpack_int32(qweight.T.contiguous())  # [out, in]: word i of a column holds inputs 8i..8i+7
     zeros = unpack_int32(qzeros).float() + (1.0 if v1 else 0.0)  # [groups, out]
-    return q.contiguous(), scales.float().T.contiguous(), zeros.T.contiguous()
+    return q.contiguous(), scales.float().T.contiguous(), zeros.T.contiguous(), perm
 
 
 def read_compressed_tensors(name: str, packed: torch.Tensor, scale: torch.Tensor,
@@ -99,17 +112,14 @@ def read_compressed_tensors(name: str, packed: torch.Tensor, scale: torch.Tensor
     if scale.dim() != 2 or scale.shape[0] != out_f or in_f % scale.shape[1]:
         raise ValueError(f"{name}.weight_scale has shape {tuple(scale.shape)}, expected [{out_f}, groups]")
     g = scale.shape[1]
-    if g_idx is not None:
-        in_order = torch.arange(in_f, dtype=torch.int64) // (in_f // g)
-        if not torch.equal(g_idx.to(torch.int64), in_order):
-            raise ValueError(f"{name}.weight_g_idx is not in order: group activation ordering is not supported")
+    perm = group_order(f"{name}.weight_g_idx", g_idx, g, in_f)
     q = unpack_int32(packed)[:, :in_f].contiguous()
     if zero_point is None:
         zeros = torch.full((out_f, g), 8.0)
     else:
         _expect(f"{name}.weight_zero_point", zero_point, (-(-out_f // 8), g), torch.int32)
         zeros = unpack_int32(zero_point.T.contiguous())[:, :out_f].T.float().contiguous()
-    return q, scale.float().contiguous(), zeros
+    return q, scale.float().contiguous(), zeros, perm
 
 
 def dequantize_fp8(name: str, weight: torch.Tensor, scale: torch.Tensor,

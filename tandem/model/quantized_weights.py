@@ -76,23 +76,23 @@ class QuantizedCheckpoint:
     def read_int4(self, prefix: str) -> Int4Linear:
         qc, method = self.qcfg, self.qcfg.method
         if method == "awq":
-            q, s, z = read_awq(prefix, self._need(f"{prefix}.qweight"), self._need(f"{prefix}.qzeros"),
+            q, s, z, perm = read_awq(prefix, self._need(f"{prefix}.qweight"), self._need(f"{prefix}.qzeros"),
                                self._need(f"{prefix}.scales"), qc.group_size)
         elif method == "gptq":
-            q, s, z = read_gptq(prefix, self._need(f"{prefix}.qweight"), self._need(f"{prefix}.qzeros"),
+            q, s, z, perm = read_gptq(prefix, self._need(f"{prefix}.qweight"), self._need(f"{prefix}.qzeros"),
                                 self._need(f"{prefix}.scales"), self._maybe(f"{prefix}.g_idx"), qc.group_size,
                                 v1=qc.checkpoint_format == "gptq")
         else:
             zp = self._maybe(f"{prefix}.weight_zero_point")
             if qc.zero_point and zp is None:
                 raise ValueError(f"{prefix}: asymmetric compressed-tensors weights need weight_zero_point")
-            q, s, z = read_compressed_tensors(prefix, self._need(f"{prefix}.weight_packed"),
+            q, s, z, perm = read_compressed_tensors(prefix, self._need(f"{prefix}.weight_packed"),
                                               self._need(f"{prefix}.weight_scale"), zp,
                                               self._maybe(f"{prefix}.weight_shape"),
                                               self._maybe(f"{prefix}.weight_g_idx"))
         group = q.shape[1] // s.shape[1]
         check_shape(q.shape[1], group, prefix)
-        return Int4Linear(q, s, z, group, None)
+        return Int4Linear(q, s, z, group, None, in_perm=perm)
 
     def int4_layers(self, model: nn.Module, mapping: WeightMapping) -> dict[str, Int4Linear]:
         """Model module name -> its 4-bit layer (bias not set: it loads with the float tensors)."""
@@ -125,7 +125,10 @@ class QuantizedCheckpoint:
                     f"{missing} are missing or not quantized the same way"
                 )
             pieces = [got[r] for r in needed]
-            layers[param.removesuffix(".weight")] = pieces[0] if len(pieces) == 1 else fuse_int4(pieces, None)
+            try:
+                layers[param.removesuffix(".weight")] = pieces[0] if len(pieces) == 1 else fuse_int4(pieces, None)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint {self.folder}: cannot fuse the parts of {param}: {exc}") from exc
         return layers
 
     def tensors(self, model_params: set[str], mapping: WeightMapping) -> Iterator[tuple[str, str, torch.Tensor]]:

@@ -36,7 +36,7 @@ def _read(method: str, t: dict[str, torch.Tensor], group: int | None, scheme: Sc
         return read_gptq(p, t[f"{p}.qweight"], t[f"{p}.qzeros"], t[f"{p}.scales"], t[f"{p}.g_idx"], group,
                          v1=scheme.gptq_format == "gptq")
     return read_compressed_tensors(p, t[f"{p}.weight_packed"], t[f"{p}.weight_scale"],
-                                   t.get(f"{p}.weight_zero_point"), t[f"{p}.weight_shape"], None)
+                                   t.get(f"{p}.weight_zero_point"), t[f"{p}.weight_shape"], t.get(f"{p}.weight_g_idx"))
 
 
 int4_cases = st.tuples(
@@ -46,6 +46,7 @@ int4_cases = st.tuples(
     st.integers(1, 4),  # groups (in features = groups * group size, or 32 * groups per channel)
     st.booleans(),  # symmetric
     st.sampled_from(["gptq", "gptq_v2"]),
+    st.booleans(),  # act-order (gptq, ct-int4)
     st.integers(0, 2**16),
 )
 
@@ -53,15 +54,26 @@ int4_cases = st.tuples(
 @settings(max_examples=60, deadline=None)
 @given(int4_cases)
 def test_int4_writers_and_readers_round_trip(case):
-    method, out_f, group, groups, sym, gptq_format, seed = case
+    method, out_f, group, groups, sym, gptq_format, desc_act, seed = case
     if method == "awq":
-        sym = False  # AutoAWQ GEMM always has zero points
+        sym = desc_act = False  # AutoAWQ GEMM always has zero points and no act-order
     in_f = 32 * groups if group == -1 else group * groups
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_f, in_f, generator=g) * torch.rand(out_f, 1, generator=g)
-    scheme = Scheme(method, group, sym, gptq_format)
+    scheme = Scheme(method, group, sym, gptq_format, desc_act=desc_act)
     tensors, deq = quantize_tensor(PREFIX, w, scheme)
-    q, s, z = _read(method, tensors, None if group == -1 else group, scheme)
+    q, s, z, perm = _read(method, tensors, None if group == -1 else group, scheme)
+    # Act-order with more than one group permutes the inputs; one group needs no order.
+    assert (perm is not None) == (desc_act and s.shape[1] > 1)
+    if perm is not None:  # the grouped order: dequantize there, compare in the checkpoint's order
+        inv = torch.argsort(perm)
+        q_grouped = q[:, perm]
+        torch.testing.assert_close(_dequant(q_grouped, s, z)[:, inv], deq, rtol=0, atol=1e-6)
+        lin = Int4Linear(q, s, z, in_f // s.shape[1], None, use_kernel=False, in_perm=perm)
+        torch.testing.assert_close(lin.dequantized(torch.float32)[:, inv], deq, rtol=0, atol=1e-6)
+        x = torch.randn(3, in_f, generator=g)
+        torch.testing.assert_close(lin(x), x @ deq.T, rtol=1e-5, atol=1e-5)
+        return
     assert q.shape == (out_f, in_f) and q.dtype == torch.uint8 and int(q.max()) <= 15
     assert s.shape == z.shape == (out_f, 1 if group == -1 else groups)
     torch.testing.assert_close(_dequant(q, s, z), deq, rtol=0, atol=1e-6)
@@ -104,7 +116,7 @@ def test_awq_interleaved_order():
     assert word == 0  # all-zero weights: zero points 0 everywhere
     packed = pack_int32(q[:, list(AWQ_PACK_ORDER)])
     assert int(packed[0, 0]) & 0xF == 0 and (int(packed[0, 0]) >> 4) & 0xF == 2
-    q_out, _, _ = read_awq(PREFIX, packed, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 8), 32)
+    q_out, _, _, _ = read_awq(PREFIX, packed, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 8), 32)
     assert torch.equal(q_out, q.T)
 
 

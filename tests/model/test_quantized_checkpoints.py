@@ -31,8 +31,10 @@ SCHEMES = {
     "gptq-g64-sym": Scheme("gptq", 64, sym=True),
     "gptq-g32-asym": Scheme("gptq", 32),
     "gptq-v2-channel": Scheme("gptq", -1, gptq_format="gptq_v2"),
+    "gptq-g32-actorder": Scheme("gptq", 32, desc_act=True),
     "ct-int4-g32-sym": Scheme("ct-int4", 32, sym=True),
     "ct-int4-g64-asym": Scheme("ct-int4", 64, scale_dtype=torch.bfloat16),
+    "ct-int4-g32-actorder": Scheme("ct-int4", 32, sym=True, desc_act=True),
     "ct-fp8-channel": Scheme("ct-fp8", fp8_block=None),
     "fp8-block": Scheme("fp8", fp8_block=(32, 48)),  # ragged blocks: 48 divides neither 64 nor 128
     "fp8-tensor": Scheme("fp8", fp8_block=None),
@@ -77,7 +79,7 @@ def _hf_logprobs(folder: Path, sequences: list[list[int]]) -> list[torch.Tensor]
 
 # End to end (a few seconds each): one case per format family; every scheme's weights are checked
 # exactly by test_every_scheme_loads_the_reference_weights.
-GENERATE = ["awq-g32", "gptq-g64-sym", "gptq-v2-channel", "ct-int4-g64-asym", "ct-fp8-channel", "fp8-block"]
+GENERATE = ["awq-g32", "gptq-g64-sym", "gptq-g32-actorder", "ct-int4-g64-asym", "ct-fp8-channel", "fp8-block"]
 CASES = [(name, True) for name in GENERATE] + [("awq-g32", False)]
 
 
@@ -192,8 +194,6 @@ def _edit(src: Path, dst: Path, config=None, drop: str | None = None) -> Path:
         ("ct-int4-g32-sym", lambda q: q.update(format="marlin-24"), "format 'marlin-24'"),
         ("ct-int4-g32-sym", lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8),
          "bits=8 is not supported"),
-        ("ct-int4-g32-sym", lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"),
-         "actorder: group"),
         ("fp8-block", lambda q: q.update(weight_block_size=[128]), "weight_block_size"),
         ("fp8-block", lambda q: q.update(fmt="e5m2"), "fmt 'e5m2'"),
     ],
@@ -209,14 +209,22 @@ def test_bad_tensors_are_value_errors(written, tmp_path):
     missing = _edit(awq, tmp_path / "a", drop="model.layers.1.self_attn.k_proj.qzeros")
     with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj\.qzeros'"):
         load_model(ModelConfig.from_pretrained(missing), torch.float32, torch.device("cpu"), "torch", 64)
-    # A permuted g_idx (act-order) is refused by name.
+    # A g_idx whose groups are not all group_size inputs long is refused by name.
     gptq = _edit(written["gptq-g32-asym"][0], tmp_path / "g")
     t = load_file(str(gptq / "model.safetensors"))
-    key = "model.layers.0.mlp.up_proj.g_idx"
-    t[key] = t[key].flip(0).contiguous()
+    key = "model.layers.0.mlp.down_proj.g_idx"
+    t[key] = torch.zeros_like(t[key])
     save_file(t, str(gptq / "model.safetensors"))
-    with pytest.raises(ValueError, match="act-order"):
+    with pytest.raises(ValueError, match=r"down_proj\.g_idx does not give each of the 4 groups 32 inputs"):
         load_model(ModelConfig.from_pretrained(gptq), torch.float32, torch.device("cpu"), "torch", 64)
+    # Act-order parts fused into one layer (q/k/v) must share their input order.
+    order = _edit(written["gptq-g32-actorder"][0], tmp_path / "o")
+    t = load_file(str(order / "model.safetensors"))
+    key = "model.layers.0.self_attn.k_proj.g_idx"
+    t[key] = (torch.arange(t[key].numel()) // 32).to(torch.int32)
+    save_file(t, str(order / "model.safetensors"))
+    with pytest.raises(ValueError, match="share their act-order input permutation"):
+        load_model(ModelConfig.from_pretrained(order), torch.float32, torch.device("cpu"), "torch", 64)
 
 
 def test_quantization_argument_must_agree_with_the_checkpoint(written, source):

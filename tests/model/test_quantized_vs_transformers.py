@@ -80,7 +80,7 @@ def test_asymmetric_zero_points_unpack_with_the_library():
     s = t["p.weight_scale"].float()
     lib = ((q.float().view(24, 3, 32) - zp.float()[..., None]) * s[..., None]).view(24, 96)
     torch.testing.assert_close(lib, deq, rtol=0, atol=0)
-    qq, ss, zz = read_compressed_tensors("p", t["p.weight_packed"], t["p.weight_scale"], t["p.weight_zero_point"],
+    qq, ss, zz, _ = read_compressed_tensors("p", t["p.weight_packed"], t["p.weight_scale"], t["p.weight_zero_point"],
                                          t["p.weight_shape"], None)
     ours = ((qq.float().view(24, 3, 32) - zz[..., None]) * ss[..., None]).view(24, 96)
     torch.testing.assert_close(ours, lib, rtol=0, atol=0)
