@@ -28,7 +28,7 @@ from torch import nn
 from tandem import kernels
 
 # Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM. On an AVX2 host the
-# kernel was still 2-8x faster than dequantize + float32 GEMM at 32-64 rows (benchmarks/int4.py
+# kernel was still 1.2-3.3x faster than dequantize + float32 GEMM at 32-64 rows (benchmarks/int4.py
 # --layers, docs/quantized_checkpoints.md); 16 covers decode batches and speculative verification
 # and leaves larger products to the GEMM, which AMX makes much faster than it is there.
 INT4_KERNEL_MAX_ROWS = 16
