@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
+from tandem.quantization_config import CHECKPOINT_METHODS, METHOD_ALIASES, QuantizationConfig
 
 # Mixture-of-experts architectures (tandem/model/moe.py); their router settings: MoEConfig.
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -27,8 +28,11 @@ SUPPORTED_ARCHITECTURES = (
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# At-load quantization of a float checkpoint (tandem/model/quant.py).
 QUANTIZATION_METHODS = ("int8",)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+# Every accepted `quantization` value: at load, or naming the checkpoint's own format (checked).
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, *CHECKPOINT_METHODS, *METHOD_ALIASES)
 
 
 def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -201,6 +205,8 @@ class ModelConfig:
     moe: MoEConfig | None = None  # None for a dense model
     # Gemma 2 / 3 only: what they add (GemmaConfig); None for every other architecture.
     gemma: GemmaConfig | None = None
+    # The checkpoint's own quantization (config.json's quantization_config), None for float weights.
+    quantization: QuantizationConfig | None = None
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike[str]) -> ModelConfig:
@@ -254,9 +260,10 @@ class ModelConfig:
                 torch_dtype=str(_first(cfg, "dtype", "torch_dtype", default="float32")),
                 moe=_moe_config(arch, cfg),
                 gemma=parse_gemma(arch, cfg) if arch in GEMMA_ARCHITECTURES else None,
+                quantization=QuantizationConfig.from_hf(cfg.get("quantization_config")),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, ValueError) and "rope" in str(exc):
+            if isinstance(exc, ValueError) and ("rope" in str(exc) or "quantization_config" in str(exc)):
                 raise
             raise ValueError(f"{config_file} is missing or has a bad field: {exc!r}") from exc
 
@@ -381,7 +388,9 @@ class EngineConfig:
     kv_cache_memory: int = 2 << 30
     num_kv_blocks: int | None = None
     attention_backend: str = "torch"
-    # Quantization of the linear layers: None or "int8" (see tandem/model/quant.py).
+    # Quantization of the linear layers: None (the checkpoint's own, if any), "int8" (a float
+    # checkpoint quantized at load, tandem/model/quant.py), or the checkpoint's method named
+    # ("awq", "gptq", "compressed-tensors", "fp8"; vLLM's aliases too), checked against it.
     quantization: str | None = None
     # How the KV cache holds K and V: "auto" (the model dtype), or "int8" / "fp8" (= "fp8_e4m3"): one
     # byte per value plus a float32 scale per token and KV head, about half of bfloat16's bytes, so
@@ -414,9 +423,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization not in (None, *QUANTIZATION_METHODS):
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(
-                f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}"
+                f"quantization must be one of {QUANTIZATION_CHOICES} or None, got {self.quantization!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.config import KV_CACHE_DTYPES
+from tandem.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
 from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -34,8 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="int8: int8 weights and dynamically quantized activations in the linear layers",
+        choices=list(QUANTIZATION_CHOICES),
+        help="int8: quantize a float checkpoint's linear layers at load; awq, gptq, compressed-tensors, "
+        "fp8: the checkpoint's own format (read from config.json when unset; checked when given)",
     )
     g.add_argument(
         "--kv-cache-dtype",

@@ -28,11 +28,14 @@ def enabled_by_env() -> bool:
 
 
 def library_name() -> str:
-    """The build's name, one per CPU feature set: it is compiled with -march=native, so a cache
-    directory shared between different CPUs must not hand one machine's build to another."""
+    """The build's name, one per CPU feature set and source: it is compiled with -march=native, so
+    a cache directory shared between different CPUs must not hand one machine's build to another;
+    and checkouts with different sources sharing a cache would otherwise rebuild over each other's
+    library (one process can load the other's while it is being replaced)."""
     from tandem.cpu import cpu_flags
 
-    digest = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
+    key = " ".join(sorted(cpu_flags())).encode() + SOURCE.read_bytes()
+    digest = hashlib.sha1(key).hexdigest()[:10]
     return f"tandem_cpu_ops_{digest}"
 
 

@@ -26,7 +26,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -66,6 +66,13 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch d
   if (std::isnan(f)) return 0x7fc0;
   bits += 0x7fff + ((bits >> 16) & 1);
   return static_cast<uint16_t>(bits >> 16);
+}
+
+const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& holder) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == N, "tandem kernels: one bias per output row");
+  holder = bias->to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
 }
 
 #if defined(__AVX512F__)
@@ -203,13 +210,6 @@ void product(const typename D::X* x, int64_t M, int64_t K, const typename D::W* 
         for (int64_t n = c0; n < c1; ++n) store(m, n, acc[m * width + (n - c0)]);
     }
   });
-}
-
-const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& holder) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->numel() == N, "tandem kernels: one bias per output row");
-  holder = bias->to(at::kFloat).contiguous();
-  return holder.data_ptr<float>();
 }
 
 // float32 x [M, K] times float32 w [N, K], plus bias.
@@ -621,6 +621,189 @@ at::Tensor paged_attention_quantized(const at::Tensor& q, const at::Tensor& k_ro
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// 4-bit weights (AWQ, GPTQ, compressed-tensors checkpoints, repacked at load by
+// tandem/model/int4.py). Layout: qweight [N, K/2] bytes; each 32-element block of a weight row is
+// 16 bytes whose low nibbles are elements 0..15 and high nibbles elements 16..31, unsigned (0..15).
+// Element k of row n is (q - zero) * scale of its group: scales [N, G] and zs = scale * zero
+// [N, G], float32, G = K / group_size.
+
+// Dequantize to float32 or bfloat16 [N, K] (the large-batch path multiplies that with a GEMM).
+// Plain C++: the compiler vectorises the inner loops on every host.
+template <typename E>
+void dequant_int4_impl(const uint8_t* qw, const float* sc, const float* zs, int64_t N, int64_t K, int64_t gs, E* out) {
+  const int64_t G = K / gs;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = qw + n * (K / 2);
+      E* orow = out + n * K;
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = sc[n * G + g], z = zs[n * G + g];
+        for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) {
+          const uint8_t* blk = wr + b * 16;
+          E* o = orow + b * 32;
+#pragma omp simd
+          for (int64_t j = 0; j < 16; ++j) {
+            o[j] = static_cast<E>(static_cast<float>(blk[j] & 0x0F) * s - z);
+            o[j + 16] = static_cast<E>(static_cast<float>(blk[j] >> 4) * s - z);
+          }
+        }
+      }
+    }
+  });
+}
+
+void check_int4(const char* op, const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zs,
+                int64_t group_size) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), op,
+              ": qweight must be a contiguous uint8 [N, K/2] tensor");
+  const int64_t N = qw.size(0), K = qw.size(1) * 2;
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, op,
+              ": group_size must be a multiple of 32 that divides K, got ", group_size, " for K = ", K);
+  for (const at::Tensor* t : {&scales, &zs})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / group_size,
+                op, ": scales and zs must be contiguous float32 [N, K / group_size]");
+}
+
+// Writes into `out` ([N, K] float32 or bfloat16, contiguous): callers reuse one buffer, so a large
+// weight is not a fresh allocation (and its page faults) on every call.
+at::Tensor dequant_int4(const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zs, int64_t group_size,
+                        at::Tensor out) {
+  check_int4("tandem dequant_int4", qw, scales, zs, group_size);
+  const int64_t N = qw.size(0), K = qw.size(1) * 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "tandem dequant_int4: out must be a contiguous [N, K] tensor");
+  if (out.scalar_type() == at::kFloat) {
+    dequant_int4_impl<float>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(), N, K,
+                             group_size, out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "tandem dequant_int4: float32 or bfloat16 output only");
+    dequant_int4_impl<at::BFloat16>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(), N, K,
+                                    group_size, out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Activations are quantized to int8 in blocks of 32 (one symmetric scale per block, as
+// llama.cpp's Q8 blocks), so a block's product with the unsigned 4-bit weights is two integer
+// instructions (`vpmaddubsw`: u8 x s8 pairs, at most 2 * 15 * 127 so no 16-bit saturation;
+// `vpmaddwd` by ones). Per block the int32 sums are scaled by the activation scale into a group
+// accumulator, per group by the weight scale; the zero points come out once per group as
+// zs * sum(x over the group). The weight is read once per sweep of up to kInt4Sweep rows, in
+// chunks of output rows that stay in cache across sweeps.
+constexpr int64_t kInt4Sweep = 4;
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[m * ld + (n - n0)] = x_m . w_n for MR activation rows and output rows [n0, n1).
+template <int MR>
+void int4_rows(const int8_t* xq, const float* sx, const float* xg, int64_t K, int64_t gs, const uint8_t* qw,
+               const float* sc, const float* zs, int64_t n0, int64_t n1, float* out, int64_t ld) {
+  const int64_t KB = K / 32, G = K / gs, bpg = gs / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = qw + n * (K / 2);
+    __m256 tot[MR];
+    float corr[MR];
+    for (int m = 0; m < MR; ++m) {
+      tot[m] = _mm256_setzero_ps();
+      corr[m] = 0.f;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc[MR];
+      for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        // Both 128-bit lanes hold the 16 bytes; shifting the upper lane by 4 puts the high
+        // nibbles (elements 16..31) there.
+        const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + b * 16)));
+        const __m256i w = _mm256_and_si256(_mm256_srlv_epi32(raw, shift), low4);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * 32));
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sx + m * KB + b), acc[m]);
+        }
+      }
+      const __m256 s = _mm256_broadcast_ss(sc + n * G + g);
+      const float z = zs[n * G + g];
+      for (int m = 0; m < MR; ++m) {
+        tot[m] = _mm256_fmadd_ps(acc[m], s, tot[m]);
+        corr[m] += z * xg[m * G + g];
+      }
+    }
+    for (int m = 0; m < MR; ++m) out[m * ld + (n - n0)] = hsum256(tot[m]) - corr[m];
+  }
+}
+
+// x [M, K] (float32 or bfloat16) times the 4-bit weight [N, K] (layout above), plus bias; the
+// result in x's dtype.
+at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zs,
+                     int64_t group_size, const std::optional<at::Tensor>& bias) {
+  const char* op = "tandem gemm_int4";
+  check_int4(op, qw, scales, zs, group_size);
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), op, ": x must be a 2-D CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0), gs = group_size;
+  TORCH_CHECK(K == qw.size(1) * 2, op, ": x has ", K, " columns, the weight ", qw.size(1) * 2);
+  const int64_t KB = K / 32, G = K / gs;
+  at::Tensor xf = x.to(at::kFloat).contiguous(), b;
+  const float* xp = xf.data_ptr<float>();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> sx(M * KB), xg(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const float* xr = xp + m * K + kb * 32;
+      float amax = 0.f;
+      for (int64_t j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xr[j]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t qsum = 0;
+      for (int64_t j = 0; j < 32; ++j) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(xr[j] * inv));
+        xq[m * K + kb * 32 + j] = static_cast<int8_t>(q);
+        qsum += q;
+      }
+      sx[m * KB + kb] = amax / 127.f;
+      xg[m * G + kb * 32 / gs] += amax / 127.f * static_cast<float>(qsum);
+    }
+  }
+  const float* bp = bias_ptr(bias, N, b);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* op_ = out.data_ptr<float>();
+  const uint8_t* wp = qw.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zs.data_ptr<float>();
+  for_row_blocks(N, [&](int64_t n0, int64_t n1) {
+    float acc[kInt4Sweep * kChunk];
+    for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+      const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
+      for (int64_t m0 = 0; m0 < M; m0 += kInt4Sweep) {
+        const int8_t* xm = xq.data() + m0 * K;
+        const float* sxm = sx.data() + m0 * KB;
+        const float* xgm = xg.data() + m0 * G;
+        const int64_t rows = std::min<int64_t>(kInt4Sweep, M - m0);
+        switch (rows) {
+          case 1: int4_rows<1>(xm, sxm, xgm, K, gs, wp, sp, zp, c0, c1, acc, width); break;
+          case 2: int4_rows<2>(xm, sxm, xgm, K, gs, wp, sp, zp, c0, c1, acc, width); break;
+          case 3: int4_rows<3>(xm, sxm, xgm, K, gs, wp, sp, zp, c0, c1, acc, width); break;
+          default: int4_rows<4>(xm, sxm, xgm, K, gs, wp, sp, zp, c0, c1, acc, width); break;
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t n = c0; n < c1; ++n) op_[(m0 + r) * N + n] = acc[r * width + (n - c0)] + (bp ? bp[n] : 0.f);
+      }
+    }
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+#endif  // __AVX2__ && __FMA__
+
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -640,6 +823,10 @@ TORCH_LIBRARY(tandem, m) {
 #if defined(__AVX512VNNI__)
   m.def("gemm_w8a8(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
 #endif
+  m.def("dequant_int4(Tensor qweight, Tensor scales, Tensor zs, int group_size, Tensor(a!) out) -> Tensor(a!)");
+#if defined(__AVX2__) && defined(__FMA__)
+  m.def("gemm_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zs, int group_size, Tensor? bias) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
@@ -653,5 +840,9 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
 #endif
 #if defined(__AVX512VNNI__)
   m.impl("gemm_w8a8", &gemm_w8a8);
+#endif
+  m.impl("dequant_int4", &dequant_int4);
+#if defined(__AVX2__) && defined(__FMA__)
+  m.impl("gemm_int4", &gemm_int4);
 #endif
 }

@@ -13,15 +13,19 @@ from tandem.cpu import cpu_flags
 from tandem.model.attention import get_attention_backend
 from tandem.model.experts import prepare_experts
 from tandem.model.gemma import GemmaForCausalLM
+from tandem.model.int4 import Int4Linear
 from tandem.model.interface import CausalLM, CausalLMClass
 from tandem.model.kv_quant import KVCacheFormat
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.linear import onednn_available, pack_linears
+from tandem.model.linear_report import log_linear_paths
 from tandem.model.llama import LlamaForCausalLM
 from tandem.model.moe import MoEForCausalLM
 from tandem.model.phi3 import Phi3ForCausalLM
 from tandem.model.quant import quantize_model
+from tandem.model.quantized_weights import BiasOnly, QuantizedCheckpoint, swap_module
 from tandem.model.weights import load_weights
+from tandem.quantization_config import resolve_method
 
 # Architecture name in config.json -> the class that implements it.
 MODEL_REGISTRY: dict[str, CausalLMClass] = {
@@ -79,6 +83,8 @@ def load_model(
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"no model implementation for architecture {cfg.architecture!r}")
+    # "int8" for a float checkpoint, None otherwise; a disagreement with the checkpoint raises.
+    at_load = resolve_method(quantization, cfg.quantization)
     backend = get_attention_backend(
         attention_backend,
         cfg.num_heads,
@@ -92,13 +98,30 @@ def load_model(
         model = cls(cfg, backend, rotary)
     # Materialise without random init; every parameter is then overwritten from the checkpoint.
     module = model_module(model).to_empty(device=device)
-    load_weights(module, model, Path(cfg.path))
+    folder = Path(cfg.path)
+    int4: dict[str, Int4Linear] = {}
+    if cfg.quantization is None:
+        load_weights(module, model, folder)
+    else:
+        ckpt = QuantizedCheckpoint(cfg.quantization, folder)
+        int4 = ckpt.int4_layers(module, model)
+        # The float loader then sees only their biases; the 4-bit layers go in after the cast to
+        # `dtype`, which must not touch their float32 scales.
+        for name in int4:
+            swap_module(module, name, BiasOnly(module.get_submodule(name)))
+        params = {n for n, _ in module.named_parameters()}
+        load_weights(module, model, folder, ckpt.tensors(params, model))
     module = module.to(dtype=dtype).eval().requires_grad_(False)
-    if quantization is not None:
-        quantize_model(module, quantization)
+    for name, lin in int4.items():
+        bias = swap_module(module, name, lin).bias
+        if isinstance(bias, torch.Tensor):
+            lin.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
+    if at_load is not None:
+        quantize_model(module, at_load)
     else:
         pack_linears(module)
-    prepare_experts(module, quantization)
+    prepare_experts(module, at_load)
+    log_linear_paths(module, cfg, dtype)
     return model
 
 

@@ -10,7 +10,7 @@ weight. The loader itself knows no architecture.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -77,10 +77,17 @@ def checkpoint_tensors(folder: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
             raise ValueError(f"cannot read weights from {file}: {exc}") from exc
 
 
-def load_weights(model: nn.Module, mapping: WeightMapping, folder: Path) -> None:
+def load_weights(
+    model: nn.Module,
+    mapping: WeightMapping,
+    folder: Path,
+    tensors: Iterable[tuple[str, str, torch.Tensor]] | None = None,
+) -> None:
+    """Copy the checkpoint's tensors (or `tensors`: (file, name, tensor), e.g. a quantized
+    checkpoint's float ones, tandem/model/quantized_weights.py) into `model`'s parameters."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for file, name, tensor in checkpoint_tensors(folder):
+    for file, name, tensor in checkpoint_tensors(folder) if tensors is None else tensors:
         target = mapping.checkpoint_target(name)
         if target is None:
             continue

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import QUANTIZATION_METHODS, EngineConfig, ModelConfig
 from tandem.core.request import Request
 from tandem.core.step_io import DraftPass
 from tandem.model.loader import load_model
@@ -69,7 +69,8 @@ class Drafter:
             host.device,
             engine_config.attention_backend,
             max_model_len,
-            engine_config.quantization,
+            # int8 at load applies to the draft too; a checkpoint method names the target's format.
+            engine_config.quantization if engine_config.quantization in QUANTIZATION_METHODS else None,
             engine_config.kv_cache_dtype,
         )
         self.backend = self.model.backend

@@ -158,3 +158,18 @@ def test_pd_threshold_part_of_pd_benchmark(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["threshold"]
     assert [r["prompt_len"] for r in rows] == [16, 256]
     assert all(r["handoff_stop_copy_ms"] > 0 and r["handoff_kv_bytes"] > 0 for r in rows)
+
+
+def test_int4_quick(tmp_path: Path, llama_dir: Path) -> None:
+    result_json = tmp_path / "int4.json"
+    args = ["--quick", "--model", str(llama_dir), "--cache-dir", str(tmp_path / "cache"), "--result-json",
+            str(result_json)]
+    proc = run_script("int4.py", *args, timeout=240)
+    assert "int4 / int8 c=1 decode" in proc.stdout
+    result = json.loads(result_json.read_text())
+    by = {r["variant"]: r for r in result["results"]}
+    assert set(by) == {"float", "int8", "int4"}
+    assert "int4" in by["int4"]["linear_paths"]["down_proj"]
+    # 4-bit weights (plus float32 group scales) are well under float32's.
+    assert by["int4"]["weight_bytes"] < by["float"]["weight_bytes"]
+    assert all(r["c1_decode_tok_s"] > 0 and r["c4_output_tok_s"] > 0 for r in by.values())

@@ -1,0 +1,180 @@
+"""4-bit weight linear layers (AWQ, GPTQ and compressed-tensors int4 checkpoints).
+
+Every 4-bit format is repacked at load (tandem/model/int4_formats.py) into one layout, the one
+Tandem's kernel reads: `qweight` [out, in/2] bytes, where each 32-element block of a weight row is
+16 bytes whose low nibbles are elements 0..15 and high nibbles elements 16..31, unsigned 0..15;
+element k of row n is `(q - zero) * scale` of its group of `group_size` inputs. Scales and
+`zs = scale * zero` are float32 [out, in / group_size]. That is a quarter of bfloat16's weight
+bytes plus 8 bytes per group. Act-order checkpoints (GPTQ `desc_act`, compressed-tensors
+`actorder: group`) group inputs out of order: their columns are stored sorted by group and
+`in_perm` gathers the activations into that order first (a copy of the activations, not of
+the weight).
+
+Paths, by rows of the product (a decode step of a few streams is a few rows):
+- up to `INT4_KERNEL_MAX_ROWS` rows: `tandem.gemm_int4` (AVX2 + FMA; tandem/kernels/cpu_ops.cpp)
+  streams the packed weight once per four rows, unpacking in registers; it quantizes the
+  activations to int8 in blocks of 32 (one scale per block) and multiplies in integers;
+- more rows, or no kernel: dequantize to the compute dtype and run one GEMM (`F.linear`). The
+  dequantized weight is made per call (`tandem.dequant_int4`, or PyTorch ops without kernels), not
+  kept: keeping it costs the float model's memory (docs/quantized_checkpoints.md has the timing).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem import kernels
+
+# Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM. On an AVX2 host the
+# kernel was still 1.2-3.3x faster than dequantize + float32 GEMM at 32-64 rows (benchmarks/int4.py
+# --layers, docs/quantized_checkpoints.md); 16 covers decode batches and speculative verification
+# and leaves larger products to the GEMM, which AMX makes much faster than it is there.
+INT4_KERNEL_MAX_ROWS = 16
+# Elements per packed block of the internal layout (and per activation scale in the kernel).
+BLOCK = 32
+
+
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A flat buffer of at least `numel` elements, grown to the largest layer and kept. Steps run
+    one at a time in the engine's process, and each product finishes before the next layer's."""
+    buf = _SCRATCH.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
+def check_shape(in_features: int, group_size: int, what: str) -> None:
+    """The internal layout's constraints, as a ValueError naming the layer."""
+    if in_features % BLOCK:
+        raise ValueError(f"{what}: 4-bit layers need in_features divisible by {BLOCK}, got {in_features}")
+    if group_size % BLOCK or in_features % group_size:
+        raise ValueError(
+            f"{what}: group_size must be a multiple of {BLOCK} that divides in_features "
+            f"({in_features}), got {group_size}"
+        )
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [N, K/2] uint8 in the internal block layout."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] uint8 in the internal block layout -> [N, K] uint8 values 0..15."""
+    n, half = packed.shape
+    blocks = packed.reshape(n, half // (BLOCK // 2), 1, BLOCK // 2)
+    return torch.cat((blocks & 0x0F, blocks >> 4), dim=2).reshape(n, half * 2)
+
+
+def dequantize_torch(
+    packed: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight [N, K] in `dtype`, in plain PyTorch (the reference, and the path without kernels)."""
+    q = unpack_nibbles(packed).float()
+    n, k = q.shape
+    w = q.view(n, k // group_size, group_size) * scales[:, :, None] - zs[:, :, None]
+    return w.reshape(n, k).to(dtype)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T + b with W held as 4-bit groups (layout above); computed in x's dtype."""
+
+    qweight: torch.Tensor  # buffers (register_buffer)
+    scales: torch.Tensor
+    zs: torch.Tensor
+    in_perm: torch.Tensor | None
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None,
+        use_kernel: bool | None = None,
+        in_perm: torch.Tensor | None = None,
+    ) -> None:
+        """q [N, K] unsigned 0..15, scales and zeros [N, K / group_size] (zeros may be fractional);
+        with `in_perm`, group g holds inputs in_perm[g * group_size : (g + 1) * group_size]."""
+        super().__init__()
+        n, k = q.shape
+        if in_perm is not None:
+            in_perm = in_perm.to(torch.int64).contiguous()
+            q = q[:, in_perm]
+        self.register_buffer("in_perm", in_perm, persistent=False)
+        check_shape(k, group_size, "Int4Linear")
+        groups = k // group_size
+        if tuple(scales.shape) != (n, groups) or tuple(zeros.shape) != (n, groups):
+            raise ValueError(
+                f"Int4Linear: scales and zeros must be [{n}, {groups}], got "
+                f"{tuple(scales.shape)} and {tuple(zeros.shape)}"
+            )
+        s = scales.detach().float().contiguous()
+        self.register_buffer("qweight", pack_nibbles(q), persistent=False)
+        self.register_buffer("scales", s, persistent=False)
+        self.register_buffer("zs", (s * zeros.detach().float()).contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        self.in_features, self.out_features, self.group_size = k, n, group_size
+        # use_kernel=False forces the PyTorch path (tests); None takes what the host has.
+        want = use_kernel is not False
+        self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if want and kernels.has("gemm_int4") else 0
+        self.compiled_dequant = want and kernels.has("dequant_int4")
+
+    def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
+        """The weight [out, in] in `dtype`, inputs in `in_perm` order if there is one. scratch=True
+        writes it into a buffer shared by every layer (valid until the next layer's call): the
+        per-call path allocates nothing."""
+        if self.compiled_dequant and dtype in (torch.float32, torch.bfloat16):
+            n, k = self.out_features, self.in_features
+            out = _scratch(dtype, n * k).view(n, k) if scratch else torch.empty(n, k, dtype=dtype)
+            return torch.ops.tandem.dequant_int4(self.qweight, self.scales, self.zs, self.group_size, out)
+        return dequantize_torch(self.qweight, self.scales, self.zs, self.group_size, dtype)
+
+    def path(self) -> str:
+        """Which products this layer runs (the start-up report)."""
+        if self.kernel_max_rows:
+            return f"int4 kernel (<= {self.kernel_max_rows} rows) + dequantize-then-GEMM"
+        return "int4 dequantize-then-GEMM"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            y = self.forward(x.reshape(-1, self.in_features))
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if self.in_perm is not None:
+            x = x.index_select(1, self.in_perm)
+        rows = x.shape[0]
+        if 0 < rows <= self.kernel_max_rows and x.dtype in (torch.float32, torch.bfloat16):
+            return torch.ops.tandem.gemm_int4(x, self.qweight, self.scales, self.zs, self.group_size, self.bias)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized(x.dtype, scratch=True), bias)
+
+
+def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
+    """One layer whose output rows are `parts`' in order (the fused q/k/v and gate/up projections)."""
+    first = parts[0]
+    if any(p.in_features != first.in_features or p.group_size != first.group_size for p in parts):
+        raise ValueError("layers fused together must share in_features and group_size")
+    perms = [p.in_perm for p in parts]
+    same = all(q is None for q in perms) or all(
+        q is not None and first.in_perm is not None and torch.equal(q, first.in_perm) for q in perms
+    )
+    if not same:
+        raise ValueError("layers fused together must share their act-order input permutation")
+    fused = Int4Linear.__new__(Int4Linear)
+    nn.Module.__init__(fused)
+    fused.register_buffer("qweight", torch.cat([p.qweight for p in parts]), persistent=False)
+    fused.register_buffer("scales", torch.cat([p.scales for p in parts]), persistent=False)
+    fused.register_buffer("zs", torch.cat([p.zs for p in parts]), persistent=False)
+    fused.register_buffer("in_perm", first.in_perm, persistent=False)
+    fused.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+    fused.in_features, fused.group_size = first.in_features, first.group_size
+    fused.out_features = sum(p.out_features for p in parts)
+    fused.kernel_max_rows, fused.compiled_dequant = first.kernel_max_rows, first.compiled_dequant
+    return fused

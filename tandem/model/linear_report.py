@@ -1,0 +1,99 @@
+"""The start-up report of a loaded model: which product each kind of linear layer runs, and the
+bytes its weights take (logged by the loader, returned for tests and benchmarks)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.config import ModelConfig
+from tandem.model.int4 import Int4Linear
+from tandem.model.linear import PackedLinear
+from tandem.model.quant import Int8Linear
+
+logger = logging.getLogger("tandem.model")
+
+
+@dataclass
+class LayerKind:
+    path: str
+    count: int = 0
+    bytes: int = 0
+
+
+def _tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        # oneDNN's reordered weights have no plain storage (and may pad a little: counted as dense).
+        key = id(t) if t.is_mkldnn else t.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def linear_path(m: nn.Module) -> tuple[str, int]:
+    """(what the layer runs, its weight bytes) for one linear layer."""
+    if isinstance(m, Int4Linear):
+        return f"{m.path()}, groups of {m.group_size}", _tensor_bytes(m.qweight, m.scales, m.zs, m.bias)
+    if isinstance(m, Int8Linear):
+        if m.row_sum is not None:
+            path = "int8 kernel (<= 8 rows) + PyTorch dynamic int8"
+        elif m._packed is not None:
+            path = "PyTorch dynamic int8"
+        else:
+            path = "int8 weights widened to float (no VNNI)"
+        # The prepacked copy PyTorch keeps for its int8 GEMM is about as large as qweight.
+        extra = m.qweight.numel() if m._packed is not None else 0
+        return path, _tensor_bytes(m.qweight, m.scale, m.row_sum, m.bias) + extra
+    if isinstance(m, PackedLinear):
+        dtype = str(m.packed.dtype).removeprefix("torch.")
+        few = f" + plain weight for <= {m.plain_max_rows} rows" if m.plain is not None else ""
+        return f"packed oneDNN {dtype}{few}", _tensor_bytes(m.packed, m.plain, m.bias)
+    if isinstance(m, nn.Linear):
+        return f"F.linear {str(m.weight.dtype).removeprefix('torch.')}", _tensor_bytes(m.weight, m.bias)
+    raise TypeError(f"not a linear layer: {type(m).__name__}")
+
+
+_LINEARS = (Int4Linear, Int8Linear, PackedLinear, nn.Linear)
+
+
+def linear_report(model: nn.Module) -> tuple[dict[str, LayerKind], int]:
+    """Linear layers by name (q/k/v, o, gate/up, down, LM head) and the model's total weight bytes."""
+    kinds: dict[str, LayerKind] = {}
+    linear_bytes = 0
+    linear_ids: set[int] = set()
+    for name, m in model.named_modules():
+        if isinstance(m, _LINEARS):
+            path, nbytes = linear_path(m)
+            kind = kinds.setdefault(name.rpartition(".")[2], LayerKind(path))
+            if kind.path != path:
+                kind.path = "mixed"
+            kind.count += 1
+            kind.bytes += nbytes
+            linear_bytes += nbytes
+            linear_ids.update(id(t) for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+    rest = [t for t in [*model.parameters(), *model.buffers()] if id(t) not in linear_ids]
+    if getattr(model, "lm_head", "absent") is None:  # tied: the head multiplies the embedding
+        kinds["lm_head"] = LayerKind("F.linear with the tied embedding", 1, 0)
+    return kinds, linear_bytes + _tensor_bytes(*rest)
+
+
+def log_linear_paths(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    kinds, total = linear_report(model)
+    source = "float" if cfg.quantization is None else f"{cfg.quantization.method} {cfg.quantization.weights}"
+    parts = [f"{name} x{k.count}: {k.path} ({k.bytes / 2**20:.1f} MiB)" for name, k in kinds.items()]
+    logger.info(
+        "weights: %.1f MiB (%s checkpoint, %s); linear layers: %s",
+        total / 2**20,
+        source,
+        str(dtype).removeprefix("torch."),
+        "; ".join(parts),
+    )

@@ -1,0 +1,137 @@
+"""The 4-bit kernels (tandem.gemm_int4, tandem.dequant_int4) against pure-torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import kernels
+from tandem.model.int4 import BLOCK, Int4Linear, dequantize_torch, pack_nibbles
+
+# (out, in, group): several groups, one group per row, a single 32-block, odd output counts.
+SHAPES = [(40, 64, 32), (130, 256, 128), (7, 128, 128), (33, 96, 32), (9, 32, 32)]
+
+needs_kernel = pytest.mark.skipif(not kernels.has("gemm_int4"), reason="host CPU has no AVX2 + FMA")
+
+
+def _weights(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    s = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    z = torch.randint(0, 17, (n, k // group), generator=g).float() - torch.rand(n, k // group, generator=g) * 0.5
+    return q, s, z
+
+
+def kernel_reference(x: torch.Tensor, q, s, z, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's scheme in float64: activations to int8 per 32-block (scale max|x| / 127), then
+    the exact product with the dequantized weight."""
+    m, k = x.shape
+    xb = x.float().view(m, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv) * (amax / 127.0)
+    n = q.shape[0]
+    w = ((q.double().view(n, k // group, group) - z.double()[..., None]) * s.double()[..., None]).view(n, k)
+    y = xq.view(m, k).double() @ w.T
+    return y if bias is None else y + bias.double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_int4_matches_reference(rows, shape, bias):
+    n, k, group = shape
+    q, s, z = _weights(n, k, group, rows * 7 + n)
+    g = torch.Generator().manual_seed(rows)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g) * 2
+    x[0, :BLOCK] = 0.0  # an all-zero block: scale 0, no division by it
+    packed = pack_nibbles(q)
+    zs = (s * z).contiguous()
+    y = torch.ops.tandem.gemm_int4(x, packed, s, zs, group, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    ref = kernel_reference(x, q, s, z, group, b)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+    # bfloat16 activations: the same product, the result rounded to bfloat16.
+    xb = x.to(torch.bfloat16)
+    yb = torch.ops.tandem.gemm_int4(xb, packed, s, zs, group, b)
+    assert yb.dtype == torch.bfloat16
+    refb = kernel_reference(xb.float(), q, s, z, group, b)
+    torch.testing.assert_close(yb.double(), refb, rtol=1e-2, atol=2e-2)
+    # A strided activation is read correctly.
+    xs = torch.randn(k, rows, generator=g).T
+    torch.testing.assert_close(
+        torch.ops.tandem.gemm_int4(xs, packed, s, zs, group, None).double(),
+        kernel_reference(xs, q, s, z, group, None),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+
+
+@needs_kernel
+def test_gemm_int4_activation_error_is_small():
+    """Against the float product (no activation rounding): int8 blocks of 32 keep it within 1%."""
+    n, k, group = 256, 512, 128
+    q, s, z = _weights(n, k, group, 0)
+    x = torch.randn(4, k)
+    lin = Int4Linear(q, s, z, group, None)
+    ref = F.linear(x.double(), dequantize_torch(lin.qweight, lin.scales, lin.zs, group, torch.float64))
+    y = lin(x)
+    assert float((y.double() - ref).norm() / ref.norm()) < 0.01
+
+
+@pytest.mark.skipif(not kernels.has("dequant_int4"), reason="kernels did not build here")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_int4_matches_torch(shape, dtype):
+    n, k, group = shape
+    q, s, z = _weights(n, k, group, n)
+    packed, zs = pack_nibbles(q), (s * z).contiguous()
+    out = torch.empty(n, k, dtype=dtype)
+    got = torch.ops.tandem.dequant_int4(packed, s, zs, group, out)
+    assert got.data_ptr() == out.data_ptr()
+    ref = dequantize_torch(packed, s, zs, group, torch.float32)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), ref.to(dtype).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not kernels.load(), reason="kernels did not build here")
+def test_int4_kernels_reject_bad_input():
+    q, s, z = _weights(8, 64, 32, 0)
+    packed, zs = pack_nibbles(q), s * z
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.tandem.dequant_int4(packed, s, zs, 48, torch.empty(8, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.tandem.dequant_int4(packed, s.double(), zs, 32, torch.empty(8, 64))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.tandem.dequant_int4(packed, s, zs, 32, torch.empty(64, 8).T)
+    if kernels.has("gemm_int4"):
+        with pytest.raises(RuntimeError, match="columns"):
+            torch.ops.tandem.gemm_int4(torch.zeros(1, 32), packed, s, zs, 32, None)
+        with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+            torch.ops.tandem.gemm_int4(torch.zeros(1, 64, dtype=torch.float64), packed, s, zs, 32, None)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9, 40])
+def test_int4_linear_paths_agree(rows, monkeypatch):
+    """Kernel (few rows), compiled dequantize (more rows) and the kernel-free torch path."""
+    n, k, group = 72, 128, 64
+    q, s, z = _weights(n, k, group, rows)
+    g = torch.Generator().manual_seed(rows)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    on = Int4Linear(q, s, z, group, b)
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    off = Int4Linear(q, s, z, group, b)
+    assert off.kernel_max_rows == 0 and not off.compiled_dequant
+    ref = F.linear(x.double(), off.dequantized(torch.float64), b.double())
+    torch.testing.assert_close(off(x).double(), ref, rtol=1e-5, atol=1e-5)
+    y = on(x)
+    if rows <= on.kernel_max_rows:  # int8 activation blocks
+        assert float((y.double() - ref).norm() / ref.norm()) < 0.01
+    else:
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    assert on(x.view(rows, 1, k)).shape == (rows, 1, n)
+    assert on(x.to(torch.bfloat16)).dtype == torch.bfloat16
