@@ -256,3 +256,18 @@ def test_biases_of_4bit_layers_load(model_factory, tmp_path):
     eye = torch.eye(weight.shape[1])
     torch.testing.assert_close(qkv(torch.zeros(17, weight.shape[1]))[0], bias, rtol=0, atol=1e-6)
     torch.testing.assert_close(qkv(eye).T - bias[:, None], weight, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen3_moe"])
+def test_other_architectures_load_4bit_layers(arch, model_factory, tmp_path):
+    """The 4-bit layers go in through each architecture's own weight mapping (Gemma 2; Qwen3-MoE,
+    whose attention is 4-bit here and experts float): each equals the reference model's layer."""
+    src = model_factory(arch, seed=2)
+    qdir = write_quantized(src, tmp_path / "q", Scheme("gptq", 32, sym=True), reference=tmp_path / "ref")
+    load = lambda d: load_model(ModelConfig.from_pretrained(d), torch.float32, torch.device("cpu"), "torch", 64)
+    model, ref = load(qdir), dict(load(tmp_path / "ref").named_modules())
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(layers) >= 2 * model.config.num_layers
+    for name, lin in layers.items():
+        eye = torch.eye(lin.in_features)
+        torch.testing.assert_close(lin(eye), ref[name](eye), rtol=1e-5, atol=1e-5, msg=name)
