@@ -4,6 +4,7 @@ whole and in chunked prefill."""
 
 from __future__ import annotations
 
+import hf_reference
 import pytest
 import torch
 from test_parity import assert_all_released
@@ -93,36 +94,8 @@ def _prompts(lengths: list[int]) -> list[list[int]]:
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
 
 
-_HF: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
-
-
 def hf_greedy(model_dir, prompts: list[list[int]], fresh: bool) -> list[tuple[list[int], torch.Tensor]]:
-    """Each prompt alone through transformers (with `fresh`, through a model loaded for it: dynamic
-    rope keeps state from one call to the next): greedy token ids and per-step log-softmax."""
-    from transformers import AutoModelForCausalLM
-
-    key = f"{model_dir}:{prompts}"
-    if key not in _HF:
-        results = []
-        model = None
-        for p in prompts:
-            if model is None or fresh:
-                model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-            ids = torch.tensor([p])
-            with torch.no_grad():
-                g = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=MAX_TOKENS,
-                    min_new_tokens=MAX_TOKENS,
-                    do_sample=False,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=0,
-                )
-            results.append((g.sequences[0, len(p) :].tolist(), torch.log_softmax(torch.stack(g.logits, 1)[0], -1)))
-        _HF[key] = results
-    return _HF[key]
+    return hf_reference.hf_greedy(model_dir, prompts, MAX_TOKENS, fresh)
 
 
 @pytest.mark.parametrize(("case", "engine"), RUNS)

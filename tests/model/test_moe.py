@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import hf_reference
 import pytest
 import torch
 from hypothesis import given, settings
@@ -75,34 +76,8 @@ def moe_dir(model_factory, name: str) -> Path:
     return model_factory(spec.pop("arch"), **spec)
 
 
-_HF: dict[tuple[str, str], list[tuple[list[int], torch.Tensor]]] = {}
-
-
 def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
-    """Each prompt alone through transformers: greedy ids and per-step log-softmax."""
-    key = (str(model_dir), repr(prompts))
-    if key not in _HF:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        out = []
-        for p in prompts:
-            ids = torch.tensor([p])
-            with torch.no_grad():
-                g = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=MAX_TOKENS,
-                    min_new_tokens=MAX_TOKENS,
-                    do_sample=False,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=0,
-                )
-            logprobs = torch.log_softmax(torch.stack(g.logits, dim=1)[0].float(), dim=-1)
-            out.append((g.sequences[0, len(p) :].tolist(), logprobs))
-        _HF[key] = out
-    return _HF[key]
+    return hf_reference.hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hf_reference
 import pytest
 import torch
 
@@ -54,34 +55,8 @@ def prompts(tokenizer_dir) -> list[list[int]]:
     return _prompts(tokenizer_dir)
 
 
-_HF_CACHE: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
-
-
 def hf_greedy(model_dir, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
-    """Each prompt alone through transformers: greedy token ids and per-step log-softmax."""
-    key = str(model_dir)
-    if key not in _HF_CACHE:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        results = []
-        for p in prompts:
-            ids = torch.tensor([p])
-            with torch.no_grad():
-                g = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=MAX_TOKENS,
-                    min_new_tokens=MAX_TOKENS,
-                    do_sample=False,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=0,
-                )
-            logprobs = torch.log_softmax(torch.stack(g.logits, dim=1)[0].float(), dim=-1)
-            results.append((g.sequences[0, len(p) :].tolist(), logprobs))
-        _HF_CACHE[key] = results
-    return _HF_CACHE[key]
+    return hf_reference.hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
