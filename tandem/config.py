@@ -267,11 +267,6 @@ class ModelConfig:
                 raise
             raise ValueError(f"{config_file} is missing or has a bad field: {exc!r}") from exc
 
-    @property
-    def kv_elements_per_token(self) -> int:
-        """K and V elements one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def _rope(arch: str, cfg: dict[str, Any]) -> RopeConfig:
     """The rope every layer uses (Gemma 3: its global layers)."""
