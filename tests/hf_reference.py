@@ -40,3 +40,16 @@ def hf_greedy(
             results.append((g.sequences[0, len(p) :].tolist(), logprobs))
         _CACHE[key] = results
     return _CACHE[key]
+
+
+def assert_matches(
+    prompts: list[list[int]], outs: list, expected: list[tuple[list[int], torch.Tensor]], label: str = ""
+) -> None:
+    """Tandem's greedy outputs (RequestOutputs with logprobs) equal the reference's token for token,
+    and every returned logprob is within 1e-4 of the reference's."""
+    for prompt, out, (ref_ids, ref_lp) in zip(prompts, outs, expected, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == ref_ids, f"{label}prompt of {len(prompt)} tokens diverged"
+        for step, entry in enumerate(got.logprobs):
+            for tid, lp in entry.items():
+                assert abs(lp.logprob - ref_lp[step, tid].item()) < 1e-4

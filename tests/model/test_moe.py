@@ -89,12 +89,7 @@ def test_greedy_parity(model_factory, prompts, name, engine):
     llm = LLM(str(model_dir), **ENGINES[engine])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out, (ref_ids, ref_lp) in zip(prompts, outs, expected):
-        got = out.outputs[0]
-        assert got.token_ids == ref_ids, f"{name}: prompt of {len(prompt)} tokens diverged"
-        for step, entry in enumerate(got.logprobs):
-            for tid, lp in entry.items():
-                assert abs(lp.logprob - ref_lp[step, tid].item()) < 1e-4
+    hf_reference.assert_matches(prompts, outs, expected, f"{name}: ")
 
 
 def test_layers_follow_the_sparse_settings(model_factory):
