@@ -56,8 +56,21 @@ def real(model: str, trace: str, instances: int, num: int) -> dict[str, float]:
         argv += ["--dataset-path", trace, "--num-prompts", str(num), "--ignore-eos", "--disable-tqdm"]
         bench = p.parse_args([*argv, "--num-warmups", "0"])
         run = run_bench(bench)["runs"][0]
+        engine = engine_view(server.metrics())
         server.stop()
-    return figures(run)
+    return {**figures(run), **engine}
+
+
+def engine_view(m: dict[str, float]) -> dict[str, float]:
+    """The server's own means (its histograms, arrival = the API process took the request in):
+    time to first token, queueing (to first scheduled) and prefill (first scheduled to first token),
+    in ms. The client's TTFT minus `ttft_server_mean` is the HTTP and streaming share."""
+    out = {}
+    for key, name in (("ttft_server_mean", "time_to_first_token"), ("queue_mean", "request_queue_time"),
+                      ("prefill_mean", "request_prefill_time")):
+        count = m.get(f"tandem:{name}_seconds_count", 0.0)
+        out[key] = 1e3 * m.get(f"tandem:{name}_seconds_sum", 0.0) / count if count else float("nan")
+    return out
 
 
 def simulated(trace: str, instances: int, cost: str | None) -> dict[str, float]:
@@ -104,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"instances": n, "rate": rate * n, "real": got, "simulated": sim, "error": err})
                 for key, title in METRICS:
                     print(f"  {title:<14} real {got[key]:9.1f}  sim {sim[key]:9.1f}  error {err[key]:+7.1%}", flush=True)
+                print(f"  server's view: TTFT {got['ttft_server_mean']:.1f} ms = queue {got['queue_mean']:.1f}"
+                      f" + prefill {got['prefill_mean']:.1f}", flush=True)
     results = {
         "command_line": shlex.join([sys.executable, *sys.argv]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},

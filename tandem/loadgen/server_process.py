@@ -41,7 +41,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 class ServerProcess:
     """`tandem serve MODEL ARGS...` in its own session (its engine process dies with it), logging to
-    a temporary file; the constructor returns once /health answers 200."""
+    a temporary file; the constructor returns once /health answers 200. Leaving the `with` block
+    normally removes the log; an exception keeps it for reading (its path is in `log_path`)."""
 
     def __init__(
         self,
@@ -137,5 +138,8 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.kill()
+        if exc_type is None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)

@@ -33,9 +33,9 @@ def server(llama_dir):
     args = ["--num-instances", "3", "--num-threads", "1", "--num-kv-blocks", "256", "--max-num-seqs", "4"]
     args += ["--served-model-name", "tiny", "--dispatch-policy", "least_load", "--block-size", "4"]
     args += ["--migration-triggers", "imbalance", "--cpus-per-instance", "0.5"]
-    s = RemoteServer(llama_dir, *args, startup_timeout=300)
-    yield s
-    s.stop()
+    with RemoteServer(llama_dir, *args, startup_timeout=300) as s:
+        yield s
+        s.stop()  # drain: the instances' Ray actors go down with the server
 
 
 @pytest.fixture(scope="module")
