@@ -24,11 +24,14 @@ LAYER_SHAPES = [(896, 1152), (896, 896), (896, 9728), (4864, 896)]
 
 def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, Callable]]:
     """name -> (per-layer prepared weights, fn(x, prepared) -> y)."""
+    from tandem import kernels
     from tandem.model.linear import PackedLinear, onednn_available
     from tandem.model.quant import Int8Linear
 
     paths: dict[str, tuple[list, Callable]] = {}
     paths["fp32 F.linear (MKL)"] = (weights, lambda x, w: F.linear(x, w))
+    if rows <= 16 and kernels.has("gemv_f32"):  # Tandem's few-row kernel alone (AVX-512 or AVX2)
+        paths["fp32 Tandem kernel gemv_f32"] = (weights, lambda x, w: torch.ops.tandem.gemv_f32(x, w, None))
     bf16 = [w.to(torch.bfloat16) for w in weights]
     if onednn_available():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
@@ -38,7 +41,7 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
         )
         paths["fp32 Tandem PackedLinear"] = ([PackedLinear(w, None) for w in weights], lambda x, m: m(x))
     paths["bf16 F.linear"] = (bf16, lambda x, w: F.linear(x.to(torch.bfloat16), w))
-    if onednn_available():
+    if onednn_available(torch.bfloat16):
         packed16 = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in bf16]
         paths["bf16 oneDNN reordered"] = (
             packed16,
@@ -61,6 +64,11 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
         paths["int8 weight-only ATen kernel"] = (
             int8,
             lambda x, m: torch.ops.aten._weight_int8pack_mm(x, m.qweight, m.scale),
+        )
+    if rows <= 16 and kernels.has("gemm_w8_f32"):  # no VNNI: int8 weights widened in registers
+        paths["int8 weight-only Tandem kernel gemm_w8_f32"] = (
+            int8,
+            lambda x, m: torch.ops.tandem.gemm_w8_f32(x, m.qweight, m.scale, None),
         )
     paths["int8 weight-only, widen + fp32 GEMM"] = (
         int8,

@@ -86,11 +86,74 @@ struct F32Dot {  // float32 x float32, fused multiply-add
   using Out = float;
   using Mask = __mmask16;
   static constexpr int64_t kStep = 16;
+  static constexpr int kSweep = 6;
+  static Mask tail_mask(int64_t tail) { return static_cast<Mask>((1u << tail) - 1); }
   static Vec load(const float* p) { return _mm512_loadu_ps(p); }
   static Vec load(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
   static Acc zero() { return _mm512_setzero_ps(); }
   static Acc madd(Acc acc, Vec x, Vec w) { return _mm512_fmadd_ps(x, w, acc); }
   static Out sum(Acc acc) { return _mm512_reduce_add_ps(acc); }
+};
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The AVX2 forms, for CPUs without AVX-512 (AMD Zen 2/3 among them): 8 floats per instruction and
+// 16 vector registers, so 2 activation rows x 4 weight rows of accumulators per sweep. A tail mask
+// is a vector of lanes (all ones where loaded), as `vmaskmovps` takes it.
+struct F32Dot8 {  // float32 x float32, fused multiply-add
+  using X = float;
+  using W = float;
+  using Vec = __m256;
+  using Acc = __m256;
+  using Out = float;
+  using Mask = __m256i;
+  static constexpr int64_t kStep = 8;
+  static constexpr int kSweep = 2;
+  static Mask tail_mask(int64_t tail) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load(Mask m, const float* p) { return _mm256_maskload_ps(p, m); }
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
+  static Out sum(Acc acc) { return hsum256(acc); }
+};
+
+// float32 activations x int8 weights widened in registers (one scale per output row, applied in
+// the epilogue): a weight-only int8 product that reads a quarter of float32's bytes, for CPUs
+// without VNNI, where quantizing the activations buys nothing.
+struct W8F32Dot8 {
+  using X = float;
+  using W = int8_t;
+  using Vec = __m256;
+  using Acc = __m256;
+  using Out = float;
+  using Mask = __m256i;
+  static constexpr int64_t kStep = 8;
+  static constexpr int kSweep = 2;
+  static Mask tail_mask(int64_t tail) { return F32Dot8::tail_mask(tail); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load(Mask m, const float* p) { return _mm256_maskload_ps(p, m); }
+  static Vec load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static Vec load(Mask m, const int8_t* p) {  // a row's last < 8 weights: no byte-masked load in AVX2
+    alignas(32) int32_t lanes[8];
+    alignas(32) int32_t on[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(on), m);
+    for (int i = 0; i < 8; ++i) lanes[i] = on[i] ? p[i] : 0;
+    return _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(lanes)));
+  }
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static Acc madd(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
+  static Out sum(Acc acc) { return hsum256(acc); }
 };
 #endif
 
@@ -103,6 +166,8 @@ struct Bf16Dot {  // bfloat16 pairs, float32 accumulation (vdpbf16ps); bfloat16 
   using Out = float;
   using Mask = __mmask32;
   static constexpr int64_t kStep = 32;
+  static constexpr int kSweep = 6;
+  static Mask tail_mask(int64_t tail) { return static_cast<Mask>((1u << tail) - 1); }
   static Vec load(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static Vec load(Mask m, const uint16_t* p) { return _mm512_maskz_loadu_epi16(m, p); }
   static Acc zero() { return _mm512_setzero_ps(); }
@@ -120,6 +185,8 @@ struct U8S8Dot {  // unsigned 8-bit x signed 8-bit quadruples, int32 accumulatio
   using Out = int32_t;
   using Mask = __mmask64;
   static constexpr int64_t kStep = 64;
+  static constexpr int kSweep = 6;
+  static Mask tail_mask(int64_t tail) { return static_cast<Mask>((1ull << tail) - 1); }
   static Vec load(const void* p) { return _mm512_loadu_si512(p); }
   static Vec load(Mask m, const void* p) { return _mm512_maskz_loadu_epi8(m, p); }
   static Acc zero() { return _mm512_setzero_si512(); }
@@ -128,7 +195,8 @@ struct U8S8Dot {  // unsigned 8-bit x signed 8-bit quadruples, int32 accumulatio
 };
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define TANDEM_FEW_ROW_PRODUCTS 1
 // out[m, n] = sum_k x[m, k] * w[n, k] for m < M and n in [n0, n1); out has row stride N.
 template <typename D, int M>
 void dot_rows(const typename D::X* x, int64_t K, const typename D::W* w, int64_t n0, int64_t n1,
@@ -136,7 +204,8 @@ void dot_rows(const typename D::X* x, int64_t K, const typename D::W* w, int64_t
   using Mask = typename D::Mask;
   constexpr int64_t S = D::kStep;
   const int64_t tail = K % S;
-  const Mask tmask = static_cast<Mask>((tail ? (1ull << tail) : 1ull) - 1);
+  const Mask tmask = D::tail_mask(tail);
+  const Mask full = D::tail_mask(S);
   int64_t n = n0;
   for (; n + kRowBlock <= n1; n += kRowBlock) {
     typename D::Acc acc[M][kRowBlock];
@@ -171,7 +240,7 @@ void dot_rows(const typename D::X* x, int64_t K, const typename D::W* w, int64_t
     for (int m = 0; m < M; ++m) acc[m] = D::zero();
     const typename D::W* wr = w + n * K;
     for (int64_t k = 0; k < K; k += S) {
-      const Mask mk = k + S <= K ? static_cast<Mask>(~0ull) : tmask;
+      const Mask mk = k + S <= K ? full : tmask;
       const typename D::Vec wv = D::load(mk, wr + k);
       for (int m = 0; m < M; ++m) acc[m] = D::madd(acc[m], D::load(mk, x + m * K + k), wv);
     }
@@ -179,31 +248,31 @@ void dot_rows(const typename D::X* x, int64_t K, const typename D::W* w, int64_t
   }
 }
 
-// Activation rows per sweep over the weight: 6 rows x 4 weight rows = 24 accumulators, which with
-// the 4 weight vectors and one activation vector fits the 32 vector registers. A speculative
-// verification of 1 + 4 or 1 + 5 tokens is then a single pass over the weight.
-constexpr int64_t kSweepRows = 6;
+// Activation rows per sweep over the weight (`D::kSweep`): with AVX-512, 6 rows x 4 weight rows =
+// 24 accumulators, which with the 4 weight vectors and one activation vector fits the 32 vector
+// registers (a speculative verification of 1 + 4 or 1 + 5 tokens is then a single pass over the
+// weight); AVX2's 16 registers hold 2 x 4.
 
 // x [M, K] times w [N, K]^T on PyTorch's thread pool, in chunks of kChunk output rows; each chunk's
 // results go to store(m, n, value) while they are still on the stack. Activation rows are swept
-// kSweepRows at a time, so rows beyond read a chunk's weights a second time, from cache.
+// D::kSweep at a time, so rows beyond read a chunk's weights a second time, from cache.
 template <typename D, typename Store>
 void product(const typename D::X* x, int64_t M, int64_t K, const typename D::W* w, int64_t N, Store&& store) {
   for_row_blocks(N, [&](int64_t n0, int64_t n1) {
     typename D::Out acc[kMaxRows * kChunk];
     for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
       const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
-      for (int64_t m0 = 0; m0 < M; m0 += kSweepRows) {
+      for (int64_t m0 = 0; m0 < M; m0 += D::kSweep) {
         // dot_rows indexes outputs from c0: shift the base so chunk row c0 lands at column 0.
         typename D::Out* base = acc + m0 * width - c0;
         const typename D::X* xm = x + m0 * K;
-        switch (std::min<int64_t>(kSweepRows, M - m0)) {
+        switch (std::min<int64_t>(D::kSweep, M - m0)) {
           case 1: dot_rows<D, 1>(xm, K, w, c0, c1, base, width); break;
           case 2: dot_rows<D, 2>(xm, K, w, c0, c1, base, width); break;
-          case 3: dot_rows<D, 3>(xm, K, w, c0, c1, base, width); break;
-          case 4: dot_rows<D, 4>(xm, K, w, c0, c1, base, width); break;
-          case 5: dot_rows<D, 5>(xm, K, w, c0, c1, base, width); break;
-          default: dot_rows<D, 6>(xm, K, w, c0, c1, base, width); break;
+          case 3: dot_rows<D, std::min(3, D::kSweep)>(xm, K, w, c0, c1, base, width); break;
+          case 4: dot_rows<D, std::min(4, D::kSweep)>(xm, K, w, c0, c1, base, width); break;
+          case 5: dot_rows<D, std::min(5, D::kSweep)>(xm, K, w, c0, c1, base, width); break;
+          default: dot_rows<D, std::min(6, D::kSweep)>(xm, K, w, c0, c1, base, width); break;
         }
       }
       for (int64_t m = 0; m < M; ++m)
@@ -211,6 +280,12 @@ void product(const typename D::X* x, int64_t M, int64_t K, const typename D::W* 
     }
   });
 }
+
+#if defined(__AVX512F__)
+using F32 = F32Dot;
+#else
+using F32 = F32Dot8;
+#endif
 
 // float32 x [M, K] times float32 w [N, K], plus bias.
 at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
@@ -221,11 +296,35 @@ at::Tensor gemv_f32(const at::Tensor& x, const at::Tensor& w, const std::optiona
   const float* bp = bias_ptr(bias, N, b);
   at::Tensor out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
-  product<F32Dot>(xc.data_ptr<float>(), M, K, w.data_ptr<float>(), N,
-                  [&](int64_t m, int64_t n, float v) { op[m * N + n] = bp ? v + bp[n] : v; });
+  product<F32>(xc.data_ptr<float>(), M, K, w.data_ptr<float>(), N,
+               [&](int64_t m, int64_t n, float v) { op[m * N + n] = bp ? v + bp[n] : v; });
   return out;
 }
-#endif  // __AVX512F__
+#endif  // TANDEM_FEW_ROW_PRODUCTS
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512VNNI__)
+// float32 x [M, K] times int8 w [N, K] with one float32 scale per output row, plus bias: the weights
+// widened in registers (no activation quantization; `gemm_w8a8` where VNNI exists).
+at::Tensor gemm_w8_f32(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias) {
+  check_inputs("tandem gemm_w8_f32", x, w);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "tandem gemm_w8_f32: x must be float32");
+  TORCH_CHECK(w.scalar_type() == at::kChar, "tandem gemm_w8_f32: w must be int8");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == w.size(0),
+              "tandem gemm_w8_f32: w_scale must be contiguous float32, one per output row");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor xc = x.contiguous(), b;
+  const float* bp = bias_ptr(bias, N, b);
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  const float* sp = w_scale.data_ptr<float>();
+  product<W8F32Dot8>(xc.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), N, [&](int64_t m, int64_t n, float v) {
+    const float y = v * sp[n];
+    op[m * N + n] = bp ? y + bp[n] : y;
+  });
+  return out;
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // x [M, K] (bfloat16, or float32 rounded to bfloat16) times bfloat16 w [N, K], plus bias; float32
@@ -695,12 +794,6 @@ at::Tensor dequant_int4(const at::Tensor& qw, const at::Tensor& scales, const at
 // chunks of output rows that stay in cache across sweeps.
 constexpr int64_t kInt4Sweep = 4;
 
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // out[m * ld + (n - n0)] = x_m . w_n for MR activation rows and output rows [n0, n1).
 template <int MR>
@@ -807,8 +900,11 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
-#if defined(__AVX512F__)
+#if defined(TANDEM_FEW_ROW_PRODUCTS)
   m.def("gemv_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512VNNI__)
+  m.def("gemm_w8_f32(Tensor x, Tensor w, Tensor w_scale, Tensor? bias) -> Tensor");
 #endif
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
@@ -830,8 +926,11 @@ TORCH_LIBRARY(tandem, m) {
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
-#if defined(__AVX512F__)
+#if defined(TANDEM_FEW_ROW_PRODUCTS)
   m.impl("gemv_f32", &gemv_f32);
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512VNNI__)
+  m.impl("gemm_w8_f32", &gemm_w8_f32);
 #endif
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention_quantized", &paged_attention_quantized);

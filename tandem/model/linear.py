@@ -5,9 +5,11 @@ decoding and speculative verification that path is slow: oneDNN with the weight 
 into its blocked layout (`mkldnn._linear_pointwise`) is up to 1.9x faster in float32 and faster in
 bfloat16 from 8 rows on (benchmarks/gemm_paths.py, results in docs/benchmarks.md). A product of a
 few rows is bound by reading the weight from memory, and there the plain weight streamed once is
-best: MKL's sgemv for one or two float32 rows (the same call transformers makes, so a single
-stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16 float32
-rows and 1-4 bfloat16 rows. So layers keep both forms where a few-row path exists.
+best: on AVX-512 CPUs MKL's sgemv for one or two float32 rows (the same call transformers makes, so
+a single stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16
+float32 rows and 1-4 bfloat16 rows; on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv streams at half the
+memory bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers keep both forms where
+a few-row path exists.
 """
 
 from __future__ import annotations
@@ -21,14 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem import kernels
+from tandem.cpu import cpu_flags
 
 M = TypeVar("M", bound=nn.Module)
 
-# float32 rows that MKL's sgemv takes (bit-identical to transformers' own F.linear).
-_MKL_MAX_ROWS = 2
-# Rows up to which Tandem's kernels beat oneDNN (benchmarks/gemm_paths.py): they stream the weight
-# once per six activation rows; in bfloat16, AMX wins from about five rows on.
-_KERNEL_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+# float32 rows that MKL's sgemv takes on AVX-512 CPUs (bit-identical to transformers' own F.linear);
+# on AVX2-only CPUs it runs at half the memory bandwidth there and Tandem's kernel takes them.
+_MKL_MAX_ROWS = 2 if "avx512f" in cpu_flags() else 0
+# Rows up to which Tandem's kernels beat oneDNN (benchmarks/gemm_paths.py): with AVX-512 they stream
+# the weight once per six activation rows (in bfloat16, AMX wins from about five rows on); with
+# AVX2 once per two, and oneDNN wins from about twelve.
+_KERNEL_MAX_ROWS = {torch.float32: 16 if "avx512f" in cpu_flags() else 8, torch.bfloat16: 4}
 _KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
 # Batch-size hint oneDNN tunes the reordered layout for: mid-size decode batches.
 _PACK_HINT_ROWS = 8
@@ -76,7 +81,7 @@ class PackedLinear(nn.Module):
         plain = self.plain  # None exactly when plain_max_rows is 0
         if plain is not None and rows <= self.plain_max_rows:
             if plain.dtype == torch.float32:
-                if rows <= _MKL_MAX_ROWS:
+                if rows <= _MKL_MAX_ROWS:  # never on AVX2-only CPUs (0)
                     return F.linear(x, plain, self.bias)
                 return torch.ops.tandem.gemv_f32(x, plain, self.bias)
             return torch.ops.tandem.gemv_bf16(x, plain, self.bias)

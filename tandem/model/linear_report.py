@@ -12,7 +12,7 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.model.int4 import Int4Linear
 from tandem.model.linear import PackedLinear
-from tandem.model.quant import Int8Linear
+from tandem.model.quant import W8_KERNEL_MAX_ROWS, Int8Linear
 
 logger = logging.getLogger("tandem.model")
 
@@ -48,6 +48,8 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
             path = "int8 kernel (<= 8 rows) + PyTorch dynamic int8"
         elif m._packed is not None:
             path = "PyTorch dynamic int8"
+        elif m.weight_only_kernel:
+            path = f"int8 weight-only kernel (<= {W8_KERNEL_MAX_ROWS} rows, no VNNI) + widened to float above"
         else:
             path = "int8 weights widened to float (no VNNI)"
         # The prepacked copy PyTorch keeps for its int8 GEMM is about as large as qweight.

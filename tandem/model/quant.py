@@ -9,9 +9,12 @@ scale per activation row, quantizing inside the call and streaming the weight at
 PyTorch's operator spends a good part of each small call outside the product. Both need a CPU with
 VNNI (AVX512-VNNI or AVX-VNNI): without it, fbgemm's 8-bit products can overflow 16-bit sums, and
 its 7-bit fallback costs too much accuracy (on the default model, greedy text parts from float's
-within a few tokens). There, and where PyTorch has no quantized engine, the same int8 weights are
-widened to float and multiplied in plain torch (weight-only: as exact, slower than float32). benchmarks/gemm_paths.py times the choices; docs/default_model.md reports the
-perplexity cost on the default model.
+within a few tokens). There, and where PyTorch has no quantized engine, int8 runs weight-only
+(float32 activations, as exact as the float reference): up to 64 rows through Tandem's AVX2 kernel
+(`gemm_w8_f32`, the int8 weights widened in registers, so a decode step streams a quarter of
+float32's bytes), above that widened to float per call and multiplied in plain torch (slower than
+float32). benchmarks/gemm_paths.py times the choices; docs/default_model.md reports the perplexity
+cost on the default model.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ logger = logging.getLogger("tandem.model")
 
 # Rows up to which Tandem's VNNI kernel beats PyTorch's (benchmarks/gemm_paths.py).
 _KERNEL_MAX_ROWS = 8
+# Rows up to which the weight-only AVX2 kernel (no VNNI) runs, in calls of KERNEL_ROWS rows (each
+# streams the weight once): widening the whole weight to float per call costs more up to here
+# (benchmarks/gemm_paths.py: 16 rows 0.20 s against 1.28 s per pass over the 415M model's weights).
+W8_KERNEL_MAX_ROWS = 64
+_KERNEL_ROWS = 16
 
 
 def _has_dynamic_int8() -> bool:
@@ -66,6 +74,8 @@ class Int8Linear(nn.Module):
         self._packed = self._prepack() if want and _has_dynamic_int8() and _cpu_has_vnni() else None
         # Tandem's few-row kernel wants each weight row's sum (it offsets activations by 128).
         self.row_sum = q.sum(1, dtype=torch.int32) if want and kernels.has("gemm_w8a8") else None
+        # Without VNNI: the weight-only kernel for few rows.
+        self.weight_only_kernel = want and self._packed is None and kernels.has("gemm_w8_f32")
 
     def _prepack(self) -> object:
         with warnings.catch_warnings():
@@ -90,6 +100,15 @@ class Int8Linear(nn.Module):
             return torch.ops.tandem.gemm_w8a8(x2, self.qweight, self.scale, self.row_sum, self.bias)
         if self._packed is not None and x2.shape[0] > 0:
             return torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, False)
+        rows = x2.shape[0]
+        if self.weight_only_kernel and 0 < rows <= W8_KERNEL_MAX_ROWS:
+            if rows <= _KERNEL_ROWS:
+                return torch.ops.tandem.gemm_w8_f32(x2, self.qweight, self.scale, self.bias)
+            parts = [
+                torch.ops.tandem.gemm_w8_f32(x2[i : i + _KERNEL_ROWS], self.qweight, self.scale, self.bias)
+                for i in range(0, rows, _KERNEL_ROWS)
+            ]
+            return torch.cat(parts)
         # Per-channel scales commute with the matmul: scale the output columns instead.
         y = F.linear(x2, self.qweight.float()) * self.scale
         return y if self.bias is None else y + self.bias
@@ -106,5 +125,11 @@ def quantize_model(model: M, method: str | None, use_kernel: bool | None = None)
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
     if use_kernel is not False and not _cpu_has_vnni():
-        logger.warning("this CPU has no VNNI: int8 runs weight-only, slower than float32")
+        if kernels.has("gemm_w8_f32"):
+            logger.warning(
+                "this CPU has no VNNI: int8 runs weight-only (Tandem's AVX2 kernel up to %d rows, "
+                "slower than float32 above)", W8_KERNEL_MAX_ROWS
+            )
+        else:
+            logger.warning("this CPU has no VNNI: int8 runs weight-only, slower than float32")
     return replace_linears(model, lambda w, b: Int8Linear(w, b, use_kernel))

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
+from tandem.model import linear
 from tandem.model.linear import PackedLinear, onednn_available
 from tandem.model.quant import Int8Linear
 
@@ -38,7 +39,7 @@ def test_gemv_bf16_matches_float_reference(rows, shape, bias):
     torch.testing.assert_close(y16.float(), ref16, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.skipif(not kernels.has("gemv_f32"), reason="host CPU has no AVX-512")
+@pytest.mark.skipif(not kernels.has("gemv_f32"), reason="host CPU has neither AVX-512 nor AVX2 + FMA")
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
@@ -102,8 +103,39 @@ def test_env_switch_disables_kernels(monkeypatch):
     if onednn_available(torch.bfloat16):
         assert PackedLinear(torch.randn(8, 16).to(torch.bfloat16), None).plain is None
     if onednn_available():
-        assert PackedLinear(torch.randn(8, 16), None).plain_max_rows == 2  # MKL's sgemv only
-    assert Int8Linear(torch.randn(8, 16), None).row_sum is None
+        few = PackedLinear(torch.randn(8, 16), None)
+        assert few.plain_max_rows == linear._MKL_MAX_ROWS  # MKL's sgemv only (none on AVX2-only CPUs)
+        assert (few.plain is None) == (linear._MKL_MAX_ROWS == 0)
+    int8 = Int8Linear(torch.randn(8, 16), None)
+    assert int8.row_sum is None and not int8.weight_only_kernel
+
+
+@pytest.mark.skipif(not kernels.has("gemm_w8_f32"), reason="only built on AVX2 CPUs without VNNI")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_w8_f32_matches_the_widened_weights(rows, shape, bias):
+    g = torch.Generator().manual_seed(rows * 100 + shape[0])
+    n, k = shape
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) + 0.01
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    ref = F.linear(x.double(), q.double() * scale.double()[:, None], None if b is None else b.double())
+    torch.testing.assert_close(torch.ops.tandem.gemm_w8_f32(x, q, scale, b), ref.float(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.skipif(not kernels.has("gemm_w8_f32"), reason="only built on AVX2 CPUs without VNNI")
+@pytest.mark.parametrize("rows", [1, 16, 17, 40, 64, 65])
+def test_int8_weight_only_layer_equals_its_float_reference(rows):
+    """Without VNNI, Int8Linear runs the weight-only kernel (in 16-row calls up to 64 rows) and the
+    widened float product above: both the float reference's values."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 72, generator=g), torch.randn(96, generator=g)
+    fast, ref = Int8Linear(w, b), Int8Linear(w, b, use_kernel=False)
+    assert fast.weight_only_kernel
+    x = torch.randn(rows, 72, generator=g)
+    torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 9, 17])
@@ -120,7 +152,7 @@ def test_layers_agree_with_and_without_kernels(rows, monkeypatch):
     off_q = Int8Linear(w, b)
     if on_f is not None:
         torch.testing.assert_close(on_f(x), PackedLinear(w, b)(x), rtol=1e-5, atol=1e-5)
-        if rows <= 2:  # MKL's sgemv either way: the very same bits as F.linear
+        if rows <= linear._MKL_MAX_ROWS:  # MKL's sgemv either way: the very same bits as F.linear
             assert torch.equal(on_f(x), F.linear(x, w, b))
     ref_q = F.linear(x, on_q.dequantized(torch.float32), b)
     for lin in (on_q, off_q):  # both quantize activations to 8 bits, differently: compare to float
