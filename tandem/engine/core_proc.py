@@ -240,6 +240,8 @@ class EngineLoop:
             spec_num_draft_tokens=spec["num_draft_tokens"] if spec else 0,
             spec_num_accepted_tokens=spec["num_accepted_tokens"] if spec else 0,
             num_request_faults=snap["num_request_faults"],
+            num_steps=snap["num_steps"],
+            step_seconds=snap["step_time_s"],
             num_blocks=core.kv.num_blocks,
             num_available_blocks=core.kv.num_available,
             prefix_hashes=self._prefix_summary(),

@@ -149,6 +149,9 @@ class Stats(msgspec.Struct):
     spec_num_accepted_tokens: int = 0
     # Requests the engine failed alone (a fault in their own part of a step).
     num_request_faults: int = 0
+    # Steps run and the seconds they took (schedule, forward, sample, update): the engine's busy time.
+    num_steps: int = 0
+    step_seconds: float = 0.0
     # Load, for a dispatcher across instances: KV blocks in all and obtainable now (free, or
     # cached and idle), and a summary of the prefix cache (`PrefixCache.block_hashes`), sent only
     # when it changed since the previous snapshot that carried one (None: unchanged).

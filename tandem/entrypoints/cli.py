@@ -441,6 +441,7 @@ def _bench_profile(args: argparse.Namespace) -> int:
         quick=args.quick,
         dtype=args.dtype,
         note=args.note,
+        delivery=args.delivery,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     print(describe(model))
@@ -479,6 +480,11 @@ def add_bench_parser(sub: Any) -> None:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="model dtype"
     )
     prof.add_argument("--note", default="", help="stored in the JSON: where and why it was measured")
+    prof.add_argument(
+        "--delivery",
+        action="store_true",
+        help="also time the front end's share of a streamed token through a real `tandem serve` (~30 s)",
+    )
     prof.set_defaults(func=_bench_profile)
 
 

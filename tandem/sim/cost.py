@@ -107,6 +107,12 @@ class CostModel(Protocol):
         """Moving `num_blocks` KV blocks between instances (send, receive and copy into the cache)."""
         ...
 
+    def delivery_seconds(self) -> float:
+        """From the end of the step that made a token to the client reading it: the engine's output
+        message, the API process's detokenizing and SSE chunk, the HTTP hop (and the request's own
+        way in, before the API process takes it). 0 when not measured."""
+        ...
+
 
 # -- the fitted model -----------------------------------------------------------------------------
 
@@ -259,6 +265,8 @@ class FittedCost:
     transfer_per_block_s: float = 0.0
     fit_error: FitError | None = None  # of step times on held-out shapes
     transfer_fit_error: FitError | None = None
+    # `delivery_seconds`, measured through a real server (`tandem.sim.profile.time_delivery`).
+    delivery_s: float = 0.0
     # Free-form provenance: what was measured where and when (model, threads, dtype, machine, note,
     # the measurements themselves); kept through save and load, never read by the model.
     meta: Mapping[str, Any] = field(default_factory=dict)
@@ -276,12 +284,16 @@ class FittedCost:
     def transfer_seconds(self, num_blocks: int) -> float:
         return self.transfer_t0_s + self.transfer_per_block_s * num_blocks if num_blocks > 0 else 0.0
 
+    def delivery_seconds(self) -> float:
+        return self.delivery_s
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": FITTED,
             "name": self.name,
             "coefficients": dict(self.coefficients),
             "transfer": {"t0_s": self.transfer_t0_s, "per_block_s": self.transfer_per_block_s},
+            "delivery_s": self.delivery_s,
             "fit_error": None if self.fit_error is None else asdict(self.fit_error),
             "transfer_fit_error": None
             if self.transfer_fit_error is None
@@ -291,7 +303,7 @@ class FittedCost:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> FittedCost:
-        own = {"kind", "name", "coefficients", "transfer", "fit_error", "transfer_fit_error"}
+        own = {"kind", "name", "coefficients", "transfer", "fit_error", "transfer_fit_error", "delivery_s"}
         transfer = d.get("transfer") or {}
         return FittedCost(
             name=str(d["name"]),
@@ -300,6 +312,7 @@ class FittedCost:
             transfer_per_block_s=float(transfer.get("per_block_s", 0.0)),
             fit_error=FitError(**d["fit_error"]) if d.get("fit_error") else None,
             transfer_fit_error=FitError(**d["transfer_fit_error"]) if d.get("transfer_fit_error") else None,
+            delivery_s=float(d.get("delivery_s", 0.0)),
             meta={k: v for k, v in d.items() if k not in own},
         )
 
@@ -379,6 +392,7 @@ class RooflineCost:
     hardware: Hardware
     block_size: int = 16  # tokens per KV block, for transfer sizes
     note: str = ""
+    delivery_s: float = 0.0  # `delivery_seconds`: the front end's share, not a GPU figure
 
     def flops(self, shape: StepShape) -> float:
         m = self.model
@@ -414,12 +428,16 @@ class RooflineCost:
         size = num_blocks * self.block_size * self.model.kv_bytes_per_token
         return hw.transfer_latency_s + size / hw.interconnect_bandwidth
 
+    def delivery_seconds(self) -> float:
+        return self.delivery_s
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": ROOFLINE,
             "name": self.name,
             "note": self.note,
             "block_size": self.block_size,
+            "delivery_s": self.delivery_s,
             "model": asdict(self.model),
             "hardware": asdict(self.hardware),
         }
@@ -432,6 +450,7 @@ class RooflineCost:
             hardware=Hardware(**_known(Hardware, d["hardware"])),
             block_size=int(d.get("block_size", 16)),
             note=str(d.get("note", "")),
+            delivery_s=float(d.get("delivery_s", 0.0)),
         )
 
 

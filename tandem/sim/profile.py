@@ -443,13 +443,15 @@ def profile_model(
     temperature: float = 1.0,
     seed: int = 0,
     note: str = "",
+    delivery: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> FittedCost:
     """Time engine steps of the model at `model_path` over `grid` (QUICK_GRID with `quick`, else
     DEFAULT_GRID), fit a FittedCost and its transfer cost, write it to `out_path` if given.
 
     `temperature` is the requests' (1.0, the API's default: sampling costs a little more than greedy);
-    `threads` the engine's torch threads."""
+    `threads` the engine's torch threads; `delivery` also times the front end's share through a
+    real server (`time_delivery`, about half a minute more)."""
     say = progress or (lambda _: None)
     start = time.perf_counter()
     label = "custom" if grid is not None else "quick" if quick else "default"
@@ -498,6 +500,11 @@ def profile_model(
         },
         "transfers": [[n, t] for n, t in transfers],
     }
+    delivery_s = 0.0
+    if delivery:
+        delivery_s, samples = time_delivery(model_path, threads, dtype)
+        meta["delivery_samples_s"] = [round(v, 5) for v in samples]
+        say(f"front end's share: {delivery_s * 1e3:.1f} ms (median of {len(samples)} requests)")
     name = f"{_model_name(model_path)}-{meta['dtype']}-{threads}thread"
     model = fit_cost(
         name,
@@ -506,11 +513,65 @@ def profile_model(
         transfer_t0_s=t0,
         transfer_per_block_s=per_block,
         transfer_fit_error=transfer_error,
+        delivery_s=delivery_s,
         meta=meta,
     )
     if out_path is not None:
         save_cost(model, out_path)
     return model
+
+
+def time_delivery(
+    model_path: str, threads: int = 1, dtype: str = "auto", requests: int = 20, seed: int = 0
+) -> tuple[float, list[float]]:
+    """The front end's share of a streamed request, through a real `tandem serve` of the model.
+
+    Sends `requests` streaming completions one at a time (32 random prompt token ids, 4 tokens) and
+    takes, for each, the client's time to first token minus the server's own (its histogram: from
+    the API process taking the request in to the engine's step that made the token), read from
+    /metrics before and after. What is left is the HTTP hop both ways, the request's parsing, and
+    the first token's way out (output message, detokenizing, SSE chunk, the client's read): the
+    cost model's `delivery_s`. Returns (the median, every request's value), in seconds."""
+    import json as _json
+    import random as _random
+    import urllib.request
+
+    from tandem.loadgen.server_process import ServerProcess
+
+    rng = _random.Random(seed)
+    args = ["--num-threads", str(threads), "--dtype", dtype, "--served-model-name", "m"]
+    key = "tandem:time_to_first_token_seconds_sum"
+    values: list[float] = []
+    with ServerProcess(model_path, *args, startup_timeout=600) as server:
+        for i in range(requests + 1):  # the first one warms up and is not counted
+            body = {
+                "model": "m",
+                "prompt": [rng.randrange(10, 1000) for _ in range(32)],
+                "max_tokens": 4,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+            request = urllib.request.Request(
+                server.url + "/v1/completions",
+                data=_json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            before = server.metrics().get(key, 0.0)
+            start = time.perf_counter()
+            first = None
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                for raw in resp:  # server-sent events, a line at a time as they arrive
+                    line = raw.decode().strip()
+                    if first is None and line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        choices = _json.loads(line[5:]).get("choices") or [{}]
+                        if choices[0].get("text"):
+                            first = time.perf_counter() - start
+            server_ttft = server.metrics().get(key, 0.0) - before
+            if i and first is not None:
+                values.append(first - server_ttft)
+        server.stop()
+    return statistics.median(values), values
 
 
 def _shape_row(shape: StepShape) -> list[int]:
@@ -569,4 +630,6 @@ def describe(model: FittedCost) -> str:
     if model.transfer_fit_error is not None:
         e = model.transfer_fit_error
         lines.append(f"  transfer fit error: mean {e.mape:.1f}%, P90 {e.p90:.1f}%")
+    if model.delivery_s:
+        lines.append(f"  front end's share: {model.delivery_s * 1e3:.2f} ms per streamed token (delivery)")
     return "\n".join(lines)

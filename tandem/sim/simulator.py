@@ -10,9 +10,12 @@ transfer time for the request's blocks: a live migration keeps the request decod
 while its full blocks are copied, then pauses it for the transfer of the rest; a hand-off's blocks
 streamed during the prefill, so only the last one is on the critical path.
 
+A token reaches its client the cost model's `delivery_seconds` after the step that made it (the
+front end's share: the output message, detokenizing, the SSE chunk, the HTTP hop); the front end is
+not a queue of its own (its CPU is not shared with the engines here).
+
 Simplifications, stated: requests ignore EOS (they run to their output length) and sample a fixed
-token; n = 1; a move whose destination has no free seat or blocks is abandoned (the request stays);
-the front end's own work (tokenizing, streaming) takes no time.
+token; n = 1; a move whose destination has no free seat or blocks is abandoned (the request stays).
 """
 
 from __future__ import annotations
@@ -235,16 +238,17 @@ class ClusterSim:
     def _step_done(self, index: int) -> int:
         inst = self.instances[index]
         now = self.clock[0]
+        seen = now + self.cost.delivery_seconds()  # when the client has this step's tokens
         finished = 0
         for req in inst.finish_step():
             record = self.records[self._seqs[req.request_id]]
             new = req.num_output_tokens - len(record.token_times)
             for _ in range(new):
-                record.token_times.append(now)
+                record.token_times.append(seen)
             if record.first_token_s is None and record.token_times:
                 record.first_token_s = record.token_times[0]
             if req.is_finished:
-                record.finish_s = now
+                record.finish_s = seen
                 finished += 1
                 self._forget(req.request_id)
             elif req.request_id in self.handoff_to and req.num_output_tokens >= 1:

@@ -273,6 +273,8 @@ def test_metrics_exposed(server, client):
     assert m['tandem:tenant_requests_total{outcome="finished",tenant="default"}'] >= 1
     assert "tandem:num_preemptions_total" in m
     assert "tandem:num_requests_waiting" in m
+    # Busy time: at least the four decode steps ran, each taking some time.
+    assert m["tandem:engine_steps_total"] >= 4 and m["tandem:engine_step_seconds_total"] > 0
 
 
 def test_spec_decode_counters_stay_zero_without_speculation(server, client):

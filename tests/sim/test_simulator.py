@@ -21,12 +21,16 @@ class LinearToy:
     """A step costs 5 ms plus 0.1 ms per prefill token and 0.2 ms per decode row."""
 
     name: str = "toy"
+    delivery: float = 0.0
 
     def step_seconds(self, shape: StepShape) -> float:
         return 0.005 + 1e-4 * shape.prefill_tokens + 2e-4 * shape.decode_rows
 
     def transfer_seconds(self, num_blocks: int) -> float:
         return 0.001 + 1e-5 * num_blocks
+
+    def delivery_seconds(self) -> float:
+        return self.delivery
 
 
 SPEC = InstanceSpec(
@@ -121,3 +125,17 @@ def test_scheduling_policies_run(policy):
     )
     _, run = simulate(trace, spec, num_instances=1)
     assert run["completed"] == 80
+
+
+def test_delivery_time_shifts_what_clients_see_and_nothing_else():
+    """The front end's share (cost.delivery_seconds) delays every token a client sees by exactly that
+    much: TTFT and E2E grow by it, inter-token gaps and the engine's own steps do not change."""
+    trace = synthetic(60, 30.0, prompt_len=(16, 200), output_len=(4, 40), seed=3)
+    spec_args = (SPEC, ClusterConfig(num_instances=2, dispatch_policy="least_load"))
+    plain = ClusterSim(trace, LinearToy(), *spec_args).run()
+    late = ClusterSim(trace, LinearToy(delivery=0.025), *spec_args).run()
+    assert plain.steps == late.steps
+    for a, b in zip(plain.records, late.records, strict=True):
+        assert b.first_token_s == pytest.approx(a.first_token_s + 0.025)
+        assert b.finish_s == pytest.approx(a.finish_s + 0.025)
+        assert b.token_times == pytest.approx([t + 0.025 for t in a.token_times])

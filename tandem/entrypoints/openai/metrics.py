@@ -36,6 +36,8 @@ _ENGINE_COUNTERS = {
     "spec_num_draft_tokens": "spec_decode_num_draft_tokens",
     "spec_num_accepted_tokens": "spec_decode_num_accepted_tokens",
     "num_request_faults": "num_request_faults",
+    "num_steps": "engine_steps",
+    "step_seconds": "engine_step_seconds",
 }
 
 
@@ -78,6 +80,11 @@ class ServerMetrics:
         self.num_request_faults = counter(
             "num_request_faults_total",
             "Requests the engine failed alone (a fault in their part of a step); the rest went on.",
+        )
+        self.engine_steps = counter("engine_steps_total", "Engine steps run (all instances).")
+        self.engine_step_seconds = counter(
+            "engine_step_seconds_total",
+            "Seconds the engines spent in steps (schedule, forward, sample, update): their busy time.",
         )
         self.request_success = Counter(
             "tandem:request_success_total",
