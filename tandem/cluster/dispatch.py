@@ -7,7 +7,7 @@ prefixes). Pure Python: the cluster simulator can run the same code over simulat
 
 - `least_load` (Llumnix's virtual usage): an instance's load is the KV blocks its requests may
   come to hold (prompt plus max_tokens, times n; a high-priority request counts more) over its
-  cache size; the least loaded instance gets the request.
+  cache size; the least loaded instance gets the request, equally loaded ones in turn.
 - `prefix_aware` (as SGLang's router): while the instances' in-flight request counts are in
   balance, the one holding the longest cached prefix of the prompt (from its report, plus prompts
   dispatched there since) gets it, ties and no prefix anywhere going to the least loaded; out of
@@ -60,7 +60,11 @@ class Dispatcher:
             choice = candidates[self._next % len(candidates)]
             self._next += 1
         elif policy == "least_load":
-            choice = min(candidates, key=lambda i: (self.instances[i].load, i))
+            # Equal loads (idle instances, mostly) take turns from the last choice on: light traffic
+            # spreads over the instances instead of all landing on the lowest index.
+            n, start = len(self.instances), self._next
+            choice = min(candidates, key=lambda i: (self.instances[i].load, (i - start) % n))
+            self._next = choice + 1
         else:
             choice = self._prefix_aware(req, candidates)
         return choice

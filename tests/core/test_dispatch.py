@@ -59,6 +59,20 @@ def test_least_load_counts_future_kv_demand_and_releases_it():
     assert d2.instances[0].demand == 6 and d2.instances[1].demand == 2 * ClusterConfig().high_priority_weight
 
 
+def test_least_load_gives_equally_loaded_instances_turns():
+    """Requests that each end before the next arrives leave every instance idle: they go round the
+    instances rather than all to the lowest index, and a dead one is skipped."""
+    d = Dispatcher(ClusterConfig(num_instances=3, dispatch_policy="least_load"), [100] * 3, BS)
+    chosen = []
+    for i in range(6):
+        r = req(f"r{i}", [1] * 8)
+        chosen.append(d.choose(r, {0, 1, 2}))
+        d.routed(r, chosen[-1])
+        d.release(r.request_id)
+    assert chosen == [0, 1, 2, 0, 1, 2]
+    assert [d.choose(req("x", [1]), {0, 2}) for _ in range(4)] == [0, 2, 0, 2]
+
+
 def test_prefix_aware_follows_the_cached_prefix_within_the_balance_bound():
     cfg = ClusterConfig(num_instances=2, dispatch_policy="prefix_aware", balance_abs_threshold=4)
     d = Dispatcher(cfg, [100, 100], BS)
