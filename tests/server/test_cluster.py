@@ -30,7 +30,7 @@ BODY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    args = ["--num-instances", "3", "--num-threads", "1", "--num-kv-blocks", "256", "--max-num-seqs", "4"]
+    args = ["--num-instances", "3", "--num-threads", "1", "--num-kv-blocks", "512", "--max-num-seqs", "4"]
     args += ["--served-model-name", "tiny", "--dispatch-policy", "least_load", "--block-size", "4"]
     args += ["--migration-triggers", "imbalance", "--cpus-per-instance", "0.5"]
     with RemoteServer(llama_dir, *args, startup_timeout=300) as s:
@@ -86,9 +86,9 @@ def test_outputs_equal_the_single_engine_and_spread_over_instances(server, offli
 
 def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, offline):
     results: dict = {}
-    # 300 tokens each: on an idle machine a request decodes in well under a second, and the drain
-    # must find instance 2's still running (two per instance fit twice over in 256 blocks of 4).
-    threads = post_all(server, 300, results)
+    # 600 tokens each: on an idle machine a request decodes in a second or two, and the drain must
+    # find instance 2's still running (after it, three per instance fit in 512 blocks of 4).
+    threads = post_all(server, 600, results)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if server.metrics()['tandem:instance_num_requests_running{instance="2"}'] > 0:
@@ -103,10 +103,11 @@ def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, off
         t.join(240)
     for i, prompt in enumerate(PROMPTS):
         assert results[i].status_code == 200, results[i].text
-        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, 300), i
+        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, 600), i
     m = server.metrics()
     outcomes = {k: v for k, v in m.items() if k.startswith("tandem:migrations_total")}
-    assert m.get('tandem:migrations_total{outcome="completed"}', 0) >= 1, outcomes
+    dispatched = [m[f'tandem:instance_requests_dispatched{{instance="{i}"}}'] for i in (0, 1, 2)]
+    assert m.get('tandem:migrations_total{outcome="completed"}', 0) >= 1, (outcomes, dispatched)
     assert m["tandem:kv_transfer_bytes_total"] > 0
     assert m["tandem:migrations_started"] >= m['tandem:migrations_total{outcome="completed"}']
     assert m["tandem:migration_downtime_seconds_count"] >= 1
