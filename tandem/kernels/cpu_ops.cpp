@@ -129,18 +129,9 @@ struct F32Dot8 {  // float32 x float32, fused multiply-add
 // float32 activations x int8 weights widened in registers (one scale per output row, applied in
 // the epilogue): a weight-only int8 product that reads a quarter of float32's bytes, for CPUs
 // without VNNI, where quantizing the activations buys nothing.
-struct W8F32Dot8 {
-  using X = float;
+struct W8F32Dot8 : F32Dot8 {  // the activations' side, accumulation and sums as F32Dot8
   using W = int8_t;
-  using Vec = __m256;
-  using Acc = __m256;
-  using Out = float;
-  using Mask = __m256i;
-  static constexpr int64_t kStep = 8;
-  static constexpr int kSweep = 2;
-  static Mask tail_mask(int64_t tail) { return F32Dot8::tail_mask(tail); }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
-  static Vec load(Mask m, const float* p) { return _mm256_maskload_ps(p, m); }
+  using F32Dot8::load;
   static Vec load(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -151,9 +142,6 @@ struct W8F32Dot8 {
     for (int i = 0; i < 8; ++i) lanes[i] = on[i] ? p[i] : 0;
     return _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(lanes)));
   }
-  static Acc zero() { return _mm256_setzero_ps(); }
-  static Acc madd(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
-  static Out sum(Acc acc) { return hsum256(acc); }
 };
 #endif
 
