@@ -87,7 +87,7 @@ struct F32Dot {  // float32 x float32, fused multiply-add
   using Mask = __mmask16;
   static constexpr int64_t kStep = 16;
   static constexpr int kSweep = 6;
-  static Mask tail_mask(int64_t tail) { return static_cast<Mask>((1u << tail) - 1); }
+  static Mask tail_mask(int64_t tail) { return static_cast<Mask>(tail >= kStep ? ~0ull : (1ull << tail) - 1); }
   static Vec load(const float* p) { return _mm512_loadu_ps(p); }
   static Vec load(Mask m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
   static Acc zero() { return _mm512_setzero_ps(); }
@@ -155,7 +155,7 @@ struct Bf16Dot {  // bfloat16 pairs, float32 accumulation (vdpbf16ps); bfloat16 
   using Mask = __mmask32;
   static constexpr int64_t kStep = 32;
   static constexpr int kSweep = 6;
-  static Mask tail_mask(int64_t tail) { return static_cast<Mask>((1u << tail) - 1); }
+  static Mask tail_mask(int64_t tail) { return static_cast<Mask>(tail >= kStep ? ~0ull : (1ull << tail) - 1); }
   static Vec load(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static Vec load(Mask m, const uint16_t* p) { return _mm512_maskz_loadu_epi16(m, p); }
   static Acc zero() { return _mm512_setzero_ps(); }
@@ -174,7 +174,7 @@ struct U8S8Dot {  // unsigned 8-bit x signed 8-bit quadruples, int32 accumulatio
   using Mask = __mmask64;
   static constexpr int64_t kStep = 64;
   static constexpr int kSweep = 6;
-  static Mask tail_mask(int64_t tail) { return static_cast<Mask>((1ull << tail) - 1); }
+  static Mask tail_mask(int64_t tail) { return static_cast<Mask>(tail >= kStep ? ~0ull : (1ull << tail) - 1); }
   static Vec load(const void* p) { return _mm512_loadu_si512(p); }
   static Vec load(Mask m, const void* p) { return _mm512_maskz_loadu_epi8(m, p); }
   static Acc zero() { return _mm512_setzero_si512(); }
@@ -193,7 +193,7 @@ void dot_rows(const typename D::X* x, int64_t K, const typename D::W* w, int64_t
   constexpr int64_t S = D::kStep;
   const int64_t tail = K % S;
   const Mask tmask = D::tail_mask(tail);
-  const Mask full = D::tail_mask(S);
+  const Mask full = D::tail_mask(S);  // every lane (the traits take tail == kStep to mean that)
   int64_t n = n0;
   for (; n + kRowBlock <= n1; n += kRowBlock) {
     typename D::Acc acc[M][kRowBlock];
@@ -781,7 +781,6 @@ at::Tensor dequant_int4(const at::Tensor& qw, const at::Tensor& scales, const at
 // zs * sum(x over the group). The weight is read once per sweep of up to kInt4Sweep rows, in
 // chunks of output rows that stay in cache across sweeps.
 constexpr int64_t kInt4Sweep = 4;
-
 
 // out[m * ld + (n - n0)] = x_m . w_n for MR activation rows and output rows [n0, n1).
 template <int MR>
