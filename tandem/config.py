@@ -384,8 +384,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     attention_backend: str = "torch"
     # Quantization of the linear layers: None (the checkpoint's own, if any), "int8" (a float
-    # checkpoint quantized at load, tandem/model/quant.py), or the checkpoint's method named
-    # ("awq", "gptq", "compressed-tensors", "fp8"; vLLM's aliases too), checked against it.
+    # checkpoint quantized at load, tandem/model/quant.py; on a 4-bit checkpoint, the layers it
+    # keeps in float, such as the LM head), or the checkpoint's method named ("awq", "gptq",
+    # "compressed-tensors", "fp8"; vLLM's aliases too), checked against it.
     quantization: str | None = None
     # How the KV cache holds K and V: "auto" (the model dtype), or "int8" / "fp8" (= "fp8_e4m3"): one
     # byte per value plus a float32 scale per token and KV head, about half of bfloat16's bytes, so
@@ -414,6 +415,9 @@ class EngineConfig:
     # Structured output: how many compiled grammars (one per distinct schema, regex, choice list or
     # grammar) the engine keeps; the least recently used beyond this is compiled again if asked for.
     structured_outputs_cache_size: int = 128
+    # A file each engine appends one JSON line per step to (start, seconds, planned shape; see
+    # tandem/engine/step_trace.py); None: no trace.
+    step_trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -209,13 +209,20 @@ def _fp8(cfg: dict[str, Any]) -> QuantizationConfig:
 
 def resolve_method(requested: str | None, checkpoint: QuantizationConfig | None) -> str | None:
     """The at-load quantization to apply ("int8" or None) given the engine's `quantization`
-    argument and the checkpoint's own; a disagreement is a ValueError."""
+    argument and the checkpoint's own; a disagreement is a ValueError.
+
+    "int8" on a 4-bit checkpoint quantizes the layers it keeps in float (the LM head, as GPTQ and
+    AWQ tools leave it) and keeps the 4-bit ones: llama.cpp's 4-bit files likewise hold the
+    output layer at 6 or 8 bits, and at one stream the float head is a fifth of the bytes read."""
     name = METHOD_ALIASES.get(requested or "", requested)
     if checkpoint is not None:
+        if name == "int8" and checkpoint.weights == "int4":
+            return name
         if name not in (None, checkpoint.method):
             raise ValueError(
                 f"quantization={requested!r}, but the checkpoint is already quantized with "
-                f"{checkpoint.method!r} (leave quantization unset or pass {checkpoint.method!r})"
+                f"{checkpoint.method!r} (leave quantization unset or pass {checkpoint.method!r}"
+                + (", or 'int8' for its float layers)" if checkpoint.weights == "int4" else ")")
             )
         return None
     if name in CHECKPOINT_METHODS:

@@ -35,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=list(QUANTIZATION_CHOICES),
-        help="int8: quantize a float checkpoint's linear layers at load; awq, gptq, compressed-tensors, "
+        help="int8: quantize a float checkpoint's linear layers at load (on a 4-bit checkpoint, the "
+        "layers it keeps in float, such as the LM head); awq, gptq, compressed-tensors, "
         "fp8: the checkpoint's own format (read from config.json when unset; checked when given)",
     )
     g.add_argument(
@@ -62,6 +63,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)"
     )
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (unset: torch's default)")
+    g.add_argument(
+        "--step-trace",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per engine step (start, seconds, planned shape) to FILE",
+    )
     g.add_argument(
         "--scheduling-policy",
         default=FCFS,
@@ -150,6 +157,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "starvation_timeout_s",
         "tenant_quotas",
         "speculative_config",
+        "step_trace",
     ]
     check_vllm_args(args)
     return {n: getattr(args, n) for n in names}
@@ -434,6 +442,8 @@ def _bench_profile(args: argparse.Namespace) -> int:
     from tandem.entrypoints.llm import default_model_path
     from tandem.sim.profile import describe, profile_model
 
+    if args.from_step_trace:
+        return _calibrate(args)
     model = profile_model(
         args.model or default_model_path(),
         args.out,
@@ -446,6 +456,23 @@ def _bench_profile(args: argparse.Namespace) -> int:
     )
     print(describe(model))
     if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from tandem.sim.calibrate import calibrate
+    from tandem.sim.cli import DEFAULT_COST
+    from tandem.sim.cost import FittedCost, load_cost, save_cost
+    from tandem.sim.profile import describe
+
+    base = load_cost(args.base or str(DEFAULT_COST))
+    if not isinstance(base, FittedCost):
+        raise ValueError(f"--base must be a fitted cost model (tandem bench profile), got a {type(base).__name__}")
+    model = calibrate(args.from_step_trace, base)
+    print(describe(model))
+    if args.out:
+        save_cost(model, args.out)
         print(f"wrote {args.out}")
     return 0
 
@@ -484,6 +511,19 @@ def add_bench_parser(sub: Any) -> None:
         "--delivery",
         action="store_true",
         help="also time the front end's share of a streamed token through a real `tandem serve` (~30 s)",
+    )
+    prof.add_argument(
+        "--from-step-trace",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="fit on a serving engine's recorded steps (`tandem serve --step-trace`) instead of timing a grid",
+    )
+    prof.add_argument(
+        "--base",
+        default=None,
+        help="with --from-step-trace: the cost model whose transfer and delivery costs to keep "
+        "(default: the shipped one)",
     )
     prof.set_defaults(func=_bench_profile)
 

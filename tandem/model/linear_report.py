@@ -64,7 +64,7 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
     raise TypeError(f"not a linear layer: {type(m).__name__}")
 
 
-_LINEARS = (Int4Linear, Int8Linear, PackedLinear, nn.Linear)
+LINEAR_TYPES = (Int4Linear, Int8Linear, PackedLinear, nn.Linear)
 
 
 def linear_report(model: nn.Module) -> tuple[dict[str, LayerKind], int]:
@@ -73,7 +73,7 @@ def linear_report(model: nn.Module) -> tuple[dict[str, LayerKind], int]:
     linear_bytes = 0
     linear_ids: set[int] = set()
     for name, m in model.named_modules():
-        if isinstance(m, _LINEARS):
+        if isinstance(m, LINEAR_TYPES):
             path, nbytes = linear_path(m)
             kind = kinds.setdefault(name.rpartition(".")[2], LayerKind(path))
             if kind.path != path:

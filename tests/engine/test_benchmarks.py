@@ -168,8 +168,14 @@ def test_int4_quick(tmp_path: Path, llama_dir: Path) -> None:
     assert "int4 / int8 c=1 decode" in proc.stdout
     result = json.loads(result_json.read_text())
     by = {r["variant"]: r for r in result["results"]}
-    assert set(by) == {"float", "int8", "int4"}
+    assert set(by) == {"float", "int8", "int4", "int4+int8"}
     assert "int4" in by["int4"]["linear_paths"]["down_proj"]
     # 4-bit weights (plus float32 group scales) are well under float32's.
     assert by["int4"]["weight_bytes"] < by["float"]["weight_bytes"]
+    # quantization="int8" on the 4-bit checkpoint: the head goes to int8, the 4-bit layers stay.
+    assert "int8" in by["int4+int8"]["linear_paths"]["lm_head"]
+    assert "int4" in by["int4+int8"]["linear_paths"]["down_proj"]
+    assert by["int4+int8"]["linear_bytes"] < by["int4"]["linear_bytes"] < by["int8"]["linear_bytes"] * 2
+    assert len(by["int8"]["c1_decode_tok_s_runs"]) == 1
+    assert "int4+int8_over_int8_c1_decode" in result["ratios"]
     assert all(r["c1_decode_tok_s"] > 0 and r["c4_output_tok_s"] > 0 for r in by.values())

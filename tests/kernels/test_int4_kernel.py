@@ -9,8 +9,17 @@ import torch.nn.functional as F
 from tandem import kernels
 from tandem.model.int4 import BLOCK, Int4Linear, dequantize_torch, pack_nibbles
 
-# (out, in, group): several groups, one group per row, a single 32-block, odd output counts.
-SHAPES = [(40, 64, 32), (130, 256, 128), (7, 128, 128), (33, 96, 32), (9, 32, 32)]
+# (out, in, group): several groups, one group per row, a single 32-block, odd output counts,
+# odd blocks per group, groups of several chunks.
+SHAPES = [
+    (40, 64, 32),
+    (130, 256, 128),
+    (7, 128, 128),
+    (33, 96, 32),
+    (9, 32, 32),
+    (12, 192, 96),  # a pair and an odd block per group
+    (21, 640, 640),  # 20 blocks in one group: chunks of 8, 8 and 4
+]
 
 needs_kernel = pytest.mark.skipif(not kernels.has("gemm_int4"), reason="host CPU has no AVX2 + FMA")
 
@@ -23,17 +32,41 @@ def _weights(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch
     return q, s, z
 
 
+# Blocks of 32 per unit pair and pairs per chunk, as the kernel groups them (cpu_ops.cpp).
+CHUNK_BLOCKS = 8
+R_SCALE = 16384.0
+
+
+def block_scales(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The kernel's effective activation scale per 32-block [m, k / 32]: max|x| / 127 per block,
+    held as the chunk's largest scale / 2^14 times a rounded integer (chunks of up to 8 blocks
+    within a weight group)."""
+    m, k = x.shape
+    # float32 as in the kernel, so r rounds the same way
+    s = x.float().view(m, k // BLOCK, BLOCK).abs().amax(-1) / 127.0
+    out = torch.empty(s.shape, dtype=torch.float64)
+    bpg = group // BLOCK
+    for g0 in range(0, k // BLOCK, bpg):
+        for c0 in range(g0, g0 + bpg, CHUNK_BLOCKS):
+            c1 = min(g0 + bpg, c0 + CHUNK_BLOCKS)
+            smax = s[:, c0:c1].amax(-1, keepdim=True)
+            r = torch.where(smax > 0, torch.round(s[:, c0:c1] / smax * R_SCALE), torch.zeros_like(s[:, c0:c1]))
+            out[:, c0:c1] = (smax / R_SCALE).double() * r.double()
+    return out
+
+
 def kernel_reference(x: torch.Tensor, q, s, z, group: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's scheme in float64: activations to int8 per 32-block (scale max|x| / 127), then
-    the exact product with the dequantized weight."""
+    """The kernel's scheme in float64: activations to int8 per 32-block (scale max|x| / 127, held
+    as the kernel holds it), then the exact product with the dequantized weight."""
     m, k = x.shape
     xb = x.float().view(m, k // BLOCK, BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    xq = torch.round(xb * inv) * (amax / 127.0)
+    # A tensor divided by a tensor: `127.0 / amax` is reciprocal-then-multiply, not IEEE division.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv).double() * block_scales(x, group)[..., None]
     n = q.shape[0]
     w = ((q.double().view(n, k // group, group) - z.double()[..., None]) * s.double()[..., None]).view(n, k)
-    y = xq.view(m, k).double() @ w.T
+    y = xq.view(m, k) @ w.T
     return y if bias is None else y + bias.double()
 
 
@@ -68,6 +101,22 @@ def test_gemm_int4_matches_reference(rows, shape, bias):
         rtol=1e-5,
         atol=1e-4,
     )
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [256, 512])
+def test_gemm_int4_extreme_values_do_not_overflow(group):
+    """Every weight 15 and every activation at its block's maximum: the largest 16-bit pair sums
+    and int32 chunk sums the kernel can meet, exact against the float64 product."""
+    n, k = 8, 1024
+    q = torch.full((n, k), 15, dtype=torch.uint8)
+    s = torch.full((n, k // group), 0.01)
+    z = torch.zeros(n, k // group)
+    x = torch.full((2, k), 3.0)
+    x[1] = -3.0
+    y = torch.ops.tandem.gemm_int4(x, pack_nibbles(q), s, (s * z).contiguous(), group, None)
+    expect = torch.tensor([[k * 3.0 * 0.15], [-k * 3.0 * 0.15]]).expand(2, n)
+    torch.testing.assert_close(y.double(), expect.double(), rtol=1e-5, atol=1e-3)
 
 
 @needs_kernel

@@ -17,13 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from tandem import LLM, SamplingParams, kernels
 from tandem.checkpoints.quantize import Scheme, write_quantized
 from tandem.config import EngineConfig, ModelConfig
 from tandem.model.int4 import Int4Linear
+from tandem.model.linear import PackedLinear
 from tandem.model.linear_report import linear_report
 from tandem.model.loader import load_model
+from tandem.model.quant import Int8Linear
 
 SCHEMES = {
     "awq-g32": Scheme("awq", 32),
@@ -229,10 +232,10 @@ def test_bad_tensors_are_value_errors(written, tmp_path):
 
 def test_quantization_argument_must_agree_with_the_checkpoint(written, source):
     qdir, _ = written["gptq-g32-asym"]
-    with pytest.raises(ValueError, match="already quantized with 'gptq'"):
-        LLM(str(qdir), quantization="int8", num_kv_blocks=16)
-    with pytest.raises(ValueError, match="already quantized with 'gptq'"):
+    with pytest.raises(ValueError, match=r"already quantized with 'gptq'.*or 'int8' for its float layers"):
         LLM(str(qdir), quantization="awq", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="already quantized with 'fp8'"):
+        LLM(str(written["fp8-tensor"][0]), quantization="int8", num_kv_blocks=16)
     with pytest.raises(ValueError, match="needs a checkpoint quantized that way"):
         LLM(str(source), quantization="fp8", num_kv_blocks=16)
     with pytest.raises(ValueError, match="quantization must be one of"):
@@ -240,6 +243,23 @@ def test_quantization_argument_must_agree_with_the_checkpoint(written, source):
     # Naming the checkpoint's own method (or vLLM's kernel alias for it) is accepted.
     llm = LLM(str(qdir), quantization="gptq_marlin", num_kv_blocks=16)
     assert llm.generate("x", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+
+
+def test_int8_on_a_4bit_checkpoint_quantizes_its_float_layers(written):
+    """quantization="int8" on a GPTQ checkpoint: the 4-bit layers stay, the float LM head goes to
+    int8 (within int8's error of the float head), and the model still generates."""
+    qdir, _ = written["gptq-g64-sym"]
+    plain = LLM(str(qdir), num_kv_blocks=16).engine.core.runner.model
+    both = LLM(str(qdir), quantization="int8", num_kv_blocks=16)
+    model = both.engine.core.runner.model
+    assert isinstance(model.lm_head, Int8Linear) and not isinstance(plain.lm_head, Int8Linear)
+    kinds = {type(m) for m in model.modules()}
+    assert Int4Linear in kinds and nn.Linear not in kinds and PackedLinear not in kinds
+    h = torch.randn(3, plain.lm_head.in_features)
+    ref = plain.lm_head(h)
+    assert float((model.lm_head(h) - ref).norm() / ref.norm()) < 0.02
+    out = both.generate("hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_biases_of_4bit_layers_load(model_factory, tmp_path):
