@@ -5,7 +5,14 @@ near capacity, overloaded), a synthetic trace is written to disk, replayed again
 (the default model, one thread per instance; 2 instances on Ray) by `tandem bench serve --dataset
 trace`, and run through `tandem simulate` with the step-time model fitted on this machine and the
 same instance settings. Prints throughput, mean and P99 TTFT and mean ITL, real against simulated,
-with the relative error of each, and writes them as JSON.
+with the relative error of each, and writes them as JSON. Each row is also simulated with a cost
+model fitted on that real run's own steps ("in-sample"): what is left then is the schedule's error,
+not the step costs'.
+
+Both sides also write a per-step trace (the engine's `--step-trace`, the simulator's own), compared
+as: steps, tokens per step, the engine loop's gap between consecutive busy steps (work the cost
+model does not see: receiving requests, sending outputs) and, for the real steps, their measured
+time against what the cost model predicts for the same shapes.
 
     python benchmarks/sim_validation.py
     python benchmarks/sim_validation.py --quick
@@ -14,6 +21,7 @@ with the relative error of each, and writes them as JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -33,6 +41,7 @@ METRICS = (
     ("ttft_p99", "TTFT p99 ms"),
     ("itl_mean", "ITL mean ms"),
 )
+METRIC_KEYS = [key for key, _ in METRICS]
 INSTANCE = ["--num-kv-blocks", "2048", "--block-size", "16", "--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
 
 
@@ -51,8 +60,54 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def real(model: str, trace: str, instances: int, num: int, pin: bool = False) -> dict[str, float]:
+# Gaps between consecutive steps shorter than this are the busy loop's own; longer ones are idle.
+BUSY_GAP_S = 0.05
+
+
+def step_view(path: str, cost_path: str | None) -> dict[str, float]:
+    """Steps of a step trace: how many, tokens per step, the loop's gap between busy steps, and
+    the measured time of the steps against the cost model's prediction for their shapes."""
+    from tandem.core.step_shape import StepShape
+    from tandem.engine.step_trace import read_step_trace
+    from tandem.sim.cli import DEFAULT_COST
+    from tandem.sim.cost import load_cost
+
+    lines = read_step_trace(path) if Path(path).exists() else []
+    if not lines:
+        return {}
+    cost = load_cost(cost_path or str(DEFAULT_COST))
+    names = [f for f in StepShape.__slots__]
+    predicted = [cost.step_seconds(StepShape(**{k: line[k] for k in names})) for line in lines]
+    gaps = []
+    for pid in {line["pid"] for line in lines}:
+        own = sorted((line for line in lines if line["pid"] == pid), key=lambda line: line["start"])
+        gaps += [b["start"] - a["start"] - a["seconds"] for a, b in itertools.pairwise(own)]
+    busy_gaps = [g for g in gaps if g < BUSY_GAP_S]
+    ratios = sorted(line["seconds"] / p for line, p in zip(lines, predicted) if p > 0)
+    decode_only = [(line["seconds"], p) for line, p in zip(lines, predicted) if line["prefill_tokens"] == 0]
+    with_prefill = [(line["seconds"], p) for line, p in zip(lines, predicted) if line["prefill_tokens"] > 0]
+    n = len(lines)
+    return {
+        "trace_steps": n,
+        "tokens_per_step": sum(line["prefill_tokens"] + line["decode_rows"] for line in lines) / n,
+        "prefill_steps": len(with_prefill),
+        "decode_rows_per_step": sum(line["decode_rows"] for line in lines) / n,
+        "loop_gap_ms": 1e3 * sum(busy_gaps) / len(busy_gaps) if busy_gaps else 0.0,
+        "loop_gap_total_s": sum(busy_gaps),
+        "step_over_model": sum(line["seconds"] for line in lines) / sum(predicted),
+        "step_over_model_median": ratios[len(ratios) // 2] if ratios else float("nan"),
+        "decode_step_over_model": (sum(a for a, _ in decode_only) / sum(p for _, p in decode_only)
+                                   if decode_only else float("nan")),
+        "prefill_step_over_model": (sum(a for a, _ in with_prefill) / sum(p for _, p in with_prefill)
+                                    if with_prefill else float("nan")),
+    }
+
+
+def real(model: str, trace: str, instances: int, num: int, pin: bool = False,
+         step_trace: str | None = None) -> dict[str, float]:
     args = ["--num-threads", "1", "--served-model-name", "m", *INSTANCE, "--max-model-len", "2048"]
+    if step_trace:
+        args += ["--step-trace", step_trace]
     if instances > 1:
         args += ["--num-instances", str(instances), "--dispatch-policy", "least_load"]
     with ServerProcess(model, *args, startup_timeout=600) as server:
@@ -94,9 +149,9 @@ def engine_view(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def simulated(trace: str, instances: int, cost: str | None) -> dict[str, float]:
+def simulated(trace: str, instances: int, cost: str | None, step_trace: str | None = None) -> dict[str, float]:
     from tandem.entrypoints.cli import build_parser
-    from tandem.sim.cli import build
+    from tandem.sim.cli import build, write_step_trace
     from tandem.sim.report import summary
 
     argv = ["simulate", "--trace", trace, "--instances", str(instances), "--policy", "least_load"]
@@ -104,13 +159,62 @@ def simulated(trace: str, instances: int, cost: str | None) -> dict[str, float]:
     argv += ["--max-num-batched-tokens", "512", "--max-model-len", "2048", "--vocab-size", "4096"]
     if cost:
         argv += ["--cost", cost]
+    if step_trace:
+        argv += ["--step-trace", step_trace]
     sim = build(build_parser().parse_args(argv))
     result = sim.run()
+    if step_trace:
+        write_step_trace(sim, step_trace)
     busy = sum(f * result.duration_s for f in result.busy_fraction)
     return {**figures(summary(result)), "engine_steps": result.steps, "engine_busy_s": busy}
 
 
+def in_sample(trace: str, instances: int, real_steps: str, cost: str | None, tmp: str) -> dict[str, float]:
+    """The simulation with a cost model fitted on the real run's own steps: not a prediction, but
+    what is left when the step costs are right (the schedule's fidelity)."""
+    from tandem.sim.calibrate import calibrate
+    from tandem.sim.cli import DEFAULT_COST
+    from tandem.sim.cost import FittedCost, load_cost, save_cost
+
+    base = load_cost(cost or str(DEFAULT_COST))
+    if not isinstance(base, FittedCost):
+        return {}
+    path = str(Path(tmp) / "in-sample-cost.json")
+    save_cost(calibrate([real_steps], base), path)
+    return simulated(trace, instances, path)
+
+
+def calibrated_cost(model: str, a: argparse.Namespace, tmp: str) -> str:
+    """Serve a calibration trace (seed 11, the middle rate, one instance) with a step trace and fit
+    the cost model on its steps; the path of the fitted model."""
+    from tandem.sim.calibrate import calibrate
+    from tandem.sim.cli import DEFAULT_COST
+    from tandem.sim.cost import FittedCost, load_cost, save_cost
+    from tandem.sim.trace import save_trace, synthetic
+
+    rates = [float(x) for x in a.rates.split(",")]
+    rate = rates[len(rates) // 2]
+    trace = synthetic(a.num_requests, rate, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=11)
+    path, steps = str(Path(tmp) / "calibration.jsonl"), str(Path(tmp) / "calibration-steps.jsonl")
+    save_trace(trace, path)
+    print(f"\n== calibration run: 1 instance, {rate:g} req/s, another trace (seed 11)", flush=True)
+    real(model, path, 1, a.num_requests, a.pin, steps)
+    base = load_cost(a.cost or str(DEFAULT_COST))
+    if not isinstance(base, FittedCost):
+        raise SystemExit("--calibrate needs a fitted base cost model")
+    fitted = calibrate([steps], base)
+    out = str(Path(a.step_trace_dir or tmp) / "calibrated-cost.json")
+    save_cost(fitted, out)
+    err = fitted.fit_error
+    coef = ", ".join(f"{k} {v:.3g}" for k, v in fitted.coefficients.items())
+    print(f"  fitted on {fitted.meta.get('steps_fitted')} served steps: {coef}"
+          + (f"; held-out error mean {err.mape:.1f}%, P90 {err.p90:.1f}%" if err else ""), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    from tandem.sim.cli import DEFAULT_COST
+    from tandem.sim.cost import load_cost
     from tandem.sim.trace import save_trace, synthetic
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,12 +225,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin", action="store_true", help="one instance: engine on CPU 0, API process and client on 1")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--result-json", default=None)
+    p.add_argument("--step-trace-dir", default=None, help="keep both sides' step traces here")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first serve a separate calibration trace (another seed, the middle rate) and fit the cost "
+        "model on its recorded steps (`tandem bench profile --from-step-trace`); simulate with that",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.instances, a.rates, a.num_requests = "1", "2,8", 40
     model = default_model_path()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        if a.calibrate:
+            a.cost = calibrated_cost(model, a, tmp)
+        cost_used = load_cost(a.cost or str(DEFAULT_COST)).to_dict()
+        cost_used = {k: cost_used[k] for k in ("name", "coefficients", "fit_error", "delivery_s") if k in cost_used}
         for n in [int(x) for x in a.instances.split(",")]:
             for rate in [float(x) for x in a.rates.split(",")]:
                 trace = synthetic(
@@ -135,10 +250,19 @@ def main(argv: list[str] | None = None) -> int:
                 path = str(Path(tmp) / f"trace-{n}-{rate}.jsonl")
                 save_trace(trace, path)
                 print(f"\n== {n} instance(s), {rate * n:g} req/s", flush=True)
-                sim = simulated(path, n, a.cost)
-                got = real(model, path, n, a.num_requests, a.pin)
-                err = {k: (sim[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in sim}
-                rows.append({"instances": n, "rate": rate * n, "real": got, "simulated": sim, "error": err})
+                keep = Path(a.step_trace_dir or tmp)
+                keep.mkdir(parents=True, exist_ok=True)
+                sim_steps, real_steps = str(keep / f"sim-{n}-{rate:g}.jsonl"), str(keep / f"real-{n}-{rate:g}.jsonl")
+                for old in (sim_steps, real_steps):
+                    Path(old).unlink(missing_ok=True)
+                sim = simulated(path, n, a.cost, sim_steps)
+                got = real(model, path, n, a.num_requests, a.pin, real_steps)
+                err = {k: (sim[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
+                steps = {"real": step_view(real_steps, a.cost), "simulated": step_view(sim_steps, a.cost)}
+                own = in_sample(path, n, real_steps, a.cost, tmp)
+                own_err = {k: (own[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
+                rows.append({"instances": n, "rate": rate * n, "real": got, "simulated": sim, "error": err,
+                             "steps": steps, "simulated_in_sample": own, "error_in_sample": own_err})
                 for key, title in METRICS:
                     print(f"  {title:<14} real {got[key]:9.1f}  sim {sim[key]:9.1f}  error {err[key]:+7.1%}", flush=True)
                 print(f"  server's view: TTFT {got['ttft_server_mean']:.1f} ms = queue {got['queue_mean']:.1f}"
@@ -147,9 +271,22 @@ def main(argv: list[str] | None = None) -> int:
                       f" sim {sim['engine_steps']:.0f} in {sim['engine_busy_s']:.1f} s", flush=True)
                 cpu = ", ".join(f"{k.removesuffix('_cpu_s')} {v:.1f} s" for k, v in got.items() if k.endswith("_cpu_s"))
                 print(f"  CPU time over the run of {got['duration_s']:.1f} s: {cpu}", flush=True)
+                print("  in-sample (cost fitted on this run's own steps): "
+                      + ", ".join(f"{title} {own_err[key]:+.1%}" for key, title in METRICS), flush=True)
+                rs, ss = steps["real"], steps["simulated"]
+                if rs and ss:
+                    print(f"  steps real / sim: {rs['trace_steps']} / {ss['trace_steps']}, tokens per step "
+                          f"{rs['tokens_per_step']:.1f} / {ss['tokens_per_step']:.1f}, decode rows per step "
+                          f"{rs['decode_rows_per_step']:.1f} / {ss['decode_rows_per_step']:.1f}, steps with prefill "
+                          f"{rs['prefill_steps']} / {ss['prefill_steps']}", flush=True)
+                    print(f"  real steps: loop gap {rs['loop_gap_ms']:.2f} ms per step ({rs['loop_gap_total_s']:.1f} s),"
+                          f" measured / cost model {rs['step_over_model']:.2f} (median {rs['step_over_model_median']:.2f};"
+                          f" decode-only {rs['decode_step_over_model']:.2f}, with prefill "
+                          f"{rs['prefill_step_over_model']:.2f})", flush=True)
     results = {
-        "command_line": shlex.join([sys.executable, *sys.argv]),
+        "command_line": shlex.join(["python", *sys.argv]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "cost_model": cost_used,
         "rows": rows,
     }
     if a.result_json:

@@ -21,7 +21,9 @@ from tandem.core.policy import SchedulingConfig, TenantQuota
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
+from tandem.core.step_shape import shape_of
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
+from tandem.engine.step_trace import StepTrace
 from tandem.spec.config import AdaptiveConfig, SpeculativeConfig
 from tandem.spec.planner import SpecPlanner
 from tandem.structured.manager import StructuredOutputManager
@@ -197,6 +199,7 @@ class EngineCore:
         # Structured-output requests whose grammar is being compiled: they join the scheduler when
         # it is ready, so a slow compile never holds up a step.
         self._awaiting_grammar: dict[str, tuple[EngineCoreRequest, Future[Any]]] = {}
+        self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
 
     def _seed_costs(self, spec: SpecPlanner, config: EngineConfig, k: int, adaptive: AdaptiveConfig) -> None:
         """Time verification steps and draft passes of one request and of a full batch now, so the
@@ -388,7 +391,9 @@ class EngineCore:
 
     def _step(self) -> list[SampleOutput]:
         start = time.perf_counter()
+        began = time.monotonic()
         sched = self.scheduler.schedule()
+        shape = shape_of(sched) if self.step_trace is not None else None
         self.structured.forget(sched.finished_ids)
         before = {r.request_id: r.num_tokens for r in sched.requests}
         try:
@@ -417,6 +422,8 @@ class EngineCore:
                 self._forget(req)
                 self.structured.forget([req.request_id])
         elapsed = time.perf_counter() - start
+        if self.step_trace is not None and shape is not None:
+            self.step_trace.record(began, elapsed, shape, self.scheduler.num_waiting)
         generated = sum(len(so.new_token_ids) for so in out)
         self._count_step(sched, result, generated, elapsed)
         if self.spec is not None:

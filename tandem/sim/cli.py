@@ -53,6 +53,12 @@ def add_simulate_parser(sub: Any) -> None:
     o.add_argument("--goodput", nargs="*", default=None, help="SLOs as KEY:ms, e.g. ttft:500 tpot:50")
     o.add_argument("--result-json", default=None, help="write the results here (JSON)")
     o.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    o.add_argument(
+        "--step-trace",
+        default=None,
+        metavar="FILE",
+        help="write every simulated step as the engine's --step-trace writes them (pid = instance)",
+    )
     p.set_defaults(func=run_simulate)
 
 
@@ -109,7 +115,20 @@ def build(args: argparse.Namespace) -> Any:
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling=SchedulingConfig(policy=args.scheduling_policy),
     )
-    return ClusterSim(trace, load_cost(args.cost), spec, cluster, vocab_size=args.vocab_size)
+    record = bool(getattr(args, "step_trace", None))
+    return ClusterSim(trace, load_cost(args.cost), spec, cluster, vocab_size=args.vocab_size, record_steps=record)
+
+
+def write_step_trace(sim: Any, path: str) -> None:
+    """The simulated steps of every instance, in the engine step trace's format."""
+    from tandem.engine.step_trace import StepTrace
+
+    Path(path).unlink(missing_ok=True)
+    for inst in sim.instances:
+        trace = StepTrace(path, pid=inst.index)
+        for start, seconds, shape, waiting in inst.steps or []:
+            trace.record(start, seconds, shape, waiting)
+        trace.close()
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -126,6 +145,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     run["cost_model"] = sim.cost.name
     print(format_summary(run))
     print(f"simulated {result.duration_s:.1f} s of serving in {wall:.1f} s ({len(result.records)} requests)")
+    if args.step_trace:
+        write_step_trace(sim, args.step_trace)
     if args.plot_dir:
         for path in plot(result, run, args.plot_dir):
             print("plot:", path)

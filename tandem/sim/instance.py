@@ -16,7 +16,8 @@ from tandem.core.policy import SchedulingConfig
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
-from tandem.sim.cost import CostModel, shape_of
+from tandem.core.step_shape import StepShape, shape_of
+from tandem.sim.cost import CostModel
 
 # The token every simulated request samples (never an EOS: they stop at their output length).
 SIM_TOKEN = 7
@@ -36,7 +37,9 @@ class InstanceSpec:
 
 
 class SimInstance:
-    def __init__(self, index: int, spec: InstanceSpec, cost: CostModel, clock: list[float]) -> None:
+    def __init__(
+        self, index: int, spec: InstanceSpec, cost: CostModel, clock: list[float], record_steps: bool = False
+    ) -> None:
         self.index = index
         self.spec = spec
         self.cost = cost
@@ -53,6 +56,9 @@ class SimInstance:
         self.plan: SchedulerOutput | None = None  # the step under way
         self.busy_s = 0.0
         self.num_steps = 0
+        # (start, seconds, shape, waiting after planning) per working step, as the engine's
+        # step trace records them (tandem/engine/step_trace.py); None unless asked for.
+        self.steps: list[tuple[float, float, StepShape, int]] | None = [] if record_steps else None
 
     @property
     def busy(self) -> bool:
@@ -69,8 +75,11 @@ class SimInstance:
             self.plan = plan
             return self.cost.step_seconds(shape_of(plan))
         self.plan = plan
-        seconds = self.cost.step_seconds(shape_of(plan))
+        shape = shape_of(plan)
+        seconds = self.cost.step_seconds(shape)
         self.busy_s += seconds
+        if self.steps is not None:
+            self.steps.append((self._clock[0], seconds, shape, self.scheduler.num_waiting))
         return seconds
 
     def finish_step(self) -> list[Request]:

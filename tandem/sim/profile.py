@@ -35,7 +35,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from tandem.sim.cost import FittedCost, StepShape, fit_cost, fit_transfer, save_cost, shape_of
+from tandem.core.step_shape import StepShape, shape_of
+from tandem.sim.cost import FittedCost, fit_cost, fit_transfer, save_cost
 
 if TYPE_CHECKING:
     from tandem.engine.core import EngineCore

@@ -92,6 +92,7 @@ class ClusterSim:
         cluster: ClusterConfig,
         vocab_size: int = 32000,
         progress: Callable[[float], None] | None = None,
+        record_steps: bool = False,
     ) -> None:
         self.trace = trace
         self.cost = cost
@@ -101,7 +102,7 @@ class ClusterSim:
         self.progress = progress
         self.clock = [0.0]
         n = cluster.num_instances
-        self.instances = [SimInstance(i, spec, cost, self.clock) for i in range(n)]
+        self.instances = [SimInstance(i, spec, cost, self.clock, record_steps) for i in range(n)]
         self.dispatcher = Dispatcher(cluster, [spec.num_blocks] * n, spec.block_size)
         self.rebalancer = Rebalancer(cluster)
         self.prefill = set(range(cluster.prefill_instances))

@@ -14,6 +14,7 @@ from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import Request
 from tandem.core.scheduler import Scheduler
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
+from tandem.core.step_shape import StepShape, shape_of
 from tandem.sampling_params import SamplingParams
 from tandem.sim.cost import (
     FEATURES,
@@ -23,7 +24,6 @@ from tandem.sim.cost import (
     Hardware,
     ModelShape,
     RooflineCost,
-    StepShape,
     fit_coefficients,
     fit_cost,
     fit_transfer,
@@ -31,7 +31,6 @@ from tandem.sim.cost import (
     nnls,
     save_cost,
     select_features,
-    shape_of,
     shipped_cost_path,
 )
 
@@ -332,3 +331,32 @@ def test_quick_profile_of_the_tiny_model(llama_dir: Path, tmp_path: Path):
     assert len(points["rows"]) == loaded.fit_error.num_train + loaded.fit_error.num_test
     # Bigger steps cost more: a 1024-token prompt against one decode row.
     assert loaded.step_seconds(prefill(1000)) > loaded.step_seconds(decode(1, 100))
+
+
+def test_calibrate_fits_the_traced_steps_and_keeps_the_base_transfer_and_delivery(tmp_path):
+    """A cost model fitted on a step trace recovers the per-step and per-token costs the trace
+    was made with, and keeps what a trace cannot time from its base."""
+    from tandem.engine.step_trace import StepTrace
+    from tandem.sim.calibrate import calibrate
+
+    path = tmp_path / "steps.jsonl"
+    trace = StepTrace(path)
+    for i in range(300):
+        prefill = (i * 37) % 400 if i % 3 == 0 else 0
+        rows = 1 + i % 12
+        shape = StepShape(prefill, rows, 100 * rows + prefill, rows + (prefill > 0))
+        trace.record(float(i), 0.008 + 3e-4 * shape.tokens, shape, 0)
+    trace.close()
+    base = FittedCost("base", {"const": 0.1}, transfer_t0_s=0.002, transfer_per_block_s=1e-4, delivery_s=0.004)
+    fitted = calibrate([path], base)
+    assert fitted.coefficients["const"] == pytest.approx(0.008, rel=0.05)
+    assert fitted.coefficients["tokens"] == pytest.approx(3e-4, rel=0.05)
+    assert fitted.fit_error is not None and fitted.fit_error.mape < 2.0
+    assert (fitted.transfer_t0_s, fitted.transfer_per_block_s, fitted.delivery_s) == (0.002, 1e-4, 0.004)
+    assert fitted.meta["source"] == "step trace"
+    few = tmp_path / "few.jsonl"
+    short = StepTrace(few)
+    short.record(0.0, 0.01, StepShape(0, 1, 10, 1), 0)
+    short.close()
+    with pytest.raises(ValueError, match="too short"):
+        calibrate([few], base)

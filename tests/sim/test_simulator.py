@@ -139,3 +139,26 @@ def test_delivery_time_shifts_what_clients_see_and_nothing_else():
         assert b.first_token_s == pytest.approx(a.first_token_s + 0.025)
         assert b.finish_s == pytest.approx(a.finish_s + 0.025)
         assert b.token_times == pytest.approx([t + 0.025 for t in a.token_times])
+
+
+def test_step_trace_holds_every_working_step(tmp_path):
+    """`record_steps` keeps each instance's steps as the engine's step trace does; written in its
+    format, they add up to the trace's work and to the busy time the result reports."""
+    from tandem.engine.step_trace import read_step_trace
+    from tandem.sim.cli import write_step_trace
+
+    trace = synthetic(60, 20.0, prompt_len=(16, 300), output_len=(4, 40), seed=3)
+    sim = ClusterSim(trace, LinearToy(), SPEC, ClusterConfig(num_instances=2), record_steps=True)
+    result = sim.run()
+    path = tmp_path / "steps.jsonl"
+    write_step_trace(sim, str(path))
+    lines = read_step_trace(path)
+    assert {line["pid"] for line in lines} == {0, 1}
+    assert len(lines) == sum(len(inst.steps or []) for inst in sim.instances)
+    assert sum(line["prefill_tokens"] for line in lines) == sum(r.prompt_len for r in trace.requests)
+    assert sum(line["decode_rows"] for line in lines) == sum(r.output_len - 1 for r in trace.requests)
+    busy = sum(f * result.duration_s for f in result.busy_fraction)
+    assert sum(line["seconds"] for line in lines) == pytest.approx(busy)
+    for inst in sim.instances:
+        starts = [s for s, *_ in inst.steps or []]
+        assert starts == sorted(starts)

@@ -1,0 +1,42 @@
+"""An engine's per-step trace: one JSON line per step with when it started, how long it took and
+the shape the scheduler planned (`tandem.core.step_shape.StepShape`), for setting a serving
+engine's steps against a step-time model and the simulator's steps (benchmarks/sim_validation.py).
+
+Enabled by `EngineConfig.step_trace` (`--step-trace FILE`). Several engine processes may append to
+one file: each line names its process. Lines are written as steps end (line-buffered), so a trace
+is complete up to the last step even if the engine is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tandem.core.step_shape import StepShape
+
+
+class StepTrace:
+    def __init__(self, path: str | os.PathLike[str], pid: int | None = None) -> None:
+        """`pid`: what the lines name as their process (default: this one's id)."""
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1, encoding="utf-8")
+        self._pid = os.getpid() if pid is None else pid
+
+    def record(self, start: float, seconds: float, shape: StepShape, waiting: int) -> None:
+        """`start`: time.monotonic() as the step began (comparable across processes on a host)."""
+        line = {"pid": self._pid, "start": round(start, 6), "seconds": round(seconds, 6), "waiting": waiting}
+        line.update(asdict(shape))
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_step_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The lines of a trace file, in file order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
