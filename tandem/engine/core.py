@@ -391,9 +391,10 @@ class EngineCore:
 
     def _step(self) -> list[SampleOutput]:
         start = time.perf_counter()
-        began = time.monotonic()
+        tracing = self.step_trace is not None
+        began = time.monotonic() if tracing else 0.0  # the trace's clock: comparable across processes
         sched = self.scheduler.schedule()
-        shape = shape_of(sched) if self.step_trace is not None else None
+        shape = shape_of(sched) if tracing else None
         self.structured.forget(sched.finished_ids)
         before = {r.request_id: r.num_tokens for r in sched.requests}
         try:
