@@ -11,7 +11,7 @@ not the step costs'.
 
 Both sides also write a per-step trace (the engine's `--step-trace`, the simulator's own), compared
 as: steps, tokens per step, the engine loop's gap between consecutive busy steps (work the cost
-model does not see: receiving requests, sending outputs) and, for the real steps, their measured
+model does not see: receiving requests, sending outputs) and, for the real steps, their recorded
 time against what the cost model predicts for the same shapes.
 
     python benchmarks/sim_validation.py
@@ -66,7 +66,7 @@ BUSY_GAP_S = 0.05
 
 def step_view(path: str, cost_path: str | None) -> dict[str, float]:
     """Steps of a step trace: how many, tokens per step, the loop's gap between busy steps, and
-    the measured time of the steps against the cost model's prediction for their shapes."""
+    the steps' recorded durations against the cost model's prediction for their shapes."""
     from tandem.core.step_shape import StepShape
     from tandem.engine.step_trace import read_step_trace
     from tandem.sim.cli import DEFAULT_COST

@@ -884,8 +884,8 @@ void quantize_int4_act(const float* x, int64_t M, int64_t K, int64_t gs, Int4Act
 }
 
 // Rows of 448 to 2432 bytes (K = 896..4864) are too short for the hardware prefetcher to ramp up
-// on, so each unit's load also asks for the same bytes this many rows further on (2, 4, 8 and
-// 16 measured on the AMD EPYC machine: 8 streamed fastest).
+// on, so each unit's load also asks for the same bytes this many rows further on: far enough to
+// cover a memory latency at two threads' streaming rate, near enough to stay in L1/L2.
 constexpr int64_t kInt4Ahead = 8;
 
 // out[m * ld + (n - n0)] = x_m . w_n for MR activation rows (from row m0 of `a`) and output rows

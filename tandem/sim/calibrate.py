@@ -3,8 +3,8 @@ profiler's grid (`tandem bench profile`).
 
 The profiler times steps of an engine alone on the machine, shape after shape; a serving engine's
 steps come in the mixes real traffic makes, beside the processes serving it (the API process, the
-clients), and on this machine its prompt steps ran 10-30% slower than the grid's steps of the same
-shapes. Fitting the same features on the served steps keeps what a serving engine pays, and any
+clients), and can cost more than the grid's steps of the same shapes (docs/simulator.md has the
+comparison). Fitting the same features on the served steps keeps what a serving engine pays, and any
 recorded deployment can calibrate the simulator. Transfers and the front end's delivery share are
 taken from a base model (a profile), since a step trace does not time them.
 """
@@ -61,9 +61,9 @@ def calibrate(
     )
     train, test = points[:cut], points[cut:]
     selected = fit_cost(name or f"{base.name}-served", train, test)
-    # The fit minimises relative error, which leaves the total a few percent under the measured
-    # one; a simulator's queues grow with the total (near capacity, a 4% shortfall in busy time
-    # took a fifth off the waiting), so scale the coefficients to the traced steps' total.
+    # The fit minimises relative error, which leaves the total under the traced one; queueing
+    # delays near capacity grow steeply with the total busy time, so scale the coefficients to
+    # the traced steps' total.
     scale = sum(t for _, t in train) / sum(selected.step_seconds(s) for s, _ in train)
     meta["total_scale"] = round(scale, 4)
     coefficients = {k: v * scale for k, v in selected.coefficients.items()}

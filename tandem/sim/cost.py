@@ -207,7 +207,7 @@ class FittedCost:
     transfer_per_block_s: float = 0.0
     fit_error: FitError | None = None  # of step times on held-out shapes
     transfer_fit_error: FitError | None = None
-    # `delivery_seconds`, measured through a real server (`tandem.sim.profile.time_delivery`).
+    # `delivery_seconds`, timed through a real server (`tandem.sim.profile.time_delivery`).
     delivery_s: float = 0.0
     # Free-form provenance: what was measured where and when (model, threads, dtype, machine, note,
     # the measurements themselves); kept through save and load, never read by the model.
