@@ -67,8 +67,7 @@ BUSY_GAP_S = 0.05
 def step_view(path: str, cost_path: str | None) -> dict[str, float]:
     """Steps of a step trace: how many, tokens per step, the loop's gap between busy steps, and
     the steps' recorded durations against the cost model's prediction for their shapes."""
-    from tandem.core.step_shape import StepShape
-    from tandem.engine.step_trace import read_step_trace
+    from tandem.engine.step_trace import line_shape, read_step_trace
     from tandem.sim.cli import DEFAULT_COST
     from tandem.sim.cost import load_cost
 
@@ -76,8 +75,7 @@ def step_view(path: str, cost_path: str | None) -> dict[str, float]:
     if not lines:
         return {}
     cost = load_cost(cost_path or str(DEFAULT_COST))
-    names = [f for f in StepShape.__slots__]
-    predicted = [cost.step_seconds(StepShape(**{k: line[k] for k in names})) for line in lines]
+    predicted = [cost.step_seconds(line_shape(line)) for line in lines]
     gaps = []
     for pid in {line["pid"] for line in lines}:
         own = sorted((line for line in lines if line["pid"] == pid), key=lambda line: line["start"])
@@ -187,9 +185,8 @@ def in_sample(trace: str, instances: int, real_steps: str, cost: str | None, tmp
 def calibrated_cost(model: str, a: argparse.Namespace, tmp: str) -> str:
     """Serve a calibration trace (seed 11, the middle rate, one instance) with a step trace and fit
     the cost model on its steps; the path of the fitted model."""
-    from tandem.sim.calibrate import calibrate
-    from tandem.sim.cli import DEFAULT_COST
-    from tandem.sim.cost import FittedCost, load_cost, save_cost
+    from tandem.sim.calibrate import calibrate, load_base
+    from tandem.sim.cost import save_cost
     from tandem.sim.trace import save_trace, synthetic
 
     rates = [float(x) for x in a.rates.split(",")]
@@ -199,10 +196,7 @@ def calibrated_cost(model: str, a: argparse.Namespace, tmp: str) -> str:
     save_trace(trace, path)
     print(f"\n== calibration run: 1 instance, {rate:g} req/s, another trace (seed 11)", flush=True)
     real(model, path, 1, a.num_requests, a.pin, steps)
-    base = load_cost(a.cost or str(DEFAULT_COST))
-    if not isinstance(base, FittedCost):
-        raise SystemExit("--calibrate needs a fitted base cost model")
-    fitted = calibrate([steps], base)
+    fitted = calibrate([steps], load_base(a.cost))
     out = str(Path(a.step_trace_dir or tmp) / "calibrated-cost.json")
     save_cost(fitted, out)
     err = fitted.fit_error

@@ -40,3 +40,8 @@ def read_step_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The lines of a trace file, in file order."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def line_shape(line: dict[str, Any]) -> StepShape:
+    """The planned shape a trace line recorded (fields a line lacks take StepShape's defaults)."""
+    return StepShape(**{k: line[k] for k in StepShape.__slots__ if k in line})

@@ -461,15 +461,11 @@ def _bench_profile(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from tandem.sim.calibrate import calibrate
-    from tandem.sim.cli import DEFAULT_COST
-    from tandem.sim.cost import FittedCost, load_cost, save_cost
+    from tandem.sim.calibrate import calibrate, load_base
+    from tandem.sim.cost import save_cost
     from tandem.sim.profile import describe
 
-    base = load_cost(args.base or str(DEFAULT_COST))
-    if not isinstance(base, FittedCost):
-        raise ValueError(f"--base must be a fitted cost model (tandem bench profile), got a {type(base).__name__}")
-    model = calibrate(args.from_step_trace, base)
+    model = calibrate(args.from_step_trace, load_base(args.base))
     print(describe(model))
     if args.out:
         save_cost(model, args.out)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import date
 from typing import Any
 
@@ -28,14 +29,20 @@ HELD_OUT_FRACTION = 0.25
 
 def steps_of(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[StepShape, float]]:
     """(shape, seconds) of every step in the trace files."""
-    from tandem.engine.step_trace import read_step_trace
+    from tandem.engine.step_trace import line_shape, read_step_trace
 
-    names = StepShape.__slots__
-    return [
-        (StepShape(**{k: line[k] for k in names if k in line}), float(line["seconds"]))
-        for path in paths
-        for line in read_step_trace(path)
-    ]
+    return [(line_shape(line), float(line["seconds"])) for path in paths for line in read_step_trace(path)]
+
+
+def load_base(path: str | os.PathLike[str] | None) -> FittedCost:
+    """The cost model at `path` (default: the shipped one), which must be a fitted one."""
+    from tandem.sim.cli import DEFAULT_COST
+    from tandem.sim.cost import load_cost
+
+    base = load_cost(path or DEFAULT_COST)
+    if not isinstance(base, FittedCost):
+        raise ValueError(f"the base must be a fitted cost model (tandem bench profile), got a {type(base).__name__}")
+    return base
 
 
 def calibrate(
@@ -60,21 +67,20 @@ def calibrate(
         base_model=base.name,
     )
     train, test = points[:cut], points[cut:]
-    selected = fit_cost(name or f"{base.name}-served", train, test)
+    selected = fit_cost(name or f"{base.name}-served", train, [])
     # The fit minimises relative error, which leaves the total under the traced one; queueing
     # delays near capacity grow steeply with the total busy time, so scale the coefficients to
     # the traced steps' total.
     scale = sum(t for _, t in train) / sum(selected.step_seconds(s) for s, _ in train)
     meta["total_scale"] = round(scale, 4)
-    coefficients = {k: v * scale for k, v in selected.coefficients.items()}
-    scaled = FittedCost(selected.name, coefficients)
-    return FittedCost(
+    model = FittedCost(
         selected.name,
-        coefficients,
+        {k: v * scale for k, v in selected.coefficients.items()},
         transfer_t0_s=base.transfer_t0_s,
         transfer_per_block_s=base.transfer_per_block_s,
-        fit_error=FitError.of([scaled.step_seconds(s) for s, _ in test], [t for _, t in test], len(train)),
         transfer_fit_error=base.transfer_fit_error,
         delivery_s=base.delivery_s,
         meta=meta,
     )
+    error = FitError.of([model.step_seconds(s) for s, _ in test], [t for _, t in test], len(train))
+    return replace(model, fit_error=error)
