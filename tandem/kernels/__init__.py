@@ -1,4 +1,5 @@
-"""Tandem's compiled CPU kernels (`cpu_ops.cpp`), built from source on first use.
+"""Tandem's compiled CPU kernels (`cpu_ops.cpp`: products and attention; `layer_ops.cpp`: a
+decoder layer's per-token glue), one library built from source on first use.
 
 The build needs only what a clean install brings: a C++ compiler on the PATH, PyTorch's headers and
 `ninja` (a dependency). It compiles for the host CPU (`-march=native`) into PyTorch's extension
@@ -19,8 +20,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "layer_ops.cpp"))
 ENV_SWITCH = "TANDEM_CPU_KERNELS"
+# -fno-trapping-math: floating-point exceptions stay masked (as PyTorch runs), so the compiler may
+# turn the clamps before an exp into vector selects; it changes no result.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 
 
 def enabled_by_env() -> bool:
@@ -34,7 +38,7 @@ def library_name() -> str:
     library (one process can load the other's while it is being replaced)."""
     from tandem.cpu import cpu_flags
 
-    key = " ".join(sorted(cpu_flags())).encode() + SOURCE.read_bytes()
+    key = " ".join([*sorted(cpu_flags()), *CFLAGS]).encode() + b"".join(src.read_bytes() for src in SOURCES)
     digest = hashlib.sha1(key).hexdigest()[:10]
     return f"tandem_cpu_ops_{digest}"
 
@@ -59,8 +63,8 @@ def _build() -> bool:
 
         load(
             name=library_name(),
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            sources=[str(src) for src in SOURCES],
+            extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

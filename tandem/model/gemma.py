@@ -23,6 +23,8 @@ class GemmaRMSNorm(RMSNorm):
     reference does (Llama's casts first, then multiplies)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() <= 3:
+            return torch.ops.tandem.rms_norm(x, self.weight, self.eps, 1.0, False)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, 1.0 + self.weight, self.eps)
         xf = x.float()

@@ -13,12 +13,17 @@ from tandem.model.rope import attention_scaling, rope_angles
 
 
 class RMSNorm(nn.Module):
+    # The compiled kernel instead of PyTorch's operators (tandem/model/fused_ops.py switches it on).
+    fused = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() <= 3:
+            return torch.ops.tandem.rms_norm(x, self.weight, self.eps, 0.0, True)
         # Computed in float32 whatever the weight dtype, as the reference implementation does.
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # The same ops in the same order as below (bit-identical), in one call from Python.
@@ -70,6 +75,15 @@ def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     return (xf * cos + xf.roll(xf.shape[-1] // 2, -1) * sin_signed).to(x.dtype)
 
 
+def rotate(x: torch.Tensor, rope: Rope, fused: bool) -> torch.Tensor:
+    """apply_rope, or with `fused` the compiled kernel rotating x [T, heads, D] in place (x may be
+    a view of the projection's output: nothing else reads it)."""
+    if not fused:
+        return apply_rope(x, rope)
+    torch.ops.tandem.rope_(x, *rope)
+    return x
+
+
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -84,6 +98,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedMLP(nn.Module):
+    # SiLU-and-multiply in one compiled call (tandem/model/fused_ops.py switches it on for SiLU).
+    fused = False
+
     def __init__(self, hidden: int, intermediate: int, activation: str = "silu") -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -91,10 +108,13 @@ class GatedMLP(nn.Module):
                 f"activation {activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
             )
         self.intermediate = intermediate
+        self.activation = activation
         self.act = ACTIVATIONS[activation]
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            return self.down_proj(torch.ops.tandem.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)

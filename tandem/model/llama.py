@@ -8,11 +8,14 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.model.attention import LayerAttention, TorchAttentionBackend
 from tandem.model.forward_batch import ForwardBatch
-from tandem.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, apply_rope
+from tandem.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, rotate
 from tandem.model.llama_checkpoint import LlamaCheckpointMapping
 
 
 class Attention(nn.Module):
+    # Rotary embedding by the compiled kernel, in place (tandem/model/fused_ops.py switches it on).
+    fused_rope = False
+
     def __init__(
         self, cfg: ModelConfig, backend: TorchAttentionBackend, layer: LayerAttention | None = None
     ) -> None:
@@ -46,12 +49,12 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 n, self.num_heads + self.num_kv_heads, self.head_dim
             )
-            qk = apply_rope(qk, rope)
+            qk = rotate(qk, rope, self.fused_rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), rope)
-            k = apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), rope)
+            q = rotate(self.q_norm(q.view(n, self.num_heads, self.head_dim)), rope, self.fused_rope)
+            k = rotate(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), rope, self.fused_rope)
         o = self.backend.forward(q, k, v, kv_cache, batch, self.layer)
         return self.o_proj(o.reshape(-1, self.q_size))
 

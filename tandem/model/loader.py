@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tandem.config import ModelConfig
 from tandem.cpu import cpu_flags
 from tandem.model.attention import get_attention_backend
 from tandem.model.experts import prepare_experts
+from tandem.model.fused_ops import use_fused_ops, wants_fused_ops
 from tandem.model.gemma import GemmaForCausalLM
 from tandem.model.int4 import Int4Linear
 from tandem.model.interface import CausalLM, CausalLMClass
@@ -26,6 +28,8 @@ from tandem.model.quant import quantize_model
 from tandem.model.quantized_weights import BiasOnly, QuantizedCheckpoint, swap_module
 from tandem.model.weights import load_weights
 from tandem.quantization_config import resolve_method
+
+logger = logging.getLogger(__name__)
 
 # Architecture name in config.json -> the class that implements it.
 MODEL_REGISTRY: dict[str, CausalLMClass] = {
@@ -122,6 +126,12 @@ def load_model(
         pack_linears(module)
     prepare_experts(module, at_load)
     log_linear_paths(module, cfg, dtype)
+    quantized = at_load is not None or cfg.quantization is not None
+    fused = use_fused_ops(module) if wants_fused_ops(dtype, quantized) else []
+    logger.info(
+        "per-token ops (norms, activation, rotary): %s",
+        f"compiled kernels ({', '.join(fused)})" if fused else "PyTorch operators",
+    )
     return model
 
 

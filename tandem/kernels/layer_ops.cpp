@@ -1,0 +1,256 @@
+// The per-token glue of a decoder layer: RMSNorm, SiLU-and-multiply, rotary embedding.
+//
+// Between its matrix products a decoder layer runs a handful of elementwise and reduction steps.
+// PyTorch runs each as several operators (an RMSNorm is a square, a mean, an add, a reciprocal
+// square root and two products, each a pass over the row and a dispatch from Python), which at one
+// or a few tokens per step costs more than the arithmetic: tens of microseconds a call, dozens of
+// calls a layer. Here each is one pass in one call, in float32 arithmetic whatever the storage
+// type, rounding to bfloat16 where the reference implementation rounds (so a bfloat16 result
+// differs from PyTorch's only by the order of a sum). A float32 result is not bit-identical to
+// PyTorch's (sum order, fused multiply-adds): the model uses these only where it is not promised
+// to match `transformers` exactly (tandem/model/fused_ops.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// Rows that together hold fewer elements than this run on the calling thread: waking the thread
+// pool costs more than the pass itself.
+constexpr int64_t kParallelElems = 1 << 15;
+
+// bfloat16 is handled as its bits (uint16_t) so that the loops below vectorize: at::BFloat16's
+// conversions branch.
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename S>
+inline S narrow(float v);
+template <>
+inline float narrow<float>(float v) {
+  return v;
+}
+template <>
+inline uint16_t narrow<uint16_t>(float v) {  // round to nearest even, NaN stays NaN (as PyTorch)
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return v != v ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// The value as the storage type holds it, back in float32.
+template <typename S>
+inline float rounded(float v) {
+  return widen(narrow<S>(v));
+}
+
+// The storage type of a tensor's elements: float, or bfloat16's bits.
+template <typename S>
+S* elements(const at::Tensor& x) {
+  return reinterpret_cast<S*>(x.data_ptr());
+}
+
+template <typename F>
+void for_rows(int64_t rows, int64_t width, F&& body) {
+  const int64_t grain = std::max<int64_t>(1, kParallelElems / std::max<int64_t>(width, 1));
+  if (rows <= grain) {
+    body(0, rows);
+    return;
+  }
+  at::parallel_for(0, rows, grain, body);
+}
+
+// exp(x) for any float x: clamped to the range whose result is a normal float, then Cody-Waite
+// range reduction and a minimax polynomial (relative error about 1e-7). Plain arithmetic so that
+// loops over it vectorize.
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer (what nearbyint does, but
+  // this vectorizes).
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Up to three dimensions [A, B, D] with D contiguous, as a list of rows: the offset of row r.
+struct Rows {
+  int64_t count, width, inner, s0, s1;
+  explicit Rows(const at::Tensor& x)
+      : count(1), width(x.size(-1)), inner(1), s0(0), s1(0) {
+    if (x.dim() >= 2) {
+      count = x.size(0);
+      s0 = x.stride(0);
+    }
+    if (x.dim() == 3) {
+      inner = x.size(1);
+      count *= inner;
+      s1 = x.stride(1);
+    }
+  }
+  int64_t offset(int64_t r) const { return (r / inner) * s0 + (r % inner) * s1; }
+};
+
+void check_rows(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.dim() <= 3, op, ": expected 1 to 3 dimensions, got ", x.dim());
+  TORCH_CHECK(x.stride(-1) == 1, op, ": the last dimension must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": float32 or bfloat16 only, got ", x.scalar_type());
+}
+
+template <typename E>
+void rms_norm_impl(const at::Tensor& x, const float* w, double eps, bool cast_first, at::Tensor& out) {
+  const Rows rows(x);
+  const int64_t D = rows.width;
+  const E* xp = elements<E>(x);
+  E* op = elements<E>(out);
+  const float epsf = static_cast<float>(eps);
+  for_rows(rows.count, D, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const E* xr = xp + rows.offset(r);
+      E* o = op + r * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) ss += widen(xr[d]) * widen(xr[d]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + epsf);
+      if (cast_first) {  // Llama: the normalized row is cast to the storage type, then weighted
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = narrow<E>(w[d] * rounded<E>(widen(xr[d]) * inv));
+      } else {  // Gemma: weighted in float32, then cast
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = narrow<E>(widen(xr[d]) * inv * w[d]);
+      }
+    }
+  });
+}
+
+// RMSNorm of each row of x ([D], [T, D] or [T, H, D], rows may be strided) times (weight +
+// weight_offset); returns a contiguous tensor of x's shape and dtype. cast_first: round the
+// normalized row to x's dtype before the weight multiplies it (Llama's order) rather than after
+// (Gemma's).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double weight_offset,
+                    bool cast_first) {
+  const char* op = "tandem rms_norm";
+  check_rows(op, x);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": weight must be [", x.size(-1), "]");
+  const at::Tensor wt = weight.to(at::kFloat).contiguous();
+  std::vector<float> w(wt.data_ptr<float>(), wt.data_ptr<float>() + wt.numel());
+  for (float& v : w) v += static_cast<float>(weight_offset);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_impl<float>(x, w.data(), eps, cast_first, out);
+  } else {
+    rms_norm_impl<uint16_t>(x, w.data(), eps, cast_first, out);
+  }
+  return out;
+}
+
+template <typename E>
+void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t T = gate_up.size(0), I = out.size(1), stride = gate_up.stride(0);
+  const E* gp = elements<E>(gate_up);
+  E* op = elements<E>(out);
+  for_rows(T, I, [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      const E* g = gp + t * stride;
+      const E* u = g + I;
+      E* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float a = widen(g[i]);
+        // silu rounds to the storage type before the product, as two PyTorch operators would.
+        const float s = rounded<E>(a / (1.f + exp_clamped(-a)));
+        o[i] = narrow<E>(s * widen(u[i]));
+      }
+    }
+  });
+}
+
+// gate_up [T, 2I] (the fused gate and up projections, gate first) -> silu(gate) * up [T, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  const char* op = "tandem silu_mul";
+  check_rows(op, gate_up);
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": expected [T, 2 * intermediate]");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_impl<float>(gate_up, out);
+  } else {
+    silu_mul_impl<uint16_t>(gate_up, out);
+  }
+  return out;
+}
+
+template <typename E>
+void rope_impl(at::Tensor& x, const float* cos, const float* sin, int64_t R) {
+  const int64_t T = x.size(0), H = x.size(1), s0 = x.stride(0), s1 = x.stride(1), half = R / 2;
+  E* xp = elements<E>(x);
+  for_rows(T * H, R, [&](int64_t r0, int64_t r1) {
+    std::vector<float> v(R);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = r / H;
+      E* row = xp + t * s0 + (r % H) * s1;
+      const float* c = cos + t * R;
+      const float* s = sin + t * R;
+      for (int64_t d = 0; d < R; ++d) v[d] = widen(row[d]);
+      // Neox pairing: element d turns with d + R/2; `sin` has the first half's sign folded in.
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) row[d] = narrow<E>(v[d] * c[d] + v[d + half] * s[d]);
+#pragma omp simd
+      for (int64_t d = half; d < R; ++d) row[d] = narrow<E>(v[d] * c[d] + v[d - half] * s[d]);
+    }
+  });
+}
+
+// Rotates x [T, H, D] in place (rows may be strided): the first R elements of each head by the
+// token's cos and sign-folded sin rows, cos and sin float32 [T, R] (or [T, 1, R]); the rest of a
+// head (partial rotary) is left as is.
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  const char* op = "tandem rope_";
+  check_rows(op, x);
+  TORCH_CHECK(x.dim() == 3, op, ": x must be [tokens, heads, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              op, ": cos and sin must be contiguous float32");
+  const int64_t T = x.size(0), R = cos.size(-1);
+  TORCH_CHECK(cos.numel() == T * R && sin.numel() == T * R, op, ": cos and sin need one row per token");
+  TORCH_CHECK(R % 2 == 0 && R <= x.size(2), op, ": the rotary width must be even and at most head_dim");
+  if (x.scalar_type() == at::kFloat) {
+    rope_impl<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), R);
+  } else {
+    rope_impl<uint16_t>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), R);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float weight_offset, bool cast_first) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tandem, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
+}

@@ -1,0 +1,45 @@
+"""Where a model runs its per-token glue (RMSNorm, SiLU-and-multiply, rotary) as compiled kernels.
+
+At one or a few tokens a step, a decoder layer's norms, activation and rotation cost more in
+PyTorch operator calls than in arithmetic: each is several operators, each a dispatch and a pass
+over the row. tandem/kernels/layer_ops.cpp does each in one call. Their float32 results are not
+bit-identical to PyTorch's (the order of a sum, fused multiply-adds), so a float32 model with float
+weights keeps PyTorch's operators and stays exactly `transformers`' computation (the parity tests
+pin it); bfloat16 models and quantized ones, which are within a tolerance of the reference anyway,
+take the kernels wherever the host built them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem import kernels
+from tandem.model.layers import GatedMLP, RMSNorm
+from tandem.model.llama import Attention
+
+KERNELS = ("rms_norm", "silu_mul", "rope_")
+
+
+def wants_fused_ops(dtype: torch.dtype, quantized: bool) -> bool:
+    """True unless the model is float32 with float weights (the exact path)."""
+    return dtype != torch.float32 or quantized
+
+
+def use_fused_ops(model: nn.Module) -> list[str]:
+    """Switch every RMSNorm, SiLU gated MLP and attention rotation of `model` to the kernels, in
+    place; returns which kinds it switched (empty where the kernels did not build)."""
+    if not all(kernels.has(op) for op in KERNELS):
+        return []
+    switched: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = True
+            switched.add("rms_norm")
+        elif isinstance(module, GatedMLP) and module.activation in ("silu", "swish"):
+            module.fused = True
+            switched.add("silu_mul")
+        elif isinstance(module, Attention):
+            module.fused_rope = True
+            switched.add("rope")
+    return sorted(switched)
