@@ -31,15 +31,21 @@ def use_fused_ops(model: nn.Module) -> list[str]:
     place; returns which kinds it switched (empty where the kernels did not build)."""
     if not all(kernels.has(op) for op in KERNELS):
         return []
-    switched: set[str] = set()
+    return set_fused_ops(model, True)
+
+
+def set_fused_ops(model: nn.Module, on: bool) -> list[str]:
+    """Set the kernel switch of every module that has one (the tests and benchmarks/layer_ops.py
+    turn it off again); returns the kinds of op found."""
+    kinds: set[str] = set()
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            module.fused = True
-            switched.add("rms_norm")
+            module.fused = on
+            kinds.add("rms_norm")
         elif isinstance(module, GatedMLP) and module.activation in ("silu", "swish"):
-            module.fused = True
-            switched.add("silu_mul")
+            module.fused = on
+            kinds.add("silu_mul")
         elif isinstance(module, Attention):
-            module.fused_rope = True
-            switched.add("rope")
-    return sorted(switched)
+            module.fused_rope = on
+            kinds.add("rope")
+    return sorted(kinds)

@@ -179,3 +179,18 @@ def test_int4_quick(tmp_path: Path, llama_dir: Path) -> None:
     assert len(by["int8"]["c1_decode_tok_s_runs"]) == 1
     assert "int4+int8_over_int8_c1_decode" in result["ratios"]
     assert all(r["c1_decode_tok_s"] > 0 and r["c4_output_tok_s"] > 0 for r in by.values())
+
+
+def test_layer_ops_quick(tmp_path: Path, llama_dir: Path) -> None:
+    result_json = tmp_path / "layer_ops.json"
+    args = ["--quick", "--model", str(llama_dir), "--cache-dir", str(tmp_path / "cache"), "--result-json",
+            str(result_json)]
+    proc = run_script("layer_ops.py", *args, timeout=240)
+    assert "c=1 decode" in proc.stdout
+    result = json.loads(result_json.read_text())
+    by = {r["variant"]: r for r in result["results"]}
+    assert set(by) == {"int8", "int4+int8", "bfloat16"}
+    for r in by.values():
+        assert r["kernels_c1_decode_tok_s"] > 0 and r["torch_c1_decode_tok_s"] > 0
+        assert r["c1_ratio"] == r["kernels_c1_decode_tok_s"] / r["torch_c1_decode_tok_s"]
+        assert r["torch_c2_output_tok_s"] > 0 and len(r["c1_ratio_runs"]) == 1

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import LLM, SamplingParams, kernels
-from tandem.model.fused_ops import KERNELS
+from tandem.model.fused_ops import KERNELS, set_fused_ops
 from tandem.model.gemma import GemmaRMSNorm
 from tandem.model.layers import GatedMLP, RMSNorm, apply_rope, rotate
 from tandem.model.llama import Attention
@@ -134,11 +134,7 @@ def test_loader_fuses_all_but_the_exact_float32_path(llama_dir):
     assert _fused_kinds(int8) == {"rms_norm", "silu_mul", "rope"}
     # The int8 model's output is that of its PyTorch operators, to float32 rounding.
     tokens, lps = _greedy(int8)
-    for m in int8.engine.core.runner.model.modules():
-        if isinstance(m, (RMSNorm, GatedMLP)):
-            m.fused = False
-        if isinstance(m, Attention):
-            m.fused_rope = False
+    set_fused_ops(int8.engine.core.runner.model, False)
     ref_tokens, ref_lps = _greedy(int8)
     assert tokens == ref_tokens
     torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), rtol=0, atol=1e-4)
