@@ -12,6 +12,7 @@ from torch import nn
 
 from tandem.config import GemmaConfig, ModelConfig
 from tandem.model.attention import LayerAttention, TorchAttentionBackend
+from tandem.model.direct_call import DirectCall
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding
 from tandem.model.llama import Attention
@@ -48,7 +49,7 @@ class GemmaAttention(Attention):
             self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=True)
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(DirectCall, nn.Module):
     def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, index: int) -> None:
         super().__init__()
         g = _gemma(cfg)

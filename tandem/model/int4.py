@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem import kernels
+from tandem.model.direct_call import DirectCall
 
 # Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM. On an AVX2 host the
 # kernel was still 1.2-3.3x faster than dequantize + float32 GEMM at 32-64 rows (benchmarks/int4.py
@@ -83,7 +84,7 @@ def dequantize_torch(
     return w.reshape(n, k).to(dtype)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(DirectCall, nn.Module):
     """y = x @ W^T + b with W held as 4-bit groups (layout above); computed in x's dtype."""
 
     qweight: torch.Tensor  # buffers (register_buffer)

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import RopeConfig
+from tandem.model.direct_call import DirectCall
 from tandem.model.rope import attention_scaling, rope_angles
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall, nn.Module):
     # The compiled kernel instead of PyTorch's operators (tandem/model/fused_ops.py switches it on).
     fused = False
 
@@ -97,7 +98,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(DirectCall, nn.Module):
     # SiLU-and-multiply in one compiled call (tandem/model/fused_ops.py switches it on for SiLU).
     fused = False
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from tandem import kernels
 from tandem.cpu import cpu_flags
+from tandem.model.direct_call import DirectCall
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -56,7 +57,7 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(DirectCall, nn.Module):
     """A linear layer whose weight is also held in oneDNN's reordered layout (CPU only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

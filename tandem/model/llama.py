@@ -7,12 +7,13 @@ from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.model.attention import LayerAttention, TorchAttentionBackend
+from tandem.model.direct_call import DirectCall
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, rotate
 from tandem.model.llama_checkpoint import LlamaCheckpointMapping
 
 
-class Attention(nn.Module):
+class Attention(DirectCall, nn.Module):
     # Rotary embedding by the compiled kernel, in place (tandem/model/fused_ops.py switches it on).
     fused_rope = False
 
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectCall, nn.Module):
     def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, backend)

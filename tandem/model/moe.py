@@ -16,6 +16,7 @@ from torch import nn
 
 from tandem.config import ModelConfig, MoEConfig
 from tandem.model.attention import TorchAttentionBackend
+from tandem.model.direct_call import DirectCall
 from tandem.model.experts import Experts, Router, route
 from tandem.model.layers import GatedMLP, RotaryEmbedding
 from tandem.model.llama import DecoderLayer, LlamaForCausalLM
@@ -36,7 +37,7 @@ _SHARED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|
 _STACKED_RE = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(DirectCall, nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
         self.moe = moe

@@ -29,6 +29,7 @@ from torch import nn
 from tandem import kernels
 from tandem.config import QUANTIZATION_METHODS
 from tandem.cpu import cpu_flags
+from tandem.model.direct_call import DirectCall
 from tandem.model.linear import M, replace_linears
 
 logger = logging.getLogger("tandem.model")
@@ -52,7 +53,7 @@ def _cpu_has_vnni() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(DirectCall, nn.Module):
     """y = x @ (q * scale)^T + b with q int8 [out, in], scale [out]; activations int8 on the fast path."""
 
     qweight: torch.Tensor  # buffers (register_buffer)
