@@ -443,23 +443,30 @@ inline float exp_nonpositive(float x) {
 // once for all of a group's heads and a verification's query tokens, and no dot product needs a
 // horizontal sum of its own, which is what a per-query loop spends most of its time on.
 constexpr int64_t kQueryTile = 16;
+// The tile when no request has more query vectors than this (decodes with a GQA group of up to 8):
+// half the score work of a 16-wide tile that such a task would mostly fill with padding.
+constexpr int64_t kNarrowQueryTile = 8;
 // Context positions per score micro-tile: independent accumulators, so the FMAs pipeline.
 constexpr int64_t kPosTile = 8;
 // Output tile of the probabilities-times-values product: query vectors x head_dim elements.
 constexpr int64_t kOutRows = 4;
+#if defined(__AVX512F__)
 constexpr int64_t kOutCols = 64;
+#else
+constexpr int64_t kOutCols = 32;  // AVX2: 4 x 32 floats of accumulators fill half the 16 vector registers
+#endif
 
 // a[r][0:n] += sum over context positions j of p[j][r] * v_j[d0 : d0 + n], for kOutRows query
 // vectors (N: n as a compile-time constant for full tiles, 0 for a tail). Always kOutRows rows, even
 // for a partial tile: GCC keeps this shape's accumulators in registers, and fewer rows compiled to
 // scalar code.
-template <typename E, int64_t N>
+template <typename E, int64_t N, int64_t QT>
 inline void weighted_values(const float* p, int64_t span, const E* const* vrows, int64_t d0, int64_t n,
                             float (&a)[kOutRows][kOutCols]) {
   const int64_t width = N > 0 ? N : n;
   for (int64_t j = 0; j < span; ++j) {
     const E* vr = vrows[j] + d0;
-    const float* pj = p + j * kQueryTile;
+    const float* pj = p + j * QT;
     for (int64_t r = 0; r < kOutRows; ++r) {
       const float w = pj[r];
 #pragma omp simd
@@ -470,7 +477,7 @@ inline void weighted_values(const float* p, int64_t span, const E* const* vrows,
 
 // E: the queries' and output's dtype; C: the cache's element (E itself, or int8_t / Fp8E4M3 values
 // of quantized rows, kScaled). k and v are the step's new rows as the cache stores them.
-template <typename E, typename C, bool kScaled>
+template <typename E, typename C, bool kScaled, int64_t QT>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                           const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
                           const int64_t* qsl, int64_t B, double scale_d, int64_t window, at::Tensor& out) {
@@ -497,26 +504,26 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   std::vector<int64_t> task_start(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     max_ctx = std::max(max_ctx, seq_lens[b]);
-    const int64_t tiles = ((qsl[b + 1] - qsl[b]) * group + kQueryTile - 1) / kQueryTile;
+    const int64_t tiles = ((qsl[b + 1] - qsl[b]) * group + QT - 1) / QT;
     task_start[b + 1] = task_start[b] + KVH * tiles;
   }
   const float scale = static_cast<float>(scale_d);
   at::parallel_for(0, task_start[B], 1, [&](int64_t task0, int64_t task1) {
-    // qt: the tile's queries transposed ([D][kQueryTile]); st: scores, then probabilities, of each
-    // context position for the tile ([position][kQueryTile]).
-    std::vector<float> qt(D * kQueryTile), st((max_ctx + kPosTile) * kQueryTile);
+    // qt: the tile's queries transposed ([D][QT]); st: scores, then probabilities, of each
+    // context position for the tile ([position][QT]).
+    std::vector<float> qt(D * QT), st((max_ctx + kPosTile) * QT);
     std::vector<const C*> krows(max_ctx + kPosTile), vrows(max_ctx);
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
       const int64_t tiles = (task_start[b + 1] - task_start[b]) / KVH, local = task - task_start[b];
-      const int64_t g = local / tiles, c0 = (local % tiles) * kQueryTile;
+      const int64_t g = local / tiles, c0 = (local % tiles) * QT;
       const int64_t seq = seq_lens[b], first = qsl[b], nq = qsl[b + 1] - qsl[b];
-      const int64_t nc = std::min(kQueryTile, nq * group - c0);
+      const int64_t nc = std::min(QT, nq * group - c0);
       // Query vector c is query token i = (c0 + c) / group, head g * group + (c0 + c) % group; it
       // attends context positions lo[c]..hi[c]. Padding vectors repeat the first one.
-      int64_t tok[kQueryTile], head[kQueryTile], lo[kQueryTile], hi[kQueryTile];
+      int64_t tok[QT], head[QT], lo[QT], hi[QT];
       int64_t jlo = seq, jhi = 0;
-      for (int64_t c = 0; c < kQueryTile; ++c) {
+      for (int64_t c = 0; c < QT; ++c) {
         const int64_t i = (c0 + std::min(c, nc - 1)) / group;
         tok[c] = first + i;
         head[c] = g * group + (c0 + std::min(c, nc - 1)) % group;
@@ -525,7 +532,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
         jlo = std::min(jlo, lo[c]);
         jhi = std::max(jhi, hi[c]);
         const E* qr = qp + tok[c] * qs0 + head[c] * qs1;
-        for (int64_t d = 0; d < D; ++d) qt[d * kQueryTile + c] = c < nc ? to_float(qr[d]) * scale : 0.f;
+        for (int64_t d = 0; d < D; ++d) qt[d * QT + c] = c < nc ? to_float(qr[d]) * scale : 0.f;
       }
       const int64_t span = jhi - jlo + 1;
       for (int64_t j = 0; j < span; ++j) {
@@ -536,40 +543,40 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       for (int64_t j = span; j < span + kPosTile; ++j) krows[j] = krows[0];  // tail of the last tile
       // Scores: for kPosTile positions at a time, accumulate key element d times query column d.
       for (int64_t j0 = 0; j0 < span; j0 += kPosTile) {
-        float acc[kPosTile][kQueryTile] = {};
+        float acc[kPosTile][QT] = {};
         const C* const* kr = krows.data() + j0;
         for (int64_t d = 0; d < D; ++d) {
-          const float* qd = qt.data() + d * kQueryTile;
+          const float* qd = qt.data() + d * QT;
           for (int64_t jj = 0; jj < kPosTile; ++jj) {
             const float kv = to_float(kr[jj][d]);
 #pragma omp simd
-            for (int64_t c = 0; c < kQueryTile; ++c) acc[jj][c] += kv * qd[c];
+            for (int64_t c = 0; c < QT; ++c) acc[jj][c] += kv * qd[c];
           }
         }
         if constexpr (kScaled) {  // a key row is its values times its scale: scale the dot products
           for (int64_t jj = 0; jj < kPosTile; ++jj) {
             const float ks = row_scale(kr[jj], SO);
 #pragma omp simd
-            for (int64_t c = 0; c < kQueryTile; ++c) acc[jj][c] *= ks;
+            for (int64_t c = 0; c < QT; ++c) acc[jj][c] *= ks;
           }
         }
-        std::memcpy(st.data() + j0 * kQueryTile, acc, sizeof acc);
+        std::memcpy(st.data() + j0 * QT, acc, sizeof acc);
       }
       // Softmax over each query vector's own causal (and windowed) range, across the vectors at once.
-      float mx[kQueryTile], sum[kQueryTile] = {};
-      std::fill(mx, mx + kQueryTile, -INFINITY);
+      float mx[QT], sum[QT] = {};
+      std::fill(mx, mx + QT, -INFINITY);
       for (int64_t j = 0; j < span; ++j) {
-        const float* s = st.data() + j * kQueryTile;
+        const float* s = st.data() + j * QT;
         const int64_t pos = jlo + j;
 #pragma omp simd
-        for (int64_t c = 0; c < kQueryTile; ++c)
+        for (int64_t c = 0; c < QT; ++c)
           mx[c] = (pos >= lo[c] && pos <= hi[c]) ? std::max(mx[c], s[c]) : mx[c];
       }
       for (int64_t j = 0; j < span; ++j) {
-        float* s = st.data() + j * kQueryTile;
+        float* s = st.data() + j * QT;
         const int64_t pos = jlo + j;
 #pragma omp simd
-        for (int64_t c = 0; c < kQueryTile; ++c) {
+        for (int64_t c = 0; c < QT; ++c) {
           const float e = exp_nonpositive(std::min(s[c] - mx[c], 0.f));
           s[c] = (pos >= lo[c] && pos <= hi[c]) ? e : 0.f;
           sum[c] += s[c];
@@ -577,15 +584,15 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       }
       if constexpr (kScaled) {  // likewise a value row: fold its scale into the weights (not the sums)
         for (int64_t j = 0; j < span; ++j) {
-          float* s = st.data() + j * kQueryTile;
+          float* s = st.data() + j * QT;
           const float vs = row_scale(vrows[j], SO);
 #pragma omp simd
-          for (int64_t c = 0; c < kQueryTile; ++c) s[c] *= vs;
+          for (int64_t c = 0; c < QT; ++c) s[c] *= vs;
         }
       }
       // Values: kOutRows query vectors x kOutCols head elements per pass.
-      float inv[kQueryTile];
-      E* orows[kQueryTile];
+      float inv[QT];
+      E* orows[QT];
       for (int64_t c = 0; c < nc; ++c) {
         inv[c] = 1.f / sum[c];
         orows[c] = op + (tok[c] * H + head[c]) * D;
@@ -596,9 +603,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
           const float* p = st.data() + r0;
           float a[kOutRows][kOutCols] = {};
           if (n == kOutCols) {
-            weighted_values<C, kOutCols>(p, span, vrows.data(), d0, n, a);
+            weighted_values<C, kOutCols, QT>(p, span, vrows.data(), d0, n, a);
           } else {
-            weighted_values<C, 0>(p, span, vrows.data(), d0, n, a);
+            weighted_values<C, 0, QT>(p, span, vrows.data(), d0, n, a);
           }
           for (int64_t r = 0; r < kOutRows && r0 + r < nc; ++r)
             for (int64_t dd = 0; dd < n; ++dd) orows[r0 + r][d0 + dd] = static_cast<E>(a[r][dd] * inv[r0 + r]);
@@ -606,6 +613,24 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       }
     }
   });
+}
+
+// The kernel with the query tile this batch needs: the narrow one when every request's query
+// vectors (query tokens x GQA group) fit in it.
+template <typename E, typename C, bool kScaled>
+void paged_attention_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
+                           const int64_t* slots, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens,
+                           const int64_t* qsl, int64_t B, double scale, int64_t window, at::Tensor& out) {
+  const int64_t group = q.size(1) / k.size(1);
+  int64_t widest = 0;
+  for (int64_t b = 0; b < B; ++b) widest = std::max(widest, (qsl[b + 1] - qsl[b]) * group);
+  if (widest <= kNarrowQueryTile) {
+    paged_attention_impl<E, C, kScaled, kNarrowQueryTile>(q, k, v, kv_cache, slots, tables, max_blocks, seq_lens,
+                                                          qsl, B, scale, window, out);
+  } else {
+    paged_attention_impl<E, C, kScaled, kQueryTile>(q, k, v, kv_cache, slots, tables, max_blocks, seq_lens, qsl,
+                                                    B, scale, window, out);
+  }
 }
 
 // Checks the layout both entry points share; returns the output tensor [T, H, D].
@@ -651,10 +676,10 @@ void dispatch_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1), B = seq_lens.numel();
   if (q.scalar_type() == at::kFloat) {
-    paged_attention_impl<float, C, kScaled>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl, B, scale, window,
+    paged_attention_tiled<float, C, kScaled>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl, B, scale, window,
                                             out);
   } else {
-    paged_attention_impl<at::BFloat16, C, kScaled>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl, B, scale,
+    paged_attention_tiled<at::BFloat16, C, kScaled>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl, B, scale,
                                                    window, out);
   }
 }
@@ -676,10 +701,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1), B = seq_lens.numel();
   if (q.scalar_type() == at::kFloat) {
-    paged_attention_impl<float, float, false>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl, B, scale,
+    paged_attention_tiled<float, float, false>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl, B, scale,
                                               sliding_window, out);
   } else {
-    paged_attention_impl<at::BFloat16, at::BFloat16, false>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl,
+    paged_attention_tiled<at::BFloat16, at::BFloat16, false>(q, k, v, kv_cache, slots, tables, max_blocks, sl, qsl,
                                                             B, scale, sliding_window, out);
   }
   return out;

@@ -142,8 +142,8 @@ def test_fused_kernel_matches_reference_on_short_queries(window, dtype) -> None:
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 1, 40), (5, 1, 80), (6, 3, 64)])
 def test_fused_kernel_head_layouts(heads, kv_heads, head_dim) -> None:
-    """The kernel tiles a KV group's query vectors (query tokens x the group's heads) 16 at a time
-    and head_dim 64 elements at a time: groups of 1 to 8 heads, tiles that split a request's
+    """The kernel tiles a KV group's query vectors (query tokens x the group's heads) 8 or 16 at a
+    time and head_dim 32 or 64 elements at a time (AVX2 / AVX-512): groups of 1 to 8 heads, tiles that split a request's
     queries, and head sizes that are not a multiple of the tiles all match the reference."""
     rng = np.random.default_rng(6)
     torch.manual_seed(6)
@@ -164,6 +164,40 @@ def test_fused_kernel_head_layouts(heads, kv_heads, head_dim) -> None:
     k_cache, v_cache = cache[0].view(-1, kv_heads, head_dim), cache[1].view(-1, kv_heads, head_dim)
     expected = reference(q, k_cache, v_cache, batch, head_dim**-0.5, None)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "q_lens"), [
+    (7, 1, [1, 1, 1]),  # decodes, group of 7: the 8-wide tile
+    (14, 2, [1, 1, 1, 1]),
+    (8, 1, [1, 1]),  # exactly 8
+    (6, 6, [1, 1, 1]),  # group of 1
+    (4, 1, [1, 2, 1]),  # a 2-token verification of a group of 4: 8 vectors, still narrow
+    (9, 1, [1, 1]),  # group of 9: the 16-wide tile
+    (5, 1, [1, 2]),  # 10 vectors: 16-wide
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernel_query_tiles(heads, kv_heads, q_lens, dtype) -> None:
+    """Batches whose every request has at most 8 query vectors (query tokens x GQA group) take an
+    8-wide tile, others the 16-wide one: both match the reference."""
+    rng = np.random.default_rng(7)
+    torch.manual_seed(7)
+    seq_lens = [40, 3, 100, 17][: len(q_lens)]
+    num_blocks = 64
+    head_dim = 64
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim)
+    backend.prepare(batch)
+    assert not isinstance(batch.attn_metadata, list)  # took the kernel
+    cache = torch.randn(2, num_blocks, BLOCK, kv_heads, head_dim).to(dtype)
+    t = batch.num_tokens
+    q = torch.randn(t, heads, head_dim).to(dtype)
+    k, v = torch.randn(t, kv_heads, head_dim).to(dtype), torch.randn(t, kv_heads, head_dim).to(dtype)
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, kv_heads, head_dim), cache[1].view(-1, kv_heads, head_dim)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, head_dim**-0.5, None)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
 @needs_kernel
