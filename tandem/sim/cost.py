@@ -212,16 +212,24 @@ class FittedCost:
     # Free-form provenance: what was measured where and when (model, threads, dtype, machine, note,
     # the measurements themselves); kept through save and load, never read by the model.
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # (coefficient, feature) pairs, resolved once: the simulator asks for every step it runs.
+    _terms: tuple[tuple[float, Callable[[StepShape], float]], ...] = field(
+        init=False, repr=False, compare=False, default=()
+    )
 
     def __post_init__(self) -> None:
         unknown = set(self.coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown cost features {sorted(unknown)}; known: {sorted(FEATURES)}")
+        object.__setattr__(self, "_terms", tuple((c, FEATURES[n]) for n, c in self.coefficients.items()))
 
     def step_seconds(self, shape: StepShape) -> float:
         if shape.num_requests == 0:
             return 0.0
-        return sum(c * FEATURES[n](shape) for n, c in self.coefficients.items())
+        total = 0.0
+        for c, feature in self._terms:
+            total += c * feature(shape)
+        return total
 
     def transfer_seconds(self, num_blocks: int) -> float:
         return self.transfer_t0_s + self.transfer_per_block_s * num_blocks if num_blocks > 0 else 0.0
