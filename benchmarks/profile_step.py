@@ -7,6 +7,10 @@ indexing/copies, sampling and other, next to the engine's own overhead (step tim
 model forward). Prints a table and writes JSON.
 
     python benchmarks/profile_step.py --model benchmarks/.cache/llama-415m --concurrency 8
+
+`--no-profile` times the same steps without the profiler (whose per-operator cost inflates the
+small operators): the step, the forward (with logits) and what the engine spends outside it
+(scheduling, batch building, sampling, outputs), the work an asynchronous scheduler could overlap.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-profile", action="store_true", help="time the steps only, no profiler")
     args = ap.parse_args()
 
     import torch
@@ -104,6 +109,27 @@ def main() -> None:
         engine.step(emit_unfinished=False)
     for _ in range(3):  # warm up the decode shapes
         engine.step()
+    if args.no_profile:
+        before = core.snapshot()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step(emit_unfinished=False)
+        wall = (time.perf_counter() - t0) / args.steps
+        after = core.snapshot()
+        forward = (after["forward_time_s"] - before["forward_time_s"]) / args.steps
+        timing = {
+            "model": args.model or "default", "dtype": args.dtype, "quantization": args.quantization,
+            "concurrency": args.concurrency, "threads": torch.get_num_threads(), "steps": args.steps,
+            "step_ms": 1e3 * wall, "forward_ms": 1e3 * forward, "outside_forward_ms": 1e3 * (wall - forward),
+            "outside_forward_fraction": (wall - forward) / wall,
+        }
+        print(f"{timing['model']} {args.dtype} q={args.quantization} c={args.concurrency}: step "
+              f"{timing['step_ms']:.2f} ms, forward + logits {timing['forward_ms']:.2f} ms, outside "
+              f"{timing['outside_forward_ms']:.2f} ms ({100 * timing['outside_forward_fraction']:.1f}%)")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(timing, indent=2))
+        return
     before = core.snapshot()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
