@@ -57,6 +57,15 @@ def build_checkpoints(args: argparse.Namespace) -> tuple[Path, Path]:
     return float_dir, int4_dir
 
 
+def add_checkpoint_args(ap: argparse.ArgumentParser) -> None:
+    """The options naming the checkpoints and the c=1 workload (shared with benchmarks/layer_ops.py)."""
+    ap.add_argument("--model", default=None, help="a float checkpoint (default: build the 415M one)")
+    ap.add_argument("--cache-dir", type=Path, default=REPO_ROOT / "benchmarks/.cache")
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+
+
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str, Any]]:
     import random
 
@@ -218,12 +227,8 @@ def default_model_perplexity(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a float checkpoint (default: build the 415M one)")
-    ap.add_argument("--cache-dir", type=Path, default=REPO_ROOT / "benchmarks/.cache")
-    ap.add_argument("--group-size", type=int, default=128)
+    add_checkpoint_args(ap)
     ap.add_argument("--variants", default="float,int8,int4,int4+int8")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--batch-tokens", type=int, default=64, help="output tokens per request at c=32")
     ap.add_argument("--repeats", type=int, default=3)

@@ -23,7 +23,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,30 +33,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.int4 import build_checkpoints, prompts  # noqa: E402
+from benchmarks.int4 import Variant, add_checkpoint_args, build_checkpoints  # noqa: E402
 
 
-class Variant:
+class Toggled(Variant):
+    """A variant of benchmarks/int4.py whose rounds switch the per-token kernels on and off."""
+
     def __init__(self, name: str, folder: Path, engine_args: dict[str, Any], args: argparse.Namespace) -> None:
-        from tandem import LLM
-
-        self.name, self.args = name, args
-        self.llm = LLM(model=str(folder), **engine_args)
-        self.model = self.llm.engine.core.runner.model
-        vocab = self.model.config.vocab_size
-        self.one = prompts(1, args.prompt_len, vocab, 1)
-        self.many = prompts(args.concurrency, args.prompt_len, vocab, 2)
+        super().__init__(name, folder, engine_args, args)
         self.c1: dict[bool, list[float]] = {True: [], False: []}
         self.batch: dict[bool, list[float]] = {True: [], False: []}
-        self.timed(self.one, 4)
-
-    def timed(self, batch: list[dict[str, Any]], max_tokens: int) -> float:
-        from tandem import SamplingParams
-
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        self.llm.generate(batch, params, use_tqdm=False)
-        return time.perf_counter() - t0
 
     def round(self, fused: bool) -> None:
         from tandem.model.fused_ops import set_fused_ops
@@ -69,7 +54,7 @@ class Variant:
         tokens = self.args.concurrency * self.args.batch_tokens
         self.batch[fused].append(tokens / self.timed(self.many, self.args.batch_tokens))
 
-    def result(self) -> dict[str, Any]:
+    def toggled_result(self) -> dict[str, Any]:
         out: dict[str, Any] = {"variant": self.name}
         c = self.args.concurrency
         for fused, label in ((True, "kernels"), (False, "torch")):
@@ -84,12 +69,8 @@ class Variant:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a float checkpoint (default: build the 415M one)")
-    ap.add_argument("--cache-dir", type=Path, default=REPO_ROOT / "benchmarks/.cache")
-    ap.add_argument("--group-size", type=int, default=128)
+    add_checkpoint_args(ap)
     ap.add_argument("--variants", default="int8,int4+int8,bfloat16")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--batch-tokens", type=int, default=32, help="output tokens per request at c>1")
     ap.add_argument("--repeats", type=int, default=5)
@@ -111,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         "int4+int8": (int4_dir, dict(common, quantization="int8")),
         "bfloat16": (float_dir, dict(common, dtype="bfloat16")),
     }
-    loaded = [Variant(name, *variants[name], args) for name in args.variants.split(",")]
+    loaded = [Toggled(name, *variants[name], args) for name in args.variants.split(",")]
     for i in range(args.repeats):
         for v in loaded:  # on and off in alternating order, so neither always runs first
             for fused in ((True, False) if i % 2 == 0 else (False, True)):
                 v.round(fused)
-    results = [v.result() for v in loaded]
+    results = [v.toggled_result() for v in loaded]
     c = args.concurrency
     for r in results:
         print(f"{r['variant']:9s} c=1 decode {r['torch_c1_decode_tok_s']:6.2f} -> {r['kernels_c1_decode_tok_s']:6.2f} "

@@ -21,6 +21,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "layer_ops.cpp"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("exp_approx.h",))
 ENV_SWITCH = "TANDEM_CPU_KERNELS"
 # -fno-trapping-math: floating-point exceptions stay masked (as PyTorch runs), so the compiler may
 # turn the clamps before an exp into vector selects; it changes no result.
@@ -38,7 +39,7 @@ def library_name() -> str:
     library (one process can load the other's while it is being replaced)."""
     from tandem.cpu import cpu_flags
 
-    key = " ".join([*sorted(cpu_flags()), *CFLAGS]).encode() + b"".join(src.read_bytes() for src in SOURCES)
+    key = " ".join([*sorted(cpu_flags()), *CFLAGS]).encode() + b"".join(src.read_bytes() for src in SOURCES + HEADERS)
     digest = hashlib.sha1(key).hexdigest()[:10]
     return f"tandem_cpu_ops_{digest}"
 

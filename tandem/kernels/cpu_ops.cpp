@@ -26,6 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include "exp_approx.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -419,25 +421,6 @@ inline float row_scale(const C* row, int64_t offset) {
   return s;
 }
 
-// exp for x <= 0 (softmax after subtracting the maximum): Cody-Waite range reduction and the
-// classic single-precision minimax polynomial; relative error about 1e-7.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // Query vectors (one query token's head of one KV group) a task attends together: the scores of a
 // context position for all of them fill one vector register. Every key and value row is then read
 // once for all of a group's heads and a verification's query tokens, and no dot product needs a
@@ -577,7 +560,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
         const int64_t pos = jlo + j;
 #pragma omp simd
         for (int64_t c = 0; c < QT; ++c) {
-          const float e = exp_nonpositive(std::min(s[c] - mx[c], 0.f));
+          const float e = tandem_kernels::exp_clamped(std::min(s[c] - mx[c], 0.f));
           s[c] = (pos >= lo[c] && pos <= hi[c]) ? e : 0.f;
           sum[c] += s[c];
         }
