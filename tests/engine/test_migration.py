@@ -48,7 +48,9 @@ async def run(config: EngineConfig, seed: int, live: bool) -> tuple[dict[int, li
             streams.append(client.add(req, text, asyncio.Event(), instance=i % 2))
         finals: dict[int, list[list[int]]] = {}
         while len(finals) < len(streams):
-            await asyncio.sleep(rng.uniform(0.002, 0.03))
+            # Short gaps: a fast engine finishes these streams in well under a second, and the test
+            # needs many moves while they run.
+            await asyncio.sleep(rng.uniform(0.0005, 0.008))
             for i, stream in enumerate(streams):
                 rid = f"r{i}"
                 if rid in client.routes and rng.random() < 0.4:
