@@ -30,7 +30,7 @@ BODY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    args = ["--num-instances", "3", "--num-threads", "1", "--num-kv-blocks", "512", "--max-num-seqs", "4"]
+    args = ["--num-instances", "3", "--num-threads", "1", "--num-kv-blocks", "1024", "--max-num-seqs", "4"]
     args += ["--served-model-name", "tiny", "--dispatch-policy", "least_load", "--block-size", "4"]
     args += ["--migration-triggers", "imbalance", "--cpus-per-instance", "0.5"]
     with RemoteServer(llama_dir, *args, startup_timeout=300) as s:
@@ -87,7 +87,7 @@ def test_outputs_equal_the_single_engine_and_spread_over_instances(server, offli
 def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, offline):
     results: dict = {}
     # 600 tokens each: on an idle machine a request decodes in a second or two, and the drain must
-    # find instance 2's still running (after it, three per instance fit in 512 blocks of 4).
+    # find instance 2's still running (after it, three per instance fit in 1024 blocks of 4).
     threads = post_all(server, 600, results)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -119,8 +119,10 @@ def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, off
 
 def test_killing_an_instance_mid_decode_costs_the_clients_nothing(server, offline):
     results: dict = {}
-    # Long enough that the victim is still decoding when the (0.2 s old) load report says so.
-    threads = post_all(server, 600, results)
+    # Long enough that the victim is still decoding when the (0.2 s old) load report says so: twelve
+    # requests of 1000 tokens, two waves of up to four per instance (1024 blocks of 4 hold four).
+    prompts = PROMPTS + PROMPTS
+    threads = post_all(server, 1000, results, prompts)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         m = server.metrics()
@@ -131,9 +133,9 @@ def test_killing_an_instance_mid_decode_costs_the_clients_nothing(server, offlin
     os.kill(victim, signal.SIGKILL)
     for t in threads:
         t.join(240)
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         assert results[i].status_code == 200, results[i].text
-        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, 600), i
+        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, 1000), i
     assert server.metrics()["tandem:requests_resumed"] >= 1
     assert victim not in instance_pids()
     # The survivor goes on serving new requests.
