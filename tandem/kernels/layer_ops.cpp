@@ -100,8 +100,9 @@ void check_rows(const char* op, const at::Tensor& x) {
               ": float32 or bfloat16 only, got ", x.scalar_type());
 }
 
-template <typename E>
-void rms_norm_impl(const at::Tensor& x, const float* w, double eps, bool cast_first, at::Tensor& out) {
+// W: the weight's storage type (float, or bfloat16's bits), read as it is: no per-call copy.
+template <typename E, typename W>
+void rms_norm_impl(const at::Tensor& x, const W* w, float offset, double eps, bool cast_first, at::Tensor& out) {
   const Rows rows(x);
   const int64_t D = rows.width;
   const E* xp = elements<E>(x);
@@ -117,13 +118,23 @@ void rms_norm_impl(const at::Tensor& x, const float* w, double eps, bool cast_fi
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + epsf);
       if (cast_first) {  // Llama: the normalized row is cast to the storage type, then weighted
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] = narrow<E>(w[d] * rounded<E>(widen(xr[d]) * inv));
+        for (int64_t d = 0; d < D; ++d) o[d] = narrow<E>((widen(w[d]) + offset) * rounded<E>(widen(xr[d]) * inv));
       } else {  // Gemma: weighted in float32, then cast
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] = narrow<E>(widen(xr[d]) * inv * w[d]);
+        for (int64_t d = 0; d < D; ++d) o[d] = narrow<E>(widen(xr[d]) * inv * (widen(w[d]) + offset));
       }
     }
   });
+}
+
+template <typename E>
+void rms_norm_typed(const at::Tensor& x, const at::Tensor& w, float offset, double eps, bool cast_first,
+                    at::Tensor& out) {
+  if (w.scalar_type() == at::kFloat) {
+    rms_norm_impl<E, float>(x, w.data_ptr<float>(), offset, eps, cast_first, out);
+  } else {
+    rms_norm_impl<E, uint16_t>(x, elements<uint16_t>(w), offset, eps, cast_first, out);
+  }
 }
 
 // RMSNorm of each row of x ([D], [T, D] or [T, H, D], rows may be strided) times (weight +
@@ -135,14 +146,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
   const char* op = "tandem rms_norm";
   check_rows(op, x);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": weight must be [", x.size(-1), "]");
-  const at::Tensor wt = weight.to(at::kFloat).contiguous();
-  std::vector<float> w(wt.data_ptr<float>(), wt.data_ptr<float>() + wt.numel());
-  for (float& v : w) v += static_cast<float>(weight_offset);
+  // The model's own weights (float32 or bfloat16, contiguous) are read in place; anything else once
+  // converted.
+  const bool as_is = weight.is_contiguous() &&
+                     (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16);
+  const at::Tensor w = as_is ? weight : weight.to(at::kFloat).contiguous();
+  const float offset = static_cast<float>(weight_offset);
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kFloat) {
-    rms_norm_impl<float>(x, w.data(), eps, cast_first, out);
+    rms_norm_typed<float>(x, w, offset, eps, cast_first, out);
   } else {
-    rms_norm_impl<uint16_t>(x, w.data(), eps, cast_first, out);
+    rms_norm_typed<uint16_t>(x, w, offset, eps, cast_first, out);
   }
   return out;
 }

@@ -57,6 +57,19 @@ def test_rms_norm_matches_the_module(dtype, norm_cls):
     _close(norm(x), ref, dtype)
 
 
+def test_rms_norm_reads_any_weight_dtype_and_layout():
+    """The model's float32 and bfloat16 weights are read in place; another dtype or a strided weight
+    gives the same result as its float32 copy."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 40, generator=g)
+    w = torch.rand(40, generator=g) + 0.5
+    ref = torch.ops.tandem.rms_norm(x, w, 1e-6, 1.0, False)
+    torch.testing.assert_close(torch.ops.tandem.rms_norm(x, w.double(), 1e-6, 1.0, False), ref, rtol=0, atol=0)
+    strided = torch.stack([w, w], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(torch.ops.tandem.rms_norm(x, strided, 1e-6, 1.0, False), ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_silu_times_up(dtype):
     g = torch.Generator().manual_seed(2)
