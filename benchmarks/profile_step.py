@@ -20,6 +20,7 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 GROUPS = {
     "gemm": (
@@ -81,7 +82,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from tandem import LLM, SamplingParams
 
@@ -109,27 +109,48 @@ def main() -> None:
         engine.step(emit_unfinished=False)
     for _ in range(3):  # warm up the decode shapes
         engine.step()
-    if args.no_profile:
-        before = core.snapshot()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step(emit_unfinished=False)
-        wall = (time.perf_counter() - t0) / args.steps
-        after = core.snapshot()
-        forward = (after["forward_time_s"] - before["forward_time_s"]) / args.steps
-        timing = {
-            "model": args.model or "default", "dtype": args.dtype, "quantization": args.quantization,
-            "concurrency": args.concurrency, "threads": torch.get_num_threads(), "steps": args.steps,
-            "step_ms": 1e3 * wall, "forward_ms": 1e3 * forward, "outside_forward_ms": 1e3 * (wall - forward),
-            "outside_forward_fraction": (wall - forward) / wall,
-        }
-        print(f"{timing['model']} {args.dtype} q={args.quantization} c={args.concurrency}: step "
-              f"{timing['step_ms']:.2f} ms, forward + logits {timing['forward_ms']:.2f} ms, outside "
-              f"{timing['outside_forward_ms']:.2f} ms ({100 * timing['outside_forward_fraction']:.1f}%)")
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(timing, indent=2))
-        return
+    settings = {
+        "model": args.model or "default",
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "concurrency": args.concurrency,
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+    }
+    report = timed_steps(engine, args, settings) if args.no_profile else profiled_steps(engine, args, settings)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+def timed_steps(engine: Any, args: argparse.Namespace, settings: dict[str, Any]) -> dict[str, Any]:
+    """The steps without the profiler: step time against forward (with logits) time."""
+    core = engine.core
+    before = core.snapshot()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step(emit_unfinished=False)
+    wall = (time.perf_counter() - t0) / args.steps
+    after = core.snapshot()
+    forward = (after["forward_time_s"] - before["forward_time_s"]) / args.steps
+    report = {
+        **settings,
+        "step_ms": 1e3 * wall,
+        "forward_ms": 1e3 * forward,
+        "outside_forward_ms": 1e3 * (wall - forward),
+        "outside_forward_fraction": (wall - forward) / wall,
+    }
+    print(f"{report['model']} {args.dtype} q={args.quantization} c={args.concurrency}: step "
+          f"{report['step_ms']:.2f} ms, forward + logits {report['forward_ms']:.2f} ms, outside "
+          f"{report['outside_forward_ms']:.2f} ms ({100 * report['outside_forward_fraction']:.1f}%)")
+    return report
+
+
+def profiled_steps(engine: Any, args: argparse.Namespace, settings: dict[str, Any]) -> dict[str, Any]:
+    """The steps under the torch profiler: operator self time by group, and the top operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    core = engine.core
     before = core.snapshot()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -144,12 +165,7 @@ def main() -> None:
     forward = (after["forward_time_s"] - before["forward_time_s"]) / args.steps
     profiled = sum(totals.values())
     report = {
-        "model": args.model or "default",
-        "dtype": args.dtype,
-        "quantization": args.quantization,
-        "concurrency": args.concurrency,
-        "threads": torch.get_num_threads(),
-        "steps": args.steps,
+        **settings,
         "step_ms_profiled": 1e3 * wall / args.steps,
         "step_ms": 1e3 * step,
         "forward_ms": 1e3 * forward,
@@ -169,9 +185,7 @@ def main() -> None:
         print(f"  {k:18s} {100 * v:5.1f}% of operator self time")
     for op in report["top_ops"]:
         print(f"  {op['op']:40s} {op['calls']:6d} calls {op['self_ms_per_step']:8.2f} ms/step")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":

@@ -420,9 +420,9 @@ def main() -> None:
         "draft_perplexity": perplexity(draft, ids_t),
     }
     # int8's accuracy cost depends on the CPU: with VNNI the activations are quantized too.
-    from tandem.model.quant import _cpu_has_vnni
+    from tandem.model.quant import cpu_has_vnni
 
-    report["int8_activations"] = "int8" if _cpu_has_vnni() else "float32"
+    report["int8_activations"] = "int8" if cpu_has_vnni() else "float32"
     # The same held-out text through Tandem, per weight format (quantization's accuracy cost).
     report["tandem_target_perplexity"] = {
         f"{dtype}{'+' + q if q else ''}": tandem_perplexity(DEFAULT_MODEL_DIR, dtype, q, ids_t)

@@ -49,7 +49,8 @@ def _has_dynamic_int8() -> bool:
     )
 
 
-def _cpu_has_vnni() -> bool:
+def cpu_has_vnni() -> bool:
+    """True where int8 products quantize their activations too (AVX512-VNNI or AVX-VNNI)."""
     return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
 
 
@@ -72,7 +73,7 @@ class Int8Linear(DirectCall, nn.Module):
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         # use_kernel=False forces the float reference path (tests); None takes what the host has.
         want = use_kernel is not False
-        self._packed = self._prepack() if want and _has_dynamic_int8() and _cpu_has_vnni() else None
+        self._packed = self._prepack() if want and _has_dynamic_int8() and cpu_has_vnni() else None
         # Tandem's few-row kernel wants each weight row's sum (it offsets activations by 128).
         self.row_sum = q.sum(1, dtype=torch.int32) if want and kernels.has("gemm_w8a8") else None
         # Without VNNI: the weight-only kernel for few rows.
@@ -125,7 +126,7 @@ def quantize_model(model: M, method: str | None, use_kernel: bool | None = None)
         return model
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
-    if use_kernel is not False and not _cpu_has_vnni():
+    if use_kernel is not False and not cpu_has_vnni():
         if kernels.has("gemm_w8_f32"):
             logger.warning(
                 "this CPU has no VNNI: int8 runs weight-only (Tandem's AVX2 kernel up to %d rows, "
