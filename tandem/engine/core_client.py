@@ -141,9 +141,12 @@ class AsyncEngineClient:
         on_migrated: Callable[[m.Migrated | m.TransferDropped], None] | None = None,
         disaggregation: Disaggregation | None = None,
         hang_timeout_s: float | None = None,
+        on_gone: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.on_stats = on_stats
+        # Told when an instance leaves for good (retired or dead), so its last report stops counting.
+        self.on_gone = on_gone
         self.on_dead = on_dead
         # Told each live migration's outcome (metrics).
         self.on_migrated = on_migrated
@@ -309,6 +312,8 @@ class AsyncEngineClient:
         self.draining.discard(instance)
         if self.dispatcher is not None:
             self.dispatcher.forget_instance(instance)
+        if self.on_gone is not None:
+            self.on_gone(instance)
         task = self._tasks[instance]
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -579,6 +584,8 @@ class AsyncEngineClient:
         self._live.discard(instance)
         if self.dispatcher is not None:
             self.dispatcher.forget_instance(instance)
+        if self.on_gone is not None:
+            self.on_gone(instance)
         for rid, move in list(self.moves.items()):
             if move.destination == instance:
                 # The source keeps the request (or, if it handed over already, its Migrated says so

@@ -50,6 +50,24 @@ def test_metrics_turn_cumulative_stats_into_increments():
     assert "150.0" not in ServerMetrics("tiny").render()[0].decode()
 
 
+def test_a_gone_instance_leaves_the_gauges_and_keeps_its_counts():
+    metrics = ServerMetrics("tiny")
+    metrics.observe_stats(m.Stats(2, 1, 0.5, 0, 10, 0, 10, 4, []), instance=0)
+    metrics.observe_stats(m.Stats(3, 0, 0.25, 0, 10, 0, 10, 6, []), instance=1)
+    text = metrics.render()[0].decode()
+    assert 'tandem:num_requests_running{model_name="tiny"} 5.0' in text
+    assert 'tandem:instance_num_requests_running{instance="1",model_name="tiny"} 3.0' in text
+    metrics.forget_instance(1)
+    metrics.forget_instance(1)  # a second notice (retired, then its process exits) is harmless
+    text = metrics.render()[0].decode()
+    assert 'tandem:num_requests_running{model_name="tiny"} 2.0' in text
+    assert 'tandem:kv_cache_usage_perc{model_name="tiny"} 0.5' in text
+    assert 'instance="1"' not in text
+    assert 'tandem:generation_tokens_total{model_name="tiny"} 10.0' in text
+    metrics.forget_instance(0)
+    assert 'tandem:num_requests_running{model_name="tiny"} 0.0' in metrics.render()[0].decode()
+
+
 def test_validation_errors_name_the_field():
     err = validation_error(
         [

@@ -74,6 +74,7 @@ def build_app(state: ServerState, config: EngineConfig, cluster: ClusterConfig |
             on_migrated=state.metrics.observe_migration,
             disaggregation=disaggregation,
             hang_timeout_s=cluster.instance_timeout_s if cluster is not None else None,
+            on_gone=state.metrics.forget_instance,
         )
         state.metrics.track_admission(
             lambda: state.client.num_inflight if state.client else 0,

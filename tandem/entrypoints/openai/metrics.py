@@ -7,6 +7,7 @@ advanced by the difference to the previous snapshot.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import time
@@ -169,6 +170,20 @@ class ServerMetrics:
             last[field] = value
         for n in stats.iteration_tokens:
             self.iteration_tokens.observe(n)
+
+    def forget_instance(self, instance: int) -> None:
+        """The instance is gone (retired or dead): its gauges leave the sums and the exposition,
+        rather than keep its last report's values; what its counters added stays."""
+        if self._latest.pop(instance, None) is None:
+            return
+        label = str(instance)
+        for gauge in (self.instance_running, self.instance_waiting, self.instance_kv_usage):
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.model_name, label)
+        latest = list(self._latest.values())
+        self.num_requests_running.set(sum(s.num_running for s in latest))
+        self.num_requests_waiting.set(sum(s.num_waiting for s in latest))
+        self.kv_cache_usage.set(sum(s.kv_usage for s in latest) / len(latest) if latest else 0.0)
 
     def observe_finished(self, out: RequestOutput, tenant: str) -> None:
         """A request group that finished in the engine (any finish reason but a front-end abort)."""
