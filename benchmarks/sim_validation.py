@@ -182,22 +182,28 @@ def in_sample(trace: str, instances: int, real_steps: str, cost: str | None, tmp
     return simulated(trace, instances, path)
 
 
-def calibrated_cost(model: str, a: argparse.Namespace, tmp: str) -> str:
-    """Serve a calibration trace (seed 11, the middle rate, one instance) with a step trace and fit
-    the cost model on its steps; the path of the fitted model."""
+def calibrated_cost(model: str, a: argparse.Namespace, instances: int, tmp: str) -> str:
+    """Serve a calibration trace (seed 11, the middle rate) on `instances` instances with a step
+    trace and fit the cost model on their steps; the path of the fitted model. Fitted per instance
+    count: with two engines on two cores, the API process and the load generator take their share
+    from both, and that is the step cost the simulator has to know."""
     from tandem.sim.calibrate import calibrate, load_base
     from tandem.sim.cost import save_cost
     from tandem.sim.trace import save_trace, synthetic
 
     rates = [float(x) for x in a.rates.split(",")]
     rate = rates[len(rates) // 2]
-    trace = synthetic(a.num_requests, rate, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=11)
-    path, steps = str(Path(tmp) / "calibration.jsonl"), str(Path(tmp) / "calibration-steps.jsonl")
+    trace = synthetic(
+        a.num_requests, rate * instances, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=11
+    )
+    path = str(Path(tmp) / f"calibration-{instances}.jsonl")
+    steps = str(Path(tmp) / f"calibration-steps-{instances}.jsonl")
     save_trace(trace, path)
-    print(f"\n== calibration run: 1 instance, {rate:g} req/s, another trace (seed 11)", flush=True)
-    real(model, path, 1, a.num_requests, a.pin, steps)
-    fitted = calibrate([steps], load_base(a.cost))
-    out = str(Path(a.step_trace_dir or tmp) / "calibrated-cost.json")
+    print(f"\n== calibration run: {instances} instance(s), {rate * instances:g} req/s, another trace (seed 11)",
+          flush=True)
+    real(model, path, instances, a.num_requests, a.pin, steps)
+    fitted = calibrate([steps], load_base(a.base_cost))
+    out = str(Path(a.step_trace_dir or tmp) / f"calibrated-cost-{instances}.json")
     save_cost(fitted, out)
     err = fitted.fit_error
     coef = ", ".join(f"{k} {v:.3g}" for k, v in fitted.coefficients.items())
@@ -231,12 +237,15 @@ def main(argv: list[str] | None = None) -> int:
         a.instances, a.rates, a.num_requests = "1", "2,8", 40
     model = default_model_path()
     rows = []
+    a.base_cost = a.cost
+    costs_used = {}
     with tempfile.TemporaryDirectory() as tmp:
-        if a.calibrate:
-            a.cost = calibrated_cost(model, a, tmp)
-        cost_used = load_cost(a.cost or str(DEFAULT_COST)).to_dict()
-        cost_used = {k: cost_used[k] for k in ("name", "coefficients", "fit_error", "delivery_s") if k in cost_used}
         for n in [int(x) for x in a.instances.split(",")]:
+            if a.calibrate:
+                a.cost = calibrated_cost(model, a, n, tmp)
+            cost_used = load_cost(a.cost or str(DEFAULT_COST)).to_dict()
+            keys = ("name", "coefficients", "fit_error", "delivery_s", "meta")
+            costs_used[n] = {k: cost_used[k] for k in keys if k in cost_used}
             for rate in [float(x) for x in a.rates.split(",")]:
                 trace = synthetic(
                     a.num_requests, rate * n, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=7
@@ -280,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command_line": shlex.join(["python", *sys.argv]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "cost_model": cost_used,
+        "cost_model": costs_used,
         "rows": rows,
     }
     if a.result_json:

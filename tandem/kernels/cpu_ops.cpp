@@ -898,8 +898,10 @@ constexpr int64_t kInt4Ahead = 8;
 
 // out[m * ld + (n - n0)] = x_m . w_n for MR activation rows (from row m0 of `a`) and output rows
 // [n0, n1), NR weight rows at a time (independent accumulator chains; each unit's activations
-// are read once for all of them).
-template <int MR, int NR>
+// are read once for all of them). UPG > 0: every group is exactly UPG two-block units and one chunk
+// (groups of 64, 128 or 256), so the unit loop has a fixed trip count the compiler unrolls; with
+// groups of 128 the generic loop's set-up and exit cost as much as its two iterations' work.
+template <int MR, int NR, int UPG = 0>
 void int4_rows(const Int4Act& a, int64_t m0, int64_t K, int64_t gs, const uint8_t* qw, const float* sc,
                const float* zs, int64_t n0, int64_t n1, float* out, int64_t ld) {
   const int64_t G = K / gs, bpg = gs / 32, U = a.units, C = a.chunks, KH = K / 2;
@@ -921,13 +923,14 @@ void int4_rows(const Int4Act& a, int64_t m0, int64_t K, int64_t gs, const uint8_
     const float* cp = cs;
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t b0 = 0; b0 < bpg; b0 += 2 * kInt4ChunkUnits, ++cp) {
-        const int64_t b1 = std::min(bpg, b0 + 2 * kInt4ChunkUnits);
+        const int64_t b1 = UPG > 0 ? 2 * UPG : std::min(bpg, b0 + 2 * kInt4ChunkUnits);
         __m256i isum[MR][NR];
         #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m)
           #pragma GCC unroll 4
           for (int j = 0; j < NR; ++j) isum[m][j] = _mm256_setzero_si256();
         int64_t b = b0;
+        #pragma GCC unroll 4
         for (; b + 1 < b1; b += 2, rp += 16, wr += 32, xp += 64) {
           #pragma GCC unroll 4
           for (int j = 0; j < NR; ++j) {
@@ -945,7 +948,7 @@ void int4_rows(const Int4Act& a, int64_t m0, int64_t K, int64_t gs, const uint8_
             }
           }
         }
-        if (b < b1) {  // the group's odd block
+        if (UPG == 0 && b < b1) {  // the group's odd block
           const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
           #pragma GCC unroll 4
           for (int j = 0; j < NR; ++j) {
@@ -983,12 +986,19 @@ void int4_rows(const Int4Act& a, int64_t m0, int64_t K, int64_t gs, const uint8_
         out[m * ld + (n + j - n0)] = hsum256(tot[m][j]) - corr;
       }
   }
-  if (n < n1) int4_rows<MR, 1>(a, m0, K, gs, qw, sc, zs, n, n1, out + (n - n0), ld);
+  if (n < n1) int4_rows<MR, 1, UPG>(a, m0, K, gs, qw, sc, zs, n, n1, out + (n - n0), ld);
 }
 
 // Activation rows per sweep of the weight, and weight rows per step for each row count: at most
 // four accumulator pairs, so the sweep stays in the 16 vector registers.
 constexpr int64_t kInt4Sweep = 4;
+
+using Int4RowsFn = void (*)(const Int4Act&, int64_t, int64_t, int64_t, const uint8_t*, const float*, const float*,
+                            int64_t, int64_t, float*, int64_t);
+// The kernel for 1, 2, 3 and 4 activation rows (weight rows per step as the registers allow).
+template <int UPG>
+constexpr Int4RowsFn kInt4Kernels[4] = {int4_rows<1, 4, UPG>, int4_rows<2, 2, UPG>, int4_rows<3, 1, UPG>,
+                                        int4_rows<4, 1, UPG>};
 
 // x [M, K] (float32 or bfloat16) times the 4-bit weight [N, K] (layout above), plus bias; the
 // result in x's dtype.
@@ -1009,18 +1019,24 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   const uint8_t* wp = qw.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* zp = zs.data_ptr<float>();
+  // Groups of two-block units that make one chunk (64, 128, 256 elements) take the fixed-trip kernels.
+  const int64_t bpg = gs / 32, upg = bpg % 2 == 0 && bpg <= 2 * kInt4ChunkUnits ? bpg / 2 : 0;
+  auto rows_kernel = [upg](int64_t rows) -> Int4RowsFn {
+    const int i = rows == 1 ? 0 : rows == 2 ? 1 : rows == 3 ? 2 : 3;
+    switch (upg) {
+      case 1: return kInt4Kernels<1>[i];
+      case 2: return kInt4Kernels<2>[i];
+      case 4: return kInt4Kernels<4>[i];
+      default: return kInt4Kernels<0>[i];
+    }
+  };
   for_row_blocks(N, [&](int64_t n0, int64_t n1) {
     float acc[kInt4Sweep * kChunk];
     for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
       const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
       for (int64_t m0 = 0; m0 < M; m0 += kInt4Sweep) {
         const int64_t rows = std::min<int64_t>(kInt4Sweep, M - m0);
-        switch (rows) {
-          case 1: int4_rows<1, 4>(act, m0, K, gs, wp, sp, zp, c0, c1, acc, width); break;
-          case 2: int4_rows<2, 2>(act, m0, K, gs, wp, sp, zp, c0, c1, acc, width); break;
-          case 3: int4_rows<3, 1>(act, m0, K, gs, wp, sp, zp, c0, c1, acc, width); break;
-          default: int4_rows<4, 1>(act, m0, K, gs, wp, sp, zp, c0, c1, acc, width); break;
-        }
+        rows_kernel(rows)(act, m0, K, gs, wp, sp, zp, c0, c1, acc, width);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t n = c0; n < c1; ++n) op_[(m0 + r) * N + n] = acc[r * width + (n - c0)] + (bp ? bp[n] : 0.f);
       }

@@ -19,6 +19,8 @@ SHAPES = [
     (9, 32, 32),
     (12, 192, 96),  # a pair and an odd block per group
     (21, 640, 640),  # 20 blocks in one group: chunks of 8, 8 and 4
+    (18, 256, 64),  # groups of one, two and four units: the fixed-trip kernels
+    (10, 512, 256),
 ]
 
 needs_kernel = pytest.mark.skipif(not kernels.has("gemm_int4"), reason="host CPU has no AVX2 + FMA")
