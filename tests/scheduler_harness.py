@@ -72,11 +72,11 @@ def reference_output(
         t = target(toks, index)
         toks.append(t)
         out.append(t)
-        if len(out) > sp.min_tokens:
-            if not sp.ignore_eos and t in eos:
-                return out, RequestStatus.FINISHED_STOPPED
-            if t in sp.stop_token_ids:
-                return out, RequestStatus.FINISHED_STOPPED
+        # min_tokens is the sampler's (it holds stop tokens back): a stop token the model gives stops.
+        if not sp.ignore_eos and t in eos:
+            return out, RequestStatus.FINISHED_STOPPED
+        if t in sp.stop_token_ids:
+            return out, RequestStatus.FINISHED_STOPPED
         if len(out) >= max_tokens or len(toks) >= max_model_len:
             return out, RequestStatus.FINISHED_LENGTH
 

@@ -476,14 +476,14 @@ class Scheduler:
         req.token_times.append(now)
         sp = req.sampling
         num_out = req.num_output_tokens
-        # The sampler masks stop tokens while fewer than min_tokens have been produced.
-        if num_out > sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                self._finish(req, RequestStatus.FINISHED_STOPPED, None)
-                return
-            if token in sp.stop_ids:
-                self._finish(req, RequestStatus.FINISHED_STOPPED, token)
-                return
+        # A stop token ends the request even under min_tokens: the sampler holds stop tokens back
+        # there, so it chose one only because nothing else was allowed (a finished grammar).
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            self._finish(req, RequestStatus.FINISHED_STOPPED, None)
+            return
+        if token in sp.stop_ids:
+            self._finish(req, RequestStatus.FINISHED_STOPPED, token)
+            return
         if num_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH, None)
 

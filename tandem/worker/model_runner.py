@@ -354,19 +354,19 @@ class ModelRunner:
                     counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
                 prompt_mask[i, torch.tensor(r.prompt_token_ids, device=dev)] = True
 
-        blocked = None
+        held_stops = None
         for i, row in enumerate(rows):
             r, sp = row.request, row.request.sampling
             if r.num_output_tokens + len(row.history) < sp.min_tokens:
                 stops = list(sp.stop_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
                 if stops:
-                    if blocked is None:
-                        blocked = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
-                    blocked[i, torch.tensor(stops, device=dev)] = True
+                    if held_stops is None:
+                        held_stops = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
+                    held_stops[i, torch.tensor(stops, device=dev)] = True
 
-        bias = None
+        bias = blocked = None
         if any(p.uses_token_controls for p in params):
-            bias, blocked = self._token_controls(rows, blocked)
+            bias, blocked = self._token_controls(rows)
 
         generators: list[torch.Generator | None] = []
         seeded: set[str] = set()
@@ -396,17 +396,16 @@ class ModelRunner:
             output_counts=counts,
             prompt_mask=prompt_mask,
             blocked=blocked,
+            held_stops=held_stops,
             generators=generators,
             num_logprobs=[p.logprobs for p in params],
             bias=bias,
         )
 
-    def _token_controls(
-        self, rows: list[SampleRow], blocked: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """logit_bias as an [R, V] bias; allowed_token_ids and bad_words added to `blocked`."""
+    def _token_controls(self, rows: list[SampleRow]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """logit_bias as an [R, V] bias; allowed_token_ids and bad_words as an [R, V] block."""
         dev, vocab = self.device, self.vocab_size
-        bias = None
+        bias = blocked = None
 
         def block() -> torch.Tensor:
             nonlocal blocked

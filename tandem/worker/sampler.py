@@ -2,9 +2,10 @@
 
 Every transform is a tensor op over all rows at once; the only per-row Python
 is drawing noise from a request's own seeded generator (seeded requests must
-not depend on what else is in the batch). Order: penalties, stop-token masking
-for `min_tokens`, logit_bias, then the token masks (allowed_token_ids, bad_words), then greedy argmax, or temperature, top-k, top-p, min-p and
-an exponential-race draw (argmax of p / E, E ~ Exp(1), is a sample from p).
+not depend on what else is in the batch). Order: penalties, logit_bias, the token
+masks (allowed_token_ids, bad_words, the grammar), the stop tokens held back under
+`min_tokens` (unless nothing else is left), then greedy argmax, or temperature,
+top-k, top-p, min-p and an exponential-race draw (argmax of p / E, E ~ Exp(1), is a sample from p).
 Returned logprobs are those of the raw model distribution, as in vLLM.
 """
 
@@ -30,14 +31,17 @@ class SamplingBatch:
     repetition: torch.Tensor | None
     output_counts: torch.Tensor | None  # [R, V] occurrences of each token in the output so far
     prompt_mask: torch.Tensor | None  # [R, V] token occurs in the prompt
-    blocked: torch.Tensor | None  # [R, V] tokens forbidden this step (stop tokens under min_tokens)
+    blocked: torch.Tensor | None  # [R, V] tokens forbidden this step (allowed_token_ids, bad_words)
     generators: list[torch.Generator | None]  # per row; None uses the engine's generator
     num_logprobs: list[int | None]  # per row
     # [R, V] tokens a row's grammar forbids (structured output); None when no row is constrained.
     grammar_forbidden: torch.Tensor | None = None
-    # [R, V] added to the logits (logit_bias); blocked also holds allowed_token_ids' complement
-    # and the bad_words whose prefix ends the output.
+    # [R, V] added to the logits (logit_bias).
     bias: torch.Tensor | None = None
+    # [R, V] stop tokens held back while a row has fewer than min_tokens outputs: yielded where
+    # nothing else is allowed (a finished grammar, an allowed set of stop tokens only), since
+    # min_tokens cannot be met there without breaking a hard constraint.
+    held_stops: torch.Tensor | None = None
 
 
 class Sampler:
@@ -90,6 +94,10 @@ class Sampler:
             logits = logits.masked_fill(sb.blocked, float("-inf"))
         if sb.grammar_forbidden is not None:
             logits = logits.masked_fill(sb.grammar_forbidden, float("-inf"))
+        if sb.held_stops is not None:
+            held = logits.masked_fill(sb.held_stops, float("-inf"))
+            stuck = torch.isneginf(held).all(dim=-1, keepdim=True)
+            logits = torch.where(stuck, logits, held)
         return logits
 
     @staticmethod

@@ -330,6 +330,22 @@ def test_blocked_tokens_never_chosen():
             assert t == int(masked.argmax())
 
 
+def test_held_stop_tokens_yield_only_where_nothing_else_is_allowed():
+    vocab, n = 16, 4
+    logits = random_logits(n, vocab, seed=11)
+    eos = int(logits[0].argmax())
+    # Rows 0 and 2: every token but EOS forbidden (a finished grammar); rows 1 and 3: free.
+    blocked = [[t for t in range(vocab) if t != eos] if i % 2 == 0 else [] for i in range(n)]
+    rows = [dict(temperature=0.0) if i < 2 else dict(top_k=3) for i in range(n)]
+    sb = make_batch(rows, vocab, blocked=blocked)
+    held = torch.zeros(n, vocab, dtype=torch.bool)
+    held[:, eos] = True
+    sb.held_stops = held
+    tokens, _ = Sampler(torch.Generator().manual_seed(0))(logits, sb)
+    assert tokens[0] == eos and tokens[2] == eos
+    assert tokens[1] != eos and tokens[3] != eos
+
+
 def test_sampler_logprobs_are_raw_with_correct_ranks():
     vocab = 40
     rows = [

@@ -126,6 +126,17 @@ def test_random_choices(llm, choices):
         assert c.text in choices
 
 
+def test_a_finished_choice_stops_before_min_tokens(llm):
+    """min_tokens beyond what the grammar allows: the output completes the grammar and stops there
+    (EOS is the only token it allows), rather than running on with tokens it forbids."""
+    choices = ["yes", "no"]
+    for c in generate(llm, StructuredOutputsParams(choice=choices), min_tokens=MAX_TOKENS - 1):
+        assert c.finish_reason == "stop", c
+        assert c.text in choices
+        eos = llm.get_tokenizer().eos_token_id
+        assert eos not in c.token_ids[:-1] and 0 not in c.token_ids, c.token_ids
+
+
 @pytest.mark.parametrize(
     "grammar, pattern",
     [

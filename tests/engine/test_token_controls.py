@@ -70,6 +70,20 @@ def test_allowed_token_ids_hold_when_sampling(llm):
         assert set(out.outputs[0].token_ids) <= set(allowed)
 
 
+def test_min_tokens_yields_when_only_stop_tokens_are_allowed(llm):
+    """allowed_token_ids of stop tokens only and min_tokens above zero: the hard constraint wins and
+    the request stops at once, rather than emitting a token outside the allowed set."""
+    stop, other = 9, 11
+    only_stop = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, allowed_token_ids=[stop],
+                               stop_token_ids=[stop])
+    mixed = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, allowed_token_ids=[stop, other],
+                           stop_token_ids=[stop])
+    a, b = (o.outputs[0] for o in llm.generate([PROMPTS[0]] * 2, [only_stop, mixed], use_tqdm=False))
+    assert (a.token_ids, a.finish_reason, a.stop_reason) == ([stop], "stop", stop)
+    # Where another allowed token exists, min_tokens still holds the stop token back.
+    assert b.token_ids[:4] == [other] * 4
+
+
 def test_logit_bias_equals_biased_greedy(llm, hf):
     bias = {33: 8.0, 71: 5.5, 200: -100.0}
     got = run(llm, PROMPTS, logit_bias=bias)
