@@ -12,6 +12,7 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.cpu import cpu_flags
 from tandem.model.attention import get_attention_backend
+from tandem.model.direct_call import bind_submodules
 from tandem.model.experts import prepare_experts
 from tandem.model.fused_ops import use_fused_ops, wants_fused_ops
 from tandem.model.gemma import GemmaForCausalLM
@@ -132,6 +133,7 @@ def load_model(
         "per-token ops (norms, activation, rotary): %s",
         f"compiled kernels ({', '.join(fused)})" if fused else "PyTorch operators",
     )
+    bind_submodules(module)
     return model
 
 

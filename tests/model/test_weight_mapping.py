@@ -55,3 +55,15 @@ def test_an_unknown_tensor_is_refused(llama_dir: Path, tmp_path: Path) -> None:
     folder = _copy_without(llama_dir, tmp_path / "m", add="model.layers.0.mystery.weight")
     with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.mystery\.weight'"):
         _load(folder)
+
+
+def test_loaded_submodules_are_plain_attributes_and_stay_replaceable(llama_dir: Path) -> None:
+    model = _load(llama_dir)
+    attn = model.layers[0].self_attn  # type: ignore[attr-defined]
+    assert attn.__dict__["o_proj"] is attn._modules["o_proj"] is attn.o_proj
+    x = torch.randn(3, attn.q_size)
+    before = attn.o_proj(x)
+    new = torch.nn.Linear(attn.q_size, before.shape[-1], bias=False)
+    attn.o_proj = new  # nn.Module.__setattr__ drops the bound copy
+    assert attn.o_proj is new and attn._modules["o_proj"] is new and "o_proj" not in attn.__dict__
+    assert dict(model.named_modules())["layers.0.self_attn.o_proj"] is new  # type: ignore[attr-defined]
