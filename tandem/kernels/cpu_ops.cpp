@@ -892,8 +892,11 @@ void quantize_int4_act(const float* x, int64_t M, int64_t K, int64_t gs, Int4Act
 }
 
 // Rows of 448 to 2432 bytes (K = 896..4864) are too short for the hardware prefetcher to ramp up
-// on, so each unit's load also asks for the same bytes this many rows further on: far enough to
-// cover a memory latency at two threads' streaming rate, near enough to stay in L1/L2.
+// on, so the kernel prefetches itself, this many rows ahead: far enough to cover a memory latency
+// at two threads' streaming rate, near enough to stay in L1/L2. A sweep over NR adjacent rows
+// reads one contiguous window of NR rows, four streams at a time; its prefetches walk the window
+// kInt4Ahead rows on in address order instead (NR * 32 bytes per unit step), which keeps more of
+// memory's bandwidth than prefetching each row's bytes at the same offset.
 constexpr int64_t kInt4Ahead = 8;
 
 // out[m * ld + (n - n0)] = x_m . w_n for MR activation rows (from row m0 of `a`) and output rows
@@ -932,9 +935,13 @@ void int4_rows(const Int4Act& a, int64_t m0, int64_t K, int64_t gs, const uint8_
         int64_t b = b0;
         #pragma GCC unroll 4
         for (; b + 1 < b1; b += 2, rp += 16, wr += 32, xp += 64) {
+          {
+            const uint8_t* pf = qw + (n + kInt4Ahead) * KH + (wr - (qw + n * KH)) * NR;
+            #pragma GCC unroll 4
+            for (int l = 0; l < NR * 32; l += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + l), _MM_HINT_T0);
+          }
           #pragma GCC unroll 4
           for (int j = 0; j < NR; ++j) {
-            _mm_prefetch(reinterpret_cast<const char*>(wr + (j + kInt4Ahead) * KH), _MM_HINT_T0);
             const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + j * KH));
             const __m256i lo = _mm256_and_si256(raw, low4);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
