@@ -153,10 +153,7 @@ class ServerMetrics:
         """Apply an engine `messages.Stats` snapshot from one instance: the unlabelled gauges and
         counters are the sums over instances (KV usage: the mean), the `instance_*` gauges each's."""
         self._latest[instance] = stats
-        latest = list(self._latest.values())
-        self.num_requests_running.set(sum(s.num_running for s in latest))
-        self.num_requests_waiting.set(sum(s.num_waiting for s in latest))
-        self.kv_cache_usage.set(sum(s.kv_usage for s in latest) / len(latest))
+        self._set_totals()
         label = str(instance)
         self.instance_running.labels(self.model_name, label).set(stats.num_running)
         self.instance_waiting.labels(self.model_name, label).set(stats.num_waiting)
@@ -180,6 +177,10 @@ class ServerMetrics:
         for gauge in (self.instance_running, self.instance_waiting, self.instance_kv_usage):
             with contextlib.suppress(KeyError):
                 gauge.remove(self.model_name, label)
+        self._set_totals()
+
+    def _set_totals(self) -> None:
+        """The unlabelled gauges from the live instances' last reports."""
         latest = list(self._latest.values())
         self.num_requests_running.set(sum(s.num_running for s in latest))
         self.num_requests_waiting.set(sum(s.num_waiting for s in latest))
