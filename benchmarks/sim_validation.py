@@ -184,7 +184,14 @@ def in_sample(trace: str, instances: int, real_steps: str, cost: str | None, tmp
     return simulated(trace, instances, path)
 
 
-def calibrated_cost(model: str, a: argparse.Namespace, instances: int, tmp: str) -> str:
+def workload(num: int, rate: float, seed: int) -> Any:
+    """The validation's synthetic trace shape (Poisson arrivals, prompts 32-512, outputs 16-128)."""
+    from tandem.sim.trace import synthetic
+
+    return synthetic(num, rate, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=seed)
+
+
+def calibrated_cost(model: str, a: argparse.Namespace, base_cost: str | None, instances: int, tmp: str) -> str:
     """Serve a calibration trace on `instances` instances with a step trace and fit the cost model
     on their steps; the path of the fitted model. The trace (seed 11, not the validation traces')
     runs each load level in turn, a third of the requests each, so the fit sees the batch shapes of
@@ -196,13 +203,13 @@ def calibrated_cost(model: str, a: argparse.Namespace, instances: int, tmp: str)
 
     from tandem.sim.calibrate import calibrate, load_base
     from tandem.sim.cost import save_cost
-    from tandem.sim.trace import Trace, save_trace, synthetic
+    from tandem.sim.trace import Trace, save_trace
 
     rates = [float(x) * instances for x in a.rates.split(",")]
     per = max(1, a.num_requests // len(rates))
     requests, start = [], 0.0
     for i, rate in enumerate(rates):
-        part = synthetic(per, rate, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=11 + i)
+        part = workload(per, rate, seed=11 + i)
         requests += [replace(r, arrival_s=r.arrival_s + start) for r in part.requests]
         # The next level starts once this one's backlog has had time to drain.
         start = requests[-1].arrival_s + CALIBRATION_GAP_S
@@ -213,7 +220,7 @@ def calibrated_cost(model: str, a: argparse.Namespace, instances: int, tmp: str)
     print(f"\n== calibration run: {instances} instance(s), {per} requests at each of {levels} req/s (seed 11)",
           flush=True)
     real(model, path, instances, len(requests), a.pin, steps)
-    fitted = calibrate([steps], load_base(a.base_cost))
+    fitted = calibrate([steps], load_base(base_cost))
     out = str(Path(a.step_trace_dir or tmp) / f"calibrated-cost-{instances}.json")
     save_cost(fitted, out)
     err = fitted.fit_error
@@ -226,7 +233,7 @@ def calibrated_cost(model: str, a: argparse.Namespace, instances: int, tmp: str)
 def main(argv: list[str] | None = None) -> int:
     from tandem.sim.cli import DEFAULT_COST
     from tandem.sim.cost import load_cost
-    from tandem.sim.trace import save_trace, synthetic
+    from tandem.sim.trace import save_trace
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--instances", default="1,2")
@@ -248,19 +255,17 @@ def main(argv: list[str] | None = None) -> int:
         a.instances, a.rates, a.num_requests = "1", "2,8", 40
     model = default_model_path()
     rows = []
-    a.base_cost = a.cost
+    base_cost = a.cost
     costs_used = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(x) for x in a.instances.split(",")]:
             if a.calibrate:
-                a.cost = calibrated_cost(model, a, n, tmp)
+                a.cost = calibrated_cost(model, a, base_cost, n, tmp)
             cost_used = load_cost(a.cost or str(DEFAULT_COST)).to_dict()
             keys = ("name", "coefficients", "fit_error", "delivery_s", "meta")
             costs_used[n] = {k: cost_used[k] for k in keys if k in cost_used}
             for rate in [float(x) for x in a.rates.split(",")]:
-                trace = synthetic(
-                    a.num_requests, rate * n, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=7
-                )
+                trace = workload(a.num_requests, rate * n, seed=7)
                 path = str(Path(tmp) / f"trace-{n}-{rate}.jsonl")
                 save_trace(trace, path)
                 print(f"\n== {n} instance(s), {rate * n:g} req/s", flush=True)

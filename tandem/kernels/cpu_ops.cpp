@@ -1029,7 +1029,7 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   // Groups of two-block units that make one chunk (64, 128, 256 elements) take the fixed-trip kernels.
   const int64_t bpg = gs / 32, upg = bpg % 2 == 0 && bpg <= 2 * kInt4ChunkUnits ? bpg / 2 : 0;
   auto rows_kernel = [upg](int64_t rows) -> Int4RowsFn {
-    const int i = rows == 1 ? 0 : rows == 2 ? 1 : rows == 3 ? 2 : 3;
+    const int64_t i = std::min<int64_t>(rows, kInt4Sweep) - 1;
     switch (upg) {
       case 1: return kInt4Kernels<1>[i];
       case 2: return kInt4Kernels<2>[i];
