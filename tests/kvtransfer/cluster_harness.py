@@ -96,6 +96,17 @@ class Cluster:
         self.nodes[t.node].plane.sender.start(msg)
         return True
 
+    def wait_moved(self, rid: str, timeout: float = 10.0) -> None:
+        """Pump transfer traffic, without stepping, until `rid`'s move in flight reports; a move
+        placed at a tick must not depend on how fast the previous one's messages arrived."""
+        deadline = time.monotonic() + timeout
+        while self.requests[rid].pending is not None:
+            assert time.monotonic() < deadline, f"{rid}'s move did not finish"
+            for node in self.nodes:
+                node.plane.socket.poll(5)
+                node.pump()
+                self._reports(node)
+
     def add_disaggregated(self, req: EngineCoreRequest, prefill: int, decode: int) -> None:
         """Prefill/decode: the request runs its prefill on `prefill` and is handed to `decode`."""
         self.add(req, prefill)

@@ -45,6 +45,7 @@ def run(cfg: EngineConfig, tmp_path, cases, moves) -> Cluster:
         tick = 0
         while not cluster.done():
             for i, dest in moves.get(tick, []):
+                cluster.wait_moved(f"r{i}")
                 cluster.migrate(f"r{i}", dest)
             cluster.tick()
             tick += 1
