@@ -65,7 +65,10 @@ async def serve(config: EngineConfig, batch: list[list[int]], min_prompt: int = 
             req, text = client.inputs.process(f"r{i}", {"prompt_token_ids": prompt}, PARAMS)
             streams.append(client.add(req, text, asyncio.Event()))
         if kill == "prefill":
-            await asyncio.sleep(0.05)
+            # At the first hand-over the 400-token prompts are still prefilling (64 tokens a step),
+            # whatever the machine's speed: a fixed sleep let them all finish on a fast one.
+            while client.num_live_migrations < 1:
+                await asyncio.sleep(0.002)
             os.kill(conns[0].pid, signal.SIGKILL)
         elif kill == "decode":
             while client.num_live_migrations < 2:

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 9, 11, 13], [21, 22, 23], [30, 31, 32, 33, 34], [40, 41], [50, 52, 54], [60, 61, 62, 63, 64]]
 BODY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+MAX_TOKENS = 1000  # long enough to catch requests decoding on a fast machine
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +94,16 @@ def running(server) -> dict[int, float]:
 
 def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, offline):
     results: dict = {}
-    # 600 tokens each: on an idle machine a request decodes in a second or two. The drained
-    # instance is whichever runs the most requests when they are decoding, so the test does not
-    # depend on where the dispatcher put them (after the drain, three per instance fit in 1024
-    # blocks of 4).
-    threads = post_all(server, 600, results)
+    # 1000 tokens each (the tiny model holds 1024): a request decodes for about a second on a fast
+    # machine. The drained instance is whichever runs the most requests once all are decoding, so
+    # the test does not depend on where the dispatcher put them (after the drain, three per
+    # instance fit in 1024 blocks of 4).
+    threads = post_all(server, MAX_TOKENS, results)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and sum(running(server).values()) < len(PROMPTS):
-        time.sleep(0.05)
-    time.sleep(0.2)  # decoding by now: their KV is worth moving live
     load = running(server)
+    while time.monotonic() < deadline and sum(load.values()) < len(PROMPTS):
+        time.sleep(0.01)
+        load = running(server)
     victim = max(load, key=lambda i: load[i])
     assert load[victim] > 0, load
     with server.http() as http:
@@ -113,7 +114,7 @@ def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, off
         t.join(240)
     for i, prompt in enumerate(PROMPTS):
         assert results[i].status_code == 200, results[i].text
-        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, 600), i
+        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, MAX_TOKENS), i
     m = server.metrics()
     outcomes = {k: v for k, v in m.items() if k.startswith("tandem:migrations_total")}
     dispatched = [m[f'tandem:instance_requests_dispatched{{instance="{i}"}}'] for i in (0, 1, 2)]
@@ -157,7 +158,7 @@ def test_killing_an_instance_mid_decode_costs_the_clients_nothing(server, offlin
 
 def test_with_no_instance_left_requests_fail_clearly_and_the_server_exits(server):
     results: dict = {}
-    threads = post_all(server, 600, results, PROMPTS[:2])
+    threads = post_all(server, MAX_TOKENS, results, PROMPTS[:2])
     deadline = time.monotonic() + 60
     while server.metrics()["tandem:num_requests_running"] < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
