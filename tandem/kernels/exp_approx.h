@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace tandem_kernels {
 
@@ -29,5 +32,25 @@ inline float exp_clamped(float x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+// Denormal results flushed to zero (and denormal inputs read as zero) while in scope, on the
+// calling thread. A vectorized loop over exp_clamped evaluates the clamped branch in every lane and
+// blends: for SiLU that branch is `a / (1 + exp(88))`, a denormal for any ordinary `a`, and each
+// denormal costs a microcode assist (SiLU-and-multiply ran 15x slower than with flushing). What
+// is flushed is below 1.2e-38, nothing a bfloat16 or float32 activation keeps.
+class FlushDenormals {
+ public:
+#if defined(__SSE__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFlushToZero | kDenormalsAreZero); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushToZero = 0x8000;
+  static constexpr unsigned kDenormalsAreZero = 0x0040;
+  unsigned saved_;
+#endif
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
 
 }  // namespace tandem_kernels

@@ -65,14 +65,20 @@ S* elements(const at::Tensor& x) {
   return reinterpret_cast<S*>(x.data_ptr());
 }
 
+// Runs body(r0, r1) over the rows, on the calling thread or the pool, with denormals flushed on
+// whichever threads run it.
 template <typename F>
 void for_rows(int64_t rows, int64_t width, F&& body) {
   const int64_t grain = std::max<int64_t>(1, kParallelElems / std::max<int64_t>(width, 1));
+  auto flushed = [&body](int64_t r0, int64_t r1) {
+    tandem_kernels::FlushDenormals flush;
+    body(r0, r1);
+  };
   if (rows <= grain) {
-    body(0, rows);
+    flushed(0, rows);
     return;
   }
-  at::parallel_for(0, rows, grain, body);
+  at::parallel_for(0, rows, grain, flushed);
 }
 
 // Up to three dimensions [A, B, D] with D contiguous, as a list of rows: the offset of row r.

@@ -84,6 +84,18 @@ def test_silu_mul_matches_silu_times_up(dtype):
     _close(torch.ops.tandem.silu_mul(view), F.silu(view[:, :64]) * view[:, 64:], dtype)
 
 
+def test_the_kernels_leave_denormals_to_pytorch_on_every_thread():
+    """The kernels flush denormals while they run (a vectorized SiLU meets one in every lane);
+    the calling thread and the pool threads get their floating-point mode back."""
+    tiny = torch.full((1 << 20,), 1e-39)  # a denormal float32
+    doubled = (tiny * 2.0).view(torch.int32)  # compared as bits: no float comparison to flush
+    assert (doubled > 0).all()
+    torch.ops.tandem.silu_mul(torch.randn(1, 64))  # on the calling thread
+    torch.ops.tandem.silu_mul(torch.randn(64, 4096))  # split over the pool
+    assert torch.equal((tiny[:1] * 2.0).view(torch.int32), doubled[:1])  # the calling thread
+    assert torch.equal((tiny * 2.0).view(torch.int32), doubled)  # a million: the pool threads too
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_rope_in_place_matches_apply_rope(dtype, rotary_dim):
