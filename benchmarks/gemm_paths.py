@@ -26,7 +26,7 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
     """name -> (per-layer prepared weights, fn(x, prepared) -> y)."""
     from tandem import kernels
     from tandem.model.linear import PackedLinear, onednn_available
-    from tandem.model.quant import Int8Linear
+    from tandem.model.quant import Int8Linear, cpu_has_vnni, dynamic_int8_available
 
     paths: dict[str, tuple[list, Callable]] = {}
     paths["fp32 F.linear (MKL)"] = (weights, lambda x, w: F.linear(x, w))
@@ -53,12 +53,21 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
             lambda x, m: m(x.to(torch.bfloat16)),
         )
     int8 = [Int8Linear(w, None) for w in weights]
-    if int8[0]._packed is not None:
-        paths["int8 PyTorch linear_dynamic (W8A8)"] = (
+    if int8[0]._qlinear is not None:
+        paths["int8 oneDNN qlinear (W8A8, per-row scales)"] = (
             int8,
-            lambda x, m: torch.ops.quantized.linear_dynamic(x, m._packed, False),
+            lambda x, m: torch.ops.onednn.qlinear_pointwise(
+                *torch.ops.tandem.quantize_rows_u8(x)[:1], 1.0, 128, m._qlinear, m.scale, m._zero, None,
+                1.0, 0, torch.float32, "none", [], "",
+            ),
         )
-    # Tandem's VNNI kernel for up to 8 rows where it built, PyTorch's operator above.
+    if dynamic_int8_available() and cpu_has_vnni():
+        dynamic = [m._prepack() for m in int8]
+        paths["int8 PyTorch linear_dynamic (W8A8, one scale per tensor)"] = (
+            dynamic,
+            lambda x, p: torch.ops.quantized.linear_dynamic(x, p, False),
+        )
+    # Tandem's VNNI kernel for up to 8 rows where it built, oneDNN's int8 GEMM above.
     paths["int8 Tandem Int8Linear (W8A8)"] = (int8, lambda x, m: m(x))
     if rows <= 8 and hasattr(torch.ops.aten, "_weight_int8pack_mm"):  # far too slow beyond
         paths["int8 weight-only ATen kernel"] = (

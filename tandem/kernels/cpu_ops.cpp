@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "exp_approx.h"
@@ -342,6 +343,39 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
 }
 #endif  // __AVX512BF16__
 
+// One row of float32 activations as unsigned 8-bit values with a symmetric scale (max |x| / 127),
+// offset by 128 (the unsigned operand of VNNI and AMX products); returns the scale.
+inline float quantize_row_u8(const float* row, int64_t K, uint8_t* out) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+  const float s = std::max(amax, 1e-12f) / 127.f;
+  const float inv = 1.f / s;
+  for (int64_t k = 0; k < K; ++k) {
+    const float q = std::nearbyint(row[k] * inv);
+    out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(q, -127.f, 127.f)) + 128);
+  }
+  return s;
+}
+
+// x float32 [M, K] -> (xq uint8 [M, K] offset by 128, x_scale float32 [M]): the activations of an
+// int8 product quantized per row, for a library GEMM that takes one zero point (128) for all rows;
+// the caller scales row m of the result by x_scale[m].
+std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "tandem quantize_rows_u8: x must be 2-D float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor xq = at::empty({M, K}, xc.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({M}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  uint8_t* qp = xq.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; ++m) sp[m] = quantize_row_u8(xp + m * K, K, qp + m * K);
+  });
+  return {xq, scale};
+}
+
 #if defined(__AVX512VNNI__)
 // Dynamic int8 activations (one symmetric scale per row, max |x| / 127) times int8 weights with one
 // scale per output row: y = x_scale * w_scale * sum(xq * w) + bias, float32 in and out.
@@ -362,18 +396,7 @@ at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor xu = at::empty({M, K}, x.options().dtype(at::kByte));
   uint8_t* up = xu.data_ptr<uint8_t>();
   float x_scale[kMaxRows];
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-    const float s = std::max(amax, 1e-12f) / 127.f;
-    const float inv = 1.f / s;
-    for (int64_t k = 0; k < K; ++k) {
-      const float q = std::nearbyint(row[k] * inv);
-      up[m * K + k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(q, -127.f, 127.f)) + 128);
-    }
-    x_scale[m] = s;
-  }
+  for (int64_t m = 0; m < M; ++m) x_scale[m] = quantize_row_u8(xp + m * K, K, up + m * K);
   const float* bp = bias_ptr(bias, N, b);
   at::Tensor out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
@@ -1075,6 +1098,7 @@ TORCH_LIBRARY(tandem, m) {
 #if defined(__AVX512VNNI__)
   m.def("gemm_w8a8(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
 #endif
+  m.def("quantize_rows_u8(Tensor x) -> (Tensor, Tensor)");
   m.def("dequant_int4(Tensor qweight, Tensor scales, Tensor zs, int group_size, Tensor(a!) out) -> Tensor(a!)");
 #if defined(__AVX2__) && defined(__FMA__)
   m.def("gemm_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zs, int group_size, Tensor? bias) -> Tensor");
@@ -1096,6 +1120,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
 #if defined(__AVX512VNNI__)
   m.impl("gemm_w8a8", &gemm_w8a8);
 #endif
+  m.impl("quantize_rows_u8", &quantize_rows_u8);
   m.impl("dequant_int4", &dequant_int4);
 #if defined(__AVX2__) && defined(__FMA__)
   m.impl("gemm_int4", &gemm_int4);

@@ -44,16 +44,21 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
     if isinstance(m, Int4Linear):
         return f"{m.path()}, groups of {m.group_size}", _tensor_bytes(m.qweight, m.scales, m.zs, m.bias)
     if isinstance(m, Int8Linear):
-        if m.row_sum is not None:
-            path = "int8 kernel (<= 8 rows) + PyTorch dynamic int8"
+        library = None
+        if m._qlinear is not None:
+            library = "oneDNN int8, rows quantized one by one"
         elif m._packed is not None:
-            path = "PyTorch dynamic int8"
+            library = "PyTorch dynamic int8"
+        if m.row_sum is not None:
+            path = f"int8 kernel (<= 8 rows) + {library or 'int8 weights widened to float'}"
+        elif library is not None:
+            path = library
         elif m.weight_only_kernel:
             path = f"int8 weight-only kernel (<= {W8_KERNEL_MAX_ROWS} rows, no VNNI) + widened to float above"
         else:
             path = "int8 weights widened to float (no VNNI)"
-        # The prepacked copy PyTorch keeps for its int8 GEMM is about as large as qweight.
-        extra = m.qweight.numel() if m._packed is not None else 0
+        # The prepacked copy the library keeps for its int8 GEMM is about as large as qweight.
+        extra = m.qweight.numel() if library is not None else 0
         return path, _tensor_bytes(m.qweight, m.scale, m.row_sum, m.bias) + extra
     if isinstance(m, PackedLinear):
         dtype = str(m.packed.dtype).removeprefix("torch.")

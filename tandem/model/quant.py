@@ -1,26 +1,31 @@
 """int8 linear layers (`quantization="int8"`).
 
 Weights: int8 with one symmetric scale per output channel (max |w| / 127), a quarter of float32's
-bytes, which is what bounds small-batch decoding on a CPU. Activations: quantized to 8 bits per
-tensor at run time, inside PyTorch's x86 quantized GEMM (`quantized::linear_dynamic`, fbgemm /
-oneDNN with VNNI), accumulated in int32 and scaled back to float. For up to eight rows (decoding
-a few streams) Tandem's own AVX512-VNNI kernel (tandem/kernels) does the same product with one
-scale per activation row, quantizing inside the call and streaming the weight at memory speed;
-PyTorch's operator spends a good part of each small call outside the product. Both need a CPU with
-VNNI (AVX512-VNNI or AVX-VNNI): without it, fbgemm's 8-bit products can overflow 16-bit sums, and
-its 7-bit fallback costs too much accuracy (on the default model, greedy text parts from float's
-within a few tokens). There, and where PyTorch has no quantized engine, int8 runs weight-only
-(float32 activations, as exact as the float reference): up to 64 rows through Tandem's AVX2 kernel
-(`gemm_w8_f32`, the int8 weights widened in registers, so a decode step streams a quarter of
-float32's bytes), above that widened to float per call and multiplied in plain torch (slower than
-float32). benchmarks/gemm_paths.py times the choices; docs/default_model.md reports the perplexity
-cost on the default model.
+bytes, which is what bounds small-batch decoding on a CPU. Activations: quantized to 8 bits at run
+time with one scale per row (per token), accumulated in int32 and scaled back to float. For up to
+eight rows (decoding a few streams) Tandem's own AVX512-VNNI kernel (tandem/kernels) does the whole
+product, quantizing inside the call and streaming the weight at memory speed; above that the rows
+are quantized by Tandem (`quantize_rows_u8`) and multiplied by oneDNN's int8 GEMM
+(`onednn::qlinear_pointwise`, AMX or VNNI, weight prepacked once), each result row scaled by its
+own scale. One scale per row matters: PyTorch's `quantized::linear_dynamic` (kept where oneDNN's
+operator is missing) takes one scale for the whole batch, so one large row (a first token's
+activations often are) costs every other row its precision; on the default model that tripled the
+logprob error of a prefill (tests/model/test_quant.py). All need a CPU with VNNI (AVX512-VNNI or
+AVX-VNNI): without it, fbgemm's 8-bit products can overflow 16-bit sums, and its 7-bit fallback
+costs too much accuracy (on the default model, greedy text parts from float's within a few tokens).
+There, and where PyTorch has no quantized engine, int8 runs weight-only (float32 activations, as
+exact as the float reference): up to 64 rows through Tandem's AVX2 kernel (`gemm_w8_f32`, the int8
+weights widened in registers, so a decode step streams a quarter of float32's bytes), above that
+widened to float per call and multiplied in plain torch (slower than float32).
+benchmarks/gemm_paths.py times the choices; docs/default_model.md reports the perplexity cost on
+the default model.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +48,25 @@ W8_KERNEL_MAX_ROWS = 64
 _KERNEL_ROWS = 16
 
 
-def _has_dynamic_int8() -> bool:
+def dynamic_int8_available() -> bool:
     return "x86" in torch.backends.quantized.supported_engines or "fbgemm" in (
         torch.backends.quantized.supported_engines
     )
+
+
+@cache
+def onednn_int8_available() -> bool:
+    """Can oneDNN's int8 linear (`onednn::qlinear_pointwise`, prepacked weight) run here?"""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+        return False
+    try:
+        w = torch.ops.onednn.qlinear_prepack(torch.ones(16, 16, dtype=torch.int8), None)
+        x = torch.full((2, 16), 129, dtype=torch.uint8)
+        zero, one = torch.zeros(16, dtype=torch.long), torch.ones(16)
+        y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 128, w, one, zero, None, 1.0, 0, torch.float32, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool((y == 16).all())
 
 
 def cpu_has_vnni() -> bool:
@@ -73,11 +93,18 @@ class Int8Linear(DirectCall, nn.Module):
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         # use_kernel=False forces the float reference path (tests); None takes what the host has.
         want = use_kernel is not False
-        self._packed = self._prepack() if want and _has_dynamic_int8() and cpu_has_vnni() else None
+        # Above the few-row kernel's rows: oneDNN's int8 GEMM (AMX or VNNI) on activations quantized
+        # per row where it is there, else PyTorch's dynamic linear (one scale per tensor).
+        self._qlinear = self._zero = self._packed = None
+        if want and cpu_has_vnni() and onednn_int8_available() and kernels.has("quantize_rows_u8"):
+            self._qlinear = torch.ops.onednn.qlinear_prepack(q, None)
+            self._zero = torch.zeros(self.out_features, dtype=torch.long)
+        elif want and dynamic_int8_available() and cpu_has_vnni():
+            self._packed = self._prepack()
         # Tandem's few-row kernel wants each weight row's sum (it offsets activations by 128).
         self.row_sum = q.sum(1, dtype=torch.int32) if want and kernels.has("gemm_w8a8") else None
         # Without VNNI: the weight-only kernel for few rows.
-        self.weight_only_kernel = want and self._packed is None and kernels.has("gemm_w8_f32")
+        self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
 
     def _prepack(self) -> object:
         with warnings.catch_warnings():
@@ -100,6 +127,13 @@ class Int8Linear(DirectCall, nn.Module):
         """[rows, in] float32 -> [rows, out] float32."""
         if self.row_sum is not None and 0 < x2.shape[0] <= _KERNEL_MAX_ROWS:
             return torch.ops.tandem.gemm_w8a8(x2, self.qweight, self.scale, self.row_sum, self.bias)
+        if self._qlinear is not None and x2.shape[0] > 0:
+            xq, x_scale = torch.ops.tandem.quantize_rows_u8(x2)
+            y = torch.ops.onednn.qlinear_pointwise(
+                xq, 1.0, 128, self._qlinear, self.scale, self._zero, None, 1.0, 0, torch.float32, "none", [], ""
+            )
+            y.mul_(x_scale[:, None])  # the rows' scales: the GEMM took one scale (1) for all rows
+            return y if self.bias is None else y.add_(self.bias)
         if self._packed is not None and x2.shape[0] > 0:
             return torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, False)
         rows = x2.shape[0]

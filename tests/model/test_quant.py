@@ -21,7 +21,7 @@ PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef main():\n", "class Stack:\n 
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_matches_dequantized_weight(rows, use_kernel, bias):
-    if use_kernel and not quant._has_dynamic_int8():
+    if use_kernel and not quant.dynamic_int8_available():
         pytest.skip("this torch has no x86 quantized engine")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(48, 40, generator=g)
@@ -40,6 +40,21 @@ def test_int8_linear_matches_dequantized_weight(rows, use_kernel, bias):
     # Leading dimensions and dtype are kept.
     assert lin(x.view(rows, 1, 40)).shape == (rows, 1, 48)
     assert lin(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [5, 40])  # the few-row kernel's rows and the library's
+def test_int8_activations_are_quantized_row_by_row(rows):
+    """One row a thousand times larger than the rest (a first token's activations often are) costs
+    the others no precision: each row gets its own scale, whichever GEMM runs it."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 96, generator=g)
+    lin = Int8Linear(w, None)
+    x = torch.randn(rows, 96, generator=g)
+    x[0] *= 1000
+    ref = F.linear(x, lin.dequantized(torch.float32))
+    y = lin(x)
+    for r in range(rows):
+        assert float((y[r] - ref[r]).norm() / ref[r].norm()) < 0.03, r
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 100])
@@ -69,7 +84,7 @@ def test_pack_linears_swaps_float_layers_only():
 
 
 def test_int8_zero_rows_and_zero_weights():
-    for use_kernel in (False, quant._has_dynamic_int8()):
+    for use_kernel in (False, quant.dynamic_int8_available()):
         lin = Int8Linear(torch.zeros(8, 16), None, use_kernel=use_kernel)
         y = lin(torch.randn(3, 16))
         assert torch.equal(y, torch.zeros(3, 8))
@@ -93,37 +108,44 @@ def test_bad_quantization_is_a_value_error(llama_dir):
         quantize_model(torch.nn.Linear(2, 2), "fp4")
 
 
-def _greedy_logprobs(llm: LLM) -> tuple[list[list[int]], list[float]]:
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    lps = [d[t].logprob for o in outs for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-    return tokens, lps
+def _teacher_forced(llm: LLM, seqs: list[list[int]]) -> tuple[list[float], list[bool]]:
+    """Each token's logprob given the ones before it, and whether it was the model's top choice."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+    lps, top = [], []
+    for seq, out in zip(seqs, outs):
+        for tok, ranked in zip(seq[1:], out.prompt_logprobs[1:]):
+            lps.append(ranked[tok].logprob)
+            top.append(max(ranked, key=lambda t: ranked[t].logprob) == tok)
+    return lps, top
 
 
 @pytest.mark.slow
 def test_int8_default_model_stays_close_to_float():
-    """On the trained default model, int8 weights keep greedy text and token logprobs close."""
-    ref_tokens, ref_lps = _greedy_logprobs(LLM())
+    """On the trained default model, int8 weights keep each token's logprob close to float's, over
+    the prompts and float's own greedy continuations read as one text (teacher-forced, so a near
+    tie that sends greedy decoding down another path does not end the comparison)."""
+    ref = LLM()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = ref.generate(PROMPTS, params, use_tqdm=False)
+    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    ref_lps, ref_top = _teacher_forced(ref, seqs)
     for use_kernel in (True, False):
         llm = LLM(quantization="int8")
         for m in llm.engine.core.runner.model.modules():
-            if isinstance(m, Int8Linear) and not use_kernel:
-                m._packed = None
-        tokens, lps = _greedy_logprobs(llm)
-        # Greedy paths can part where two tokens are near-tied; compare up to the first split.
-        agree = sum(
-            next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r))
-            for r, t in zip(ref_tokens, tokens)
-        )
-        assert agree >= 0.5 * sum(len(r) for r in ref_tokens)
+            if isinstance(m, Int8Linear) and not use_kernel:  # the int8 weights widened to float
+                m._qlinear = m._packed = m.row_sum = None
+                m.weight_only_kernel = False
+        lps, top = _teacher_forced(llm, seqs)
         assert not any(math.isnan(v) for v in lps)
-        # First generated token of every prompt (same context in both runs): logprob within 0.1.
-        for i in range(len(PROMPTS)):
-            assert abs(lps[i * 24] - ref_lps[i * 24]) < 0.1
+        diffs = [abs(a - b) for a, b in zip(lps, ref_lps)]
+        # Measured on Sapphire Rapids (AMX/VNNI, activations int8 per row): mean 0.021, max 0.14;
+        # weight-only: mean 0.008, max 0.03. Per-tensor activation scales gave mean 0.057, max 0.47.
+        assert sum(diffs) / len(diffs) < 0.04, use_kernel
+        assert max(diffs) < 0.3, use_kernel
+        assert sum(a == b for a, b in zip(top, ref_top)) >= 0.95 * len(top), use_kernel
 
 
-@pytest.mark.slow
 def test_default_model_layers_are_packed():
     """Without quantization every projection, the tied LM head included, runs through oneDNN."""
     if not onednn_available():
