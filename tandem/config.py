@@ -42,6 +42,13 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+# Token budget of one engine step, shared by prefill chunks and decodes (`max_num_batched_tokens`).
+# Measured on the Sapphire Rapids VM (415M model, bfloat16, 2 threads): 32 requests of 128 prompt
+# + 64 output tokens offline ran 340-351 output tok/s with 1.1-1.2 s mean TTFT at 512, against
+# 302-313 and 1.9-2.0 s at 2048 (and 326-332 at 256); a lone 2000-token prompt prefilled in
+# 1.2-1.3 s against 1.7-2.5 s. oneDNN's bfloat16 GEMM runs ~2.0 TFLOP/s at 512 rows and ~1.5 at
+# 2048, and smaller chunks let the decodes in flight go on between them.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
@@ -378,7 +385,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     block_size: int = 16
     kv_cache_memory: int = 2 << 30
     num_kv_blocks: int | None = None

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
+from tandem.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
 from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -54,7 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
         help="token budget of one step, shared by prefill chunks and decodes",
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.cluster.config import DISPATCH_POLICIES
+from tandem.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 # The step-time model used when --cost is not given: fitted on this project's machine.
 DEFAULT_COST = Path(__file__).parent / "costs" / "default-amd-epyc-fp32-1thread.json"
@@ -44,7 +45,9 @@ def add_simulate_parser(sub: Any) -> None:
     i.add_argument("--num-kv-blocks", type=int, default=4096, help="KV-cache blocks per instance")
     i.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     i.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
-    i.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    i.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, help="token budget of one step"
+    )
     i.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + output")
     i.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     i.add_argument("--scheduling-policy", default="fcfs", help="fcfs, priority or lpm")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.policy import SchedulingConfig
 from tandem.core.request import Request, RequestStatus
@@ -30,7 +31,7 @@ class InstanceSpec:
     num_blocks: int = 4096
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)

@@ -92,16 +92,24 @@ def running(server) -> dict[int, float]:
     return {i: m[key.format(i)] for i in (0, 1, 2) if key.format(i) in m}
 
 
+def num_dispatched(server) -> float:
+    """Requests the dispatcher has sent to any instance so far."""
+    m = server.metrics()
+    return sum(v for k, v in m.items() if k.startswith("tandem:instance_requests_dispatched{"))
+
+
 def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, offline):
     results: dict = {}
-    # 1000 tokens each (the tiny model holds 1024): a request decodes for about a second on a fast
-    # machine. The drained instance is whichever runs the most requests once all are decoding, so
-    # the test does not depend on where the dispatcher put them (after the drain, three per
-    # instance fit in 1024 blocks of 4).
+    # 1000 tokens each (the tiny model holds 1024): a request decodes for a second or two on a fast
+    # machine, and the imbalance trigger moves some around meanwhile, so the instances seldom report
+    # all six running at once. The drained instance is whichever runs the most requests once all
+    # six are dispatched, so the test does not depend on where the dispatcher put them (after the
+    # drain, three per instance fit in 1024 blocks of 4).
+    sent = num_dispatched(server)
     threads = post_all(server, MAX_TOKENS, results)
     deadline = time.monotonic() + 60
     load = running(server)
-    while time.monotonic() < deadline and sum(load.values()) < len(PROMPTS):
+    while time.monotonic() < deadline and not (num_dispatched(server) >= sent + len(PROMPTS) and max(load.values()) > 0):
         time.sleep(0.01)
         load = running(server)
     victim = max(load, key=lambda i: load[i])
