@@ -24,8 +24,11 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "laye
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("exp_approx.h",))
 ENV_SWITCH = "TANDEM_CPU_KERNELS"
 # -fno-trapping-math: floating-point exceptions stay masked (as PyTorch runs), so the compiler may
-# turn the clamps before an exp into vector selects; it changes no result.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
+# turn the clamps before an exp into vector selects; it changes no result. -mprefer-vector-width=512:
+# GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told; the per-token layer ops run
+# 15-30% faster with 512 (Sapphire Rapids VM: SiLU-and-multiply of 512 x 4864 bf16 937 -> 798 us,
+# RMSNorm 744 -> 599 us). No effect where the CPU has no 512-bit vectors.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-mprefer-vector-width=512")
 
 
 def enabled_by_env() -> bool:
