@@ -36,8 +36,8 @@ inline float exp_clamped(float x) {
 // Denormal results flushed to zero (and denormal inputs read as zero) while in scope, on the
 // calling thread. A vectorized loop over exp_clamped evaluates the clamped branch in every lane and
 // blends: for SiLU that branch is `a / (1 + exp(88))`, a denormal for any ordinary `a`, and each
-// denormal costs a microcode assist (SiLU-and-multiply ran 15x slower than with flushing). What
-// is flushed is below 1.2e-38, nothing a bfloat16 or float32 activation keeps.
+// denormal costs a microcode assist, many times the arithmetic it replaces. What is flushed is
+// below 1.2e-38, nothing a bfloat16 or float32 activation keeps.
 class FlushDenormals {
  public:
 #if defined(__SSE__)

@@ -96,11 +96,12 @@ class Int8Linear(DirectCall, nn.Module):
         # Above the few-row kernel's rows: oneDNN's int8 GEMM (AMX or VNNI) on activations quantized
         # per row where it is there, else PyTorch's dynamic linear (one scale per tensor).
         self._qlinear = self._zero = self._packed = None
-        if want and cpu_has_vnni() and onednn_int8_available() and kernels.has("quantize_rows_u8"):
-            self._qlinear = torch.ops.onednn.qlinear_prepack(q, None)
-            self._zero = torch.zeros(self.out_features, dtype=torch.long)
-        elif want and dynamic_int8_available() and cpu_has_vnni():
-            self._packed = self._prepack()
+        if want and cpu_has_vnni():
+            if onednn_int8_available() and kernels.has("quantize_rows_u8"):
+                self._qlinear = torch.ops.onednn.qlinear_prepack(q, None)
+                self._zero = torch.zeros(self.out_features, dtype=torch.long)
+            elif dynamic_int8_available():
+                self._packed = self._prepack()
         # Tandem's few-row kernel wants each weight row's sum (it offsets activations by 128).
         self.row_sum = q.sum(1, dtype=torch.int32) if want and kernels.has("gemm_w8a8") else None
         # Without VNNI: the weight-only kernel for few rows.

@@ -139,13 +139,14 @@ def test_int8_default_model_stays_close_to_float():
         lps, top = _teacher_forced(llm, seqs)
         assert not any(math.isnan(v) for v in lps)
         diffs = [abs(a - b) for a, b in zip(lps, ref_lps)]
-        # Measured on Sapphire Rapids (AMX/VNNI, activations int8 per row): mean 0.021, max 0.14;
-        # weight-only: mean 0.008, max 0.03. Per-tensor activation scales gave mean 0.057, max 0.47.
+        # Per-row activation scales stay well inside these bounds; one scale for the whole batch
+        # (a large first-token row flattening the others) does not.
         assert sum(diffs) / len(diffs) < 0.04, use_kernel
         assert max(diffs) < 0.3, use_kernel
         assert sum(a == b for a, b in zip(top, ref_top)) >= 0.95 * len(top), use_kernel
 
 
+@pytest.mark.slow
 def test_default_model_layers_are_packed():
     """Without quantization every projection, the tied LM head included, runs through oneDNN."""
     if not onednn_available():

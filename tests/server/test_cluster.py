@@ -109,7 +109,7 @@ def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, off
     threads = post_all(server, MAX_TOKENS, results)
     deadline = time.monotonic() + 60
     load = running(server)
-    while time.monotonic() < deadline and not (num_dispatched(server) >= sent + len(PROMPTS) and max(load.values()) > 0):
+    while time.monotonic() < deadline and not (num_dispatched(server) >= sent + len(PROMPTS) and max(load.values(), default=0) > 0):
         time.sleep(0.01)
         load = running(server)
     victim = max(load, key=lambda i: load[i])
