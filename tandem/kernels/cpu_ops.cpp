@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "exp_approx.h"
+#include "kernel_util.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -37,10 +38,6 @@ namespace {
 
 // Rows beyond this are better served by the libraries' blocked GEMMs.
 constexpr int64_t kMaxRows = 16;
-// Output rows handled together: four independent weight streams and accumulators.
-constexpr int64_t kRowBlock = 4;
-// Output rows per epilogue pass: results stay on the stack until scaled and stored.
-constexpr int64_t kChunk = 64;
 
 void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x and w must be 2-D");
@@ -48,34 +45,6 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.size(0) <= kMaxRows, op, ": at most ", kMaxRows, " rows, got ", x.size(0));
   TORCH_CHECK(w.is_contiguous(), op, ": w must be contiguous");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
-}
-
-// Runs body(n0, n1) over output rows [0, N) in blocks of kRowBlock on PyTorch's thread pool.
-template <typename F>
-void for_row_blocks(int64_t N, F&& body) {
-  const int64_t blocks = N / kRowBlock;
-  if (blocks == 0) {  // fewer outputs than one block: not worth a thread
-    if (N > 0) body(0, N);
-    return;
-  }
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    body(b0 * kRowBlock, b1 == blocks ? N : b1 * kRowBlock);
-  });
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return 0x7fc0;
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& holder) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->numel() == N, "tandem kernels: one bias per output row");
-  holder = bias->to(at::kFloat).contiguous();
-  return holder.data_ptr<float>();
 }
 
 #if defined(__AVX512F__)
@@ -100,13 +69,6 @@ struct F32Dot {  // float32 x float32, fused multiply-add
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // The AVX2 forms, for CPUs without AVX-512 (AMD Zen 2/3 among them): 8 floats per instruction and
 // 16 vector registers, so 2 activation rows x 4 weight rows of accumulators per sweep. A tail mask
 // is a vector of lanes (all ones where loaded), as `vmaskmovps` takes it.
@@ -739,343 +701,6 @@ at::Tensor paged_attention_quantized(const at::Tensor& q, const at::Tensor& k_ro
   return out;
 }
 
-// ---------------------------------------------------------------------------------------------
-// 4-bit weights (AWQ, GPTQ, compressed-tensors checkpoints, repacked at load by
-// tandem/model/int4.py). Layout: qweight [N, K/2] bytes; each 32-element block of a weight row is
-// 16 bytes whose low nibbles are elements 0..15 and high nibbles elements 16..31, unsigned (0..15).
-// Element k of row n is (q - zero) * scale of its group: scales [N, G] and zs = scale * zero
-// [N, G], float32, G = K / group_size.
-
-// Dequantize to float32 or bfloat16 [N, K] (the large-batch path multiplies that with a GEMM).
-// Plain C++: the compiler vectorises the inner loops on every host.
-template <typename E>
-void dequant_int4_impl(const uint8_t* qw, const float* sc, const float* zs, int64_t N, int64_t K, int64_t gs, E* out) {
-  const int64_t G = K / gs;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = qw + n * (K / 2);
-      E* orow = out + n * K;
-      for (int64_t g = 0; g < G; ++g) {
-        const float s = sc[n * G + g], z = zs[n * G + g];
-        for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) {
-          const uint8_t* blk = wr + b * 16;
-          E* o = orow + b * 32;
-#pragma omp simd
-          for (int64_t j = 0; j < 16; ++j) {
-            o[j] = static_cast<E>(static_cast<float>(blk[j] & 0x0F) * s - z);
-            o[j + 16] = static_cast<E>(static_cast<float>(blk[j] >> 4) * s - z);
-          }
-        }
-      }
-    }
-  });
-}
-
-void check_int4(const char* op, const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zs,
-                int64_t group_size) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), op,
-              ": qweight must be a contiguous uint8 [N, K/2] tensor");
-  const int64_t N = qw.size(0), K = qw.size(1) * 2;
-  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, op,
-              ": group_size must be a multiple of 32 that divides K, got ", group_size, " for K = ", K);
-  for (const at::Tensor* t : {&scales, &zs})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / group_size,
-                op, ": scales and zs must be contiguous float32 [N, K / group_size]");
-}
-
-// Writes into `out` ([N, K] float32 or bfloat16, contiguous): callers reuse one buffer, so a large
-// weight is not a fresh allocation (and its page faults) on every call.
-at::Tensor dequant_int4(const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zs, int64_t group_size,
-                        at::Tensor out) {
-  check_int4("tandem dequant_int4", qw, scales, zs, group_size);
-  const int64_t N = qw.size(0), K = qw.size(1) * 2;
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
-              "tandem dequant_int4: out must be a contiguous [N, K] tensor");
-  if (out.scalar_type() == at::kFloat) {
-    dequant_int4_impl<float>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(), N, K,
-                             group_size, out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "tandem dequant_int4: float32 or bfloat16 output only");
-    dequant_int4_impl<at::BFloat16>(qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs.data_ptr<float>(), N, K,
-                                    group_size, out.data_ptr<at::BFloat16>());
-  }
-  return out;
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// Activations are quantized to int8 in blocks of 32 (one symmetric scale per block, as
-// llama.cpp's Q8 blocks), so a block's product with the unsigned 4-bit weights is integer
-// instructions: `vpmaddubsw` (u8 x s8 pairs, at most 2 * 15 * 127 = 3810, so two of them add in
-// 16 bits without saturating) and `vpmaddwd`. Within a group the blocks go in pairs ("units"): one
-// 32-byte weight load holds two blocks, whose low nibbles (elements 0..15 of each) and high
-// nibbles (16..31) are one AND and one shift + AND away, and the activations are laid out to match
-// (per pair: both blocks' 0..15, then both blocks' 16..31). A group with an odd block count ends
-// in a single-block unit (its 16 bytes in both 128-bit lanes, the upper shifted by 4).
-//
-// The block scales stay in integers: up to kInt4ChunkUnits units form a chunk with one float
-// scale S (the largest block scale / 2^14), and each block's scale is S times a 15-bit integer
-// r_b (relative error <= 2^-15 of S, far below the int8 rounding). `vpmaddwd` multiplies the
-// 16-bit pair sums by r_b instead of by ones, so a chunk sums in int32 (at most
-// 4 * 2 * 7620 * 2^14 < 2^31) and converts to float once, scaled by S and the weight group's
-// scale. The zero points come out once per group as zs * sum(x over the group).
-constexpr int64_t kInt4ChunkUnits = 4;
-constexpr float kInt4RScale = 16384.f;
-
-struct Int4Act {  // one activation matrix, quantized and laid out for int4_rows
-  std::vector<int8_t> q;    // [M, K], pair-interleaved as above
-  std::vector<int16_t> r;   // [M, units, 16]: each unit's lanes' r_b
-  std::vector<float> cs;    // [M, chunks]: each chunk's S
-  std::vector<float> xg;    // [M, G]: sum over each group of the activations as quantized
-  int64_t units = 0, chunks = 0;  // per row
-};
-
-// Quantizes 32 floats to int8 (round to nearest even, scale max|x| / 127); returns the scale and
-// stores the sum of the int8 values in *qsum.
-inline float quantize_block32(const float* x, int8_t* dst, int32_t* qsum) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(x + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-  }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float mx = _mm_cvtss_f32(m);
-  const __m256 inv = _mm256_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
-  __m256i q[4];
-  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-  *qsum = _mm_cvtsi128_si32(s4);
-  // The packs interleave 128-bit lanes; the permute puts the 32 bytes back in order.
-  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  return mx / 127.f;
-}
-
-void quantize_int4_act(const float* x, int64_t M, int64_t K, int64_t gs, Int4Act& a) {
-  const int64_t G = K / gs, bpg = gs / 32, upg = bpg / 2 + bpg % 2;
-  const int64_t cpg = (upg + kInt4ChunkUnits - 1) / kInt4ChunkUnits;
-  a.units = G * upg;
-  a.chunks = G * cpg;
-  a.q.resize(M * K);
-  a.r.resize(M * a.units * 16);
-  a.cs.resize(M * a.chunks);
-  a.xg.assign(M * G, 0.f);
-  alignas(32) int8_t blk[2 * kInt4ChunkUnits][32];
-  float bs[2 * kInt4ChunkUnits];
-  int32_t qs[2 * kInt4ChunkUnits];
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t* q = a.q.data() + m * K;
-    int16_t* r = a.r.data() + m * a.units * 16;
-    float* cs = a.cs.data() + m * a.chunks;
-    const float* xm = x + m * K;
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t u0 = 0; u0 < upg; u0 += kInt4ChunkUnits, ++cs) {
-        const int64_t b0 = u0 * 2, b1 = std::min(bpg, (u0 + kInt4ChunkUnits) * 2);
-        float smax = 0.f;
-        for (int64_t b = b0; b < b1; ++b) {
-          bs[b - b0] = quantize_block32(xm + (g * bpg + b) * 32, blk[b - b0], &qs[b - b0]);
-          smax = std::max(smax, bs[b - b0]);
-        }
-        const float S = smax / kInt4RScale;
-        *cs = S;
-        int16_t rb[2 * kInt4ChunkUnits];
-        for (int64_t b = b0; b < b1; ++b) {
-          const float rel = smax > 0.f ? bs[b - b0] / smax * kInt4RScale : 0.f;
-          rb[b - b0] = static_cast<int16_t>(std::nearbyint(rel));
-          a.xg[m * G + g] += S * static_cast<float>(rb[b - b0]) * static_cast<float>(qs[b - b0]);
-        }
-        for (int64_t b = b0; b < b1; b += 2, r += 16) {
-          const int64_t i = b - b0;
-          if (b + 1 == bpg) {  // the group's odd block: natural order, one r_b in every lane
-            std::memcpy(q, blk[i], 32);
-            for (int j = 0; j < 16; ++j) r[j] = rb[i];
-            q += 32;
-            continue;
-          }
-          std::memcpy(q, blk[i], 16);
-          std::memcpy(q + 16, blk[i + 1], 16);
-          std::memcpy(q + 32, blk[i] + 16, 16);
-          std::memcpy(q + 48, blk[i + 1] + 16, 16);
-          for (int j = 0; j < 8; ++j) {
-            r[j] = rb[i];
-            r[j + 8] = rb[i + 1];
-          }
-          q += 64;
-        }
-      }
-    }
-  }
-}
-
-// Rows of 448 to 2432 bytes (K = 896..4864) are too short for the hardware prefetcher to ramp up
-// on, so the kernel prefetches itself, this many rows ahead: far enough to cover a memory latency
-// at two threads' streaming rate, near enough to stay in L1/L2. A sweep over NR adjacent rows
-// reads one contiguous window of NR rows, four streams at a time; its prefetches walk the window
-// kInt4Ahead rows on in address order instead (NR * 32 bytes per unit step), which keeps more of
-// memory's bandwidth than prefetching each row's bytes at the same offset.
-constexpr int64_t kInt4Ahead = 8;
-
-// out[m * ld + (n - n0)] = x_m . w_n for MR activation rows (from row m0 of `a`) and output rows
-// [n0, n1), NR weight rows at a time (independent accumulator chains; each unit's activations
-// are read once for all of them). UPG > 0: every group is exactly UPG two-block units and one chunk
-// (groups of 64, 128 or 256), so the unit loop has a fixed trip count the compiler unrolls; with
-// groups of 128 the generic loop's set-up and exit cost as much as its two iterations' work.
-template <int MR, int NR, int UPG = 0>
-void int4_rows(const Int4Act& a, int64_t m0, int64_t K, int64_t gs, const uint8_t* qw, const float* sc,
-               const float* zs, int64_t n0, int64_t n1, float* out, int64_t ld) {
-  const int64_t G = K / gs, bpg = gs / 32, U = a.units, C = a.chunks, KH = K / 2;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const int8_t* xq = a.q.data() + m0 * K;
-  const int16_t* rq = a.r.data() + m0 * U * 16;
-  const float* cs = a.cs.data() + m0 * C;
-  const float* xg = a.xg.data() + m0 * G;
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) {
-    __m256 tot[MR][NR];
-    #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-      #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) tot[m][j] = _mm256_setzero_ps();
-    const uint8_t* wr = qw + n * KH;
-    const int8_t* xp = xq;
-    const int16_t* rp = rq;
-    const float* cp = cs;
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t b0 = 0; b0 < bpg; b0 += 2 * kInt4ChunkUnits, ++cp) {
-        const int64_t b1 = UPG > 0 ? 2 * UPG : std::min(bpg, b0 + 2 * kInt4ChunkUnits);
-        __m256i isum[MR][NR];
-        #pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m)
-          #pragma GCC unroll 4
-          for (int j = 0; j < NR; ++j) isum[m][j] = _mm256_setzero_si256();
-        int64_t b = b0;
-        #pragma GCC unroll 4
-        for (; b + 1 < b1; b += 2, rp += 16, wr += 32, xp += 64) {
-          {
-            const uint8_t* pf = qw + (n + kInt4Ahead) * KH + (wr - (qw + n * KH)) * NR;
-            #pragma GCC unroll 4
-            for (int l = 0; l < NR * 32; l += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + l), _MM_HINT_T0);
-          }
-          #pragma GCC unroll 4
-          for (int j = 0; j < NR; ++j) {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + j * KH));
-            const __m256i lo = _mm256_and_si256(raw, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            #pragma GCC unroll 4
-            for (int m = 0; m < MR; ++m) {
-              const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K));
-              const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + 32));
-              const __m256i rv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp + m * U * 16));
-              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-              isum[m][j] = _mm256_add_epi32(isum[m][j], _mm256_madd_epi16(p, rv));
-            }
-          }
-        }
-        if (UPG == 0 && b < b1) {  // the group's odd block
-          const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-          #pragma GCC unroll 4
-          for (int j = 0; j < NR; ++j) {
-            const __m256i raw =
-                _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + j * KH)));
-            const __m256i w = _mm256_and_si256(_mm256_srlv_epi32(raw, shift), low4);
-            #pragma GCC unroll 4
-            for (int m = 0; m < MR; ++m) {
-              const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K));
-              const __m256i rv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp + m * U * 16));
-              isum[m][j] = _mm256_add_epi32(isum[m][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), rv));
-            }
-          }
-          rp += 16;
-          wr += 16;
-          xp += 32;
-        }
-        #pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) {
-          const __m256 s = _mm256_broadcast_ss(sc + (n + j) * G + g);
-          #pragma GCC unroll 4
-          for (int m = 0; m < MR; ++m) {
-            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m][j]), _mm256_broadcast_ss(cp + m * C));
-            tot[m][j] = _mm256_fmadd_ps(f, s, tot[m][j]);
-          }
-        }
-      }
-    }
-    #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m)
-      #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) {
-        float corr = 0.f;
-        for (int64_t g = 0; g < G; ++g) corr += zs[(n + j) * G + g] * xg[m * G + g];
-        out[m * ld + (n + j - n0)] = hsum256(tot[m][j]) - corr;
-      }
-  }
-  if (n < n1) int4_rows<MR, 1, UPG>(a, m0, K, gs, qw, sc, zs, n, n1, out + (n - n0), ld);
-}
-
-// Activation rows per sweep of the weight, and weight rows per step for each row count: at most
-// four accumulator pairs, so the sweep stays in the 16 vector registers.
-constexpr int64_t kInt4Sweep = 4;
-
-using Int4RowsFn = void (*)(const Int4Act&, int64_t, int64_t, int64_t, const uint8_t*, const float*, const float*,
-                            int64_t, int64_t, float*, int64_t);
-// The kernel for 1, 2, 3 and 4 activation rows (weight rows per step as the registers allow).
-template <int UPG>
-constexpr Int4RowsFn kInt4Kernels[4] = {int4_rows<1, 4, UPG>, int4_rows<2, 2, UPG>, int4_rows<3, 1, UPG>,
-                                        int4_rows<4, 1, UPG>};
-
-// x [M, K] (float32 or bfloat16) times the 4-bit weight [N, K] (layout above), plus bias; the
-// result in x's dtype.
-at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& zs,
-                     int64_t group_size, const std::optional<at::Tensor>& bias) {
-  const char* op = "tandem gemm_int4";
-  check_int4(op, qw, scales, zs, group_size);
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), op, ": x must be a 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0), gs = group_size;
-  TORCH_CHECK(K == qw.size(1) * 2, op, ": x has ", K, " columns, the weight ", qw.size(1) * 2);
-  at::Tensor xf = x.to(at::kFloat).contiguous(), b;
-  Int4Act act;
-  quantize_int4_act(xf.data_ptr<float>(), M, K, gs, act);
-  const float* bp = bias_ptr(bias, N, b);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* op_ = out.data_ptr<float>();
-  const uint8_t* wp = qw.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zs.data_ptr<float>();
-  // Groups of two-block units that make one chunk (64, 128, 256 elements) take the fixed-trip kernels.
-  const int64_t bpg = gs / 32, upg = bpg % 2 == 0 && bpg <= 2 * kInt4ChunkUnits ? bpg / 2 : 0;
-  auto rows_kernel = [upg](int64_t rows) -> Int4RowsFn {
-    const int64_t i = std::min<int64_t>(rows, kInt4Sweep) - 1;
-    switch (upg) {
-      case 1: return kInt4Kernels<1>[i];
-      case 2: return kInt4Kernels<2>[i];
-      case 4: return kInt4Kernels<4>[i];
-      default: return kInt4Kernels<0>[i];
-    }
-  };
-  for_row_blocks(N, [&](int64_t n0, int64_t n1) {
-    float acc[kInt4Sweep * kChunk];
-    for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-      const int64_t c1 = std::min(n1, c0 + kChunk), width = c1 - c0;
-      for (int64_t m0 = 0; m0 < M; m0 += kInt4Sweep) {
-        const int64_t rows = std::min<int64_t>(kInt4Sweep, M - m0);
-        rows_kernel(rows)(act, m0, K, gs, wp, sp, zp, c0, c1, acc, width);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t n = c0; n < c1; ++n) op_[(m0 + r) * N + n] = acc[r * width + (n - c0)] + (bp ? bp[n] : 0.f);
-      }
-    }
-  });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
-}
-#endif  // __AVX2__ && __FMA__
-
 }  // namespace
 
 TORCH_LIBRARY(tandem, m) {
@@ -1099,10 +724,6 @@ TORCH_LIBRARY(tandem, m) {
   m.def("gemm_w8a8(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
 #endif
   m.def("quantize_rows_u8(Tensor x) -> (Tensor, Tensor)");
-  m.def("dequant_int4(Tensor qweight, Tensor scales, Tensor zs, int group_size, Tensor(a!) out) -> Tensor(a!)");
-#if defined(__AVX2__) && defined(__FMA__)
-  m.def("gemm_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zs, int group_size, Tensor? bias) -> Tensor");
-#endif
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
@@ -1121,8 +742,4 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("gemm_w8a8", &gemm_w8a8);
 #endif
   m.impl("quantize_rows_u8", &quantize_rows_u8);
-  m.impl("dequant_int4", &dequant_int4);
-#if defined(__AVX2__) && defined(__FMA__)
-  m.impl("gemm_int4", &gemm_int4);
-#endif
 }

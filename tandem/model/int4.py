@@ -4,8 +4,9 @@ Every 4-bit format is repacked at load (tandem/model/int4_formats.py) into one l
 Tandem's kernel reads: `qweight` [out, in/2] bytes, where each 32-element block of a weight row is
 16 bytes whose low nibbles are elements 0..15 and high nibbles elements 16..31, unsigned 0..15;
 element k of row n is `(q - zero) * scale` of its group of `group_size` inputs. Scales and
-`zs = scale * zero` are float32 [out, in / group_size]. That is a quarter of bfloat16's weight
-bytes plus 8 bytes per group. Act-order checkpoints (GPTQ `desc_act`, compressed-tensors
+`zs = scale * zero` are float32 [out, in / group_size]; a symmetric layer (every zero 8, as
+GPTQ's `sym` and compressed-tensors without zero points write them) keeps no `zs`. That is a
+quarter of bfloat16's weight bytes plus 4 (symmetric) or 8 bytes per group. Act-order checkpoints (GPTQ `desc_act`, compressed-tensors
 `actorder: group`) group inputs out of order: their columns are stored sorted by group and
 `in_perm` gathers the activations into that order first (a copy of the activations, not of
 the weight).
@@ -74,12 +75,18 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat((blocks & 0x0F, blocks >> 4), dim=2).reshape(n, half * 2)
 
 
+# The zero point of every group of a symmetric layer (no `zs`).
+SYMMETRIC_ZERO = 8.0
+
+
 def dequantize_torch(
-    packed: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor, group_size: int, dtype: torch.dtype
+    packed: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor | None, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The weight [N, K] in `dtype`, in plain PyTorch (the reference, and the path without kernels)."""
     q = unpack_nibbles(packed).float()
     n, k = q.shape
+    if zs is None:
+        zs = scales * SYMMETRIC_ZERO
     w = q.view(n, k // group_size, group_size) * scales[:, :, None] - zs[:, :, None]
     return w.reshape(n, k).to(dtype)
 
@@ -89,7 +96,7 @@ class Int4Linear(DirectCall, nn.Module):
 
     qweight: torch.Tensor  # buffers (register_buffer)
     scales: torch.Tensor
-    zs: torch.Tensor
+    zs: torch.Tensor | None
     in_perm: torch.Tensor | None
 
     def __init__(
@@ -120,7 +127,9 @@ class Int4Linear(DirectCall, nn.Module):
         s = scales.detach().float().contiguous()
         self.register_buffer("qweight", pack_nibbles(q), persistent=False)
         self.register_buffer("scales", s, persistent=False)
-        self.register_buffer("zs", (s * zeros.detach().float()).contiguous(), persistent=False)
+        z = zeros.detach().float()
+        symmetric = bool((z == SYMMETRIC_ZERO).all())
+        self.register_buffer("zs", None if symmetric else (s * z).contiguous(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.in_features, self.out_features, self.group_size = k, n, group_size
         # use_kernel=False forces the PyTorch path (tests); None takes what the host has.
@@ -172,7 +181,10 @@ def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
     nn.Module.__init__(fused)
     fused.register_buffer("qweight", torch.cat([p.qweight for p in parts]), persistent=False)
     fused.register_buffer("scales", torch.cat([p.scales for p in parts]), persistent=False)
-    fused.register_buffer("zs", torch.cat([p.zs for p in parts]), persistent=False)
+    zs = None
+    if any(p.zs is not None for p in parts):
+        zs = torch.cat([p.zs if p.zs is not None else p.scales * SYMMETRIC_ZERO for p in parts])
+    fused.register_buffer("zs", zs, persistent=False)
     fused.register_buffer("in_perm", first.in_perm, persistent=False)
     fused.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
     fused.in_features, fused.group_size = first.in_features, first.group_size

@@ -106,6 +106,24 @@ def test_gemm_int4_matches_reference(rows, shape, bias):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gemm_int4_symmetric_weights_take_no_zs(rows, shape):
+    """zs=None means every zero point is 8: the same product as passing zs = 8 * scale."""
+    n, k, group = shape
+    q, s, _ = _weights(n, k, group, rows + n)
+    z = torch.full_like(s, 8.0)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    packed = pack_nibbles(q)
+    y = torch.ops.tandem.gemm_int4(x, packed, s, None, group, None)
+    torch.testing.assert_close(y.double(), kernel_reference(x, q, s, z, group, None), rtol=1e-5, atol=1e-4)
+    out = torch.empty(n, k)
+    torch.ops.tandem.dequant_int4(packed, s, None, group, out)
+    torch.testing.assert_close(out, dequantize_torch(packed, s, None, group, torch.float32), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, dequantize_torch(packed, s, s * 8, group, torch.float32), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
 @pytest.mark.parametrize("group", [256, 512])
 def test_gemm_int4_extreme_values_do_not_overflow(group):
     """Every weight 15 and every activation at its block's maximum: the largest 16-bit pair sums
@@ -186,3 +204,21 @@ def test_int4_linear_paths_agree(rows, monkeypatch):
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
     assert on(x.view(rows, 1, k)).shape == (rows, 1, n)
     assert on(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_fused_int4_layers_keep_zero_points_only_where_needed():
+    """q/k/v fused from symmetric parts stores no zs; one asymmetric part makes it store them all."""
+    from tandem.model.int4 import fuse_int4
+
+    n, k, group = 16, 128, 64
+    parts = []
+    for seed, sym in [(0, True), (1, True), (2, False)]:
+        q, s, z = _weights(n, k, group, seed)
+        parts.append(Int4Linear(q, s, torch.full_like(z, 8.0) if sym else z, group, None))
+    assert parts[0].zs is None and parts[2].zs is not None
+    x = torch.randn(3, k)
+    for chosen in (parts[:2], parts):
+        fused = fuse_int4(chosen, None)
+        assert (fused.zs is None) == all(p.zs is None for p in chosen)
+        expect = torch.cat([p(x) for p in chosen], dim=-1)
+        torch.testing.assert_close(fused(x), expect, rtol=1e-5, atol=1e-5)
