@@ -75,14 +75,18 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str, Any]]:
 
 def one_row_bytes(model: Any) -> int:
     """The weight bytes one decode step of one stream reads: every linear layer's weights (not the
-    embedding lookup), and of a float layer holding two copies only the few-row one."""
+    embedding lookup), and of a layer holding two copies (a float layer's plain and packed
+    weights, an int8 layer's kernel and library weights) only the one few rows read."""
     from tandem.model.linear import PackedLinear
     from tandem.model.linear_report import LINEAR_TYPES, linear_path
+    from tandem.model.quant import Int8Linear
 
     total = 0
     for m in model.modules():
         if isinstance(m, PackedLinear) and m.plain is not None:
             total += m.plain.numel() * m.plain.element_size()
+        elif isinstance(m, Int8Linear):
+            total += sum(t.numel() * t.element_size() for t in (m.qweight, m.scale, m.row_sum) if t is not None)
         elif isinstance(m, LINEAR_TYPES):
             total += linear_path(m)[1]
     return total

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernel_util.h"
@@ -24,8 +25,33 @@ namespace {
 // The zero point of every group when no zs is given.
 constexpr float kSymZero = 8.f;
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// One 32-element block with AVX-512: the nibbles widened to 32-bit lanes, q * s - z in float32,
+// and for bfloat16 rounded to nearest even as PyTorch's conversion rounds (the compiler does not
+// vectorise the scalar loop below's bfloat16 conversion: 10x slower).
+template <typename E>
+inline void dequant_block_avx512(const uint8_t* blk, __m512 s, __m512 z, E* o) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m512 lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4))), s, z);
+  const __m512 hi =
+      _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4))), s, z);
+  if constexpr (std::is_same_v<E, float>) {
+    _mm512_storeu_ps(o, lo);
+    _mm512_storeu_ps(o + 16, hi);
+  } else {
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+    auto round = [&](__m512 v) {  // float32 -> bfloat16 bits in the low 16 of each lane
+      const __m512i b = _mm512_castps_si512(v);
+      return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, bias), _mm512_and_si512(_mm512_srli_epi32(b, 16), one)), 16);
+    };
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(round(lo)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), _mm512_cvtepi32_epi16(round(hi)));
+  }
+}
+#endif
+
 // Dequantize to float32 or bfloat16 [N, K] (the large-batch path multiplies that with a GEMM).
-// Plain C++: the compiler vectorises the inner loops on every host.
 template <typename E>
 void dequant_int4_impl(const uint8_t* qw, const float* sc, const float* zs, int64_t N, int64_t K, int64_t gs, E* out) {
   const int64_t G = K / gs;
@@ -35,6 +61,11 @@ void dequant_int4_impl(const uint8_t* qw, const float* sc, const float* zs, int6
       E* orow = out + n * K;
       for (int64_t g = 0; g < G; ++g) {
         const float s = sc[n * G + g], z = zs ? zs[n * G + g] : kSymZero * s;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
+        for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) dequant_block_avx512(wr + b * 16, sv, zv, orow + b * 32);
+        continue;
+#endif
         for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) {
           const uint8_t* blk = wr + b * 16;
           E* o = orow + b * 32;

@@ -12,9 +12,10 @@ quarter of bfloat16's weight bytes plus 4 (symmetric) or 8 bytes per group. Act-
 the weight).
 
 Paths, by rows of the product (a decode step of a few streams is a few rows):
-- up to `INT4_KERNEL_MAX_ROWS` rows: `tandem.gemm_int4` (AVX2 + FMA; tandem/kernels/cpu_ops.cpp)
-  streams the packed weight once per four rows, unpacking in registers; it quantizes the
-  activations to int8 in blocks of 32 (one scale per block) and multiplies in integers;
+- up to `INT4_KERNEL_MAX_ROWS` rows: `tandem.gemm_int4` (AVX512-VNNI, or AVX2 + FMA;
+  tandem/kernels/int4_ops.cpp) streams the packed weight once per four rows, unpacking in
+  registers; it quantizes the activations to int8 in blocks of 32 (one scale per block) and
+  multiplies in integers;
 - more rows, or no kernel: dequantize to the compute dtype and run one GEMM (`F.linear`). The
   dequantized weight is made per call (`tandem.dequant_int4`, or PyTorch ops without kernels), not
   kept: keeping it costs the float model's memory (docs/quantized_checkpoints.md has the timing).
@@ -30,10 +31,12 @@ from tandem import kernels
 from tandem.model.direct_call import DirectCall
 
 # Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM. On an AVX2 host the
-# kernel was still 1.2-3.3x faster than dequantize + float32 GEMM at 32-64 rows (benchmarks/int4.py
-# --layers, docs/quantized_checkpoints.md); 16 covers decode batches and speculative verification
-# and leaves larger products to the GEMM, which AMX makes much faster than it is there.
+# kernel was still 1.2-3.3x faster than dequantize + float32 GEMM at 32-64 rows; with VNNI and
+# AMX the two break even near 24 rows (docs/quantized_checkpoints.md). 16 covers decode batches
+# and speculative verification on both.
 INT4_KERNEL_MAX_ROWS = 16
+# Activation dtypes the kernel reads directly.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Elements per packed block of the internal layout (and per activation scale in the kernel).
 BLOCK = 32
 
@@ -136,6 +139,18 @@ class Int4Linear(DirectCall, nn.Module):
         want = use_kernel is not False
         self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if want and kernels.has("gemm_int4") else 0
         self.compiled_dequant = want and kernels.has("dequant_int4")
+        self._bind()
+
+    def _bind(self) -> None:
+        """The tensors forward reads, as one plain attribute: buffers and parameters are found by
+        `nn.Module.__getattr__` (about 1 us each, five a call: a third of a one-row product's cost
+        outside the kernel). Refreshed whenever `_apply` (`.to()` and the like) replaces them."""
+        self.__dict__["_tensors"] = (self.qweight, self.scales, self.zs, self.bias, self.in_perm)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        result = super()._apply(fn, recurse)
+        self._bind()
+        return result
 
     def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
         """The weight [out, in] in `dtype`, inputs in `in_perm` order if there is one. scratch=True
@@ -157,12 +172,12 @@ class Int4Linear(DirectCall, nn.Module):
         if x.dim() != 2:
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
-        if self.in_perm is not None:
-            x = x.index_select(1, self.in_perm)
-        rows = x.shape[0]
-        if 0 < rows <= self.kernel_max_rows and x.dtype in (torch.float32, torch.bfloat16):
-            return torch.ops.tandem.gemm_int4(x, self.qweight, self.scales, self.zs, self.group_size, self.bias)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        qweight, scales, zs, bias, in_perm = self._tensors
+        if in_perm is not None:
+            x = x.index_select(1, in_perm)
+        if 0 < x.shape[0] <= self.kernel_max_rows and x.dtype in _KERNEL_DTYPES:
+            return torch.ops.tandem.gemm_int4(x, qweight, scales, zs, self.group_size, bias)
+        bias = None if bias is None else bias.to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype, scratch=True), bias)
 
 
@@ -190,4 +205,5 @@ def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
     fused.in_features, fused.group_size = first.in_features, first.group_size
     fused.out_features = sum(p.out_features for p in parts)
     fused.kernel_max_rows, fused.compiled_dequant = first.kernel_max_rows, first.compiled_dequant
+    fused._bind()
     return fused

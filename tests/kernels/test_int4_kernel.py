@@ -222,3 +222,17 @@ def test_fused_int4_layers_keep_zero_points_only_where_needed():
         assert (fused.zs is None) == all(p.zs is None for p in chosen)
         expect = torch.cat([p(x) for p in chosen], dim=-1)
         torch.testing.assert_close(fused(x), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_linear_follows_its_tensors_when_they_are_replaced():
+    """forward reads its tensors from one bound tuple; `.to()`-style replacement refreshes it."""
+    q, s, z = _weights(16, 128, 64, 3)
+    bias = torch.randn(16)
+    lin = Int4Linear(q, s, z, 64, bias)
+    x = torch.randn(2, 128)
+    before = lin(x)
+    lin._apply(lambda t: t.clone())
+    assert lin._tensors[0] is lin.qweight and lin._tensors[3] is lin.bias
+    with torch.no_grad():
+        lin.bias.zero_()  # the new bias: forward must see it
+    torch.testing.assert_close(lin(x), before - bias, rtol=1e-5, atol=1e-5)
