@@ -23,6 +23,8 @@ Paths, by rows of the product (a decode step of a few streams is a few rows):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,6 +103,8 @@ class Int4Linear(DirectCall, nn.Module):
     scales: torch.Tensor
     zs: torch.Tensor | None
     in_perm: torch.Tensor | None
+    # (qweight, scales, zs, bias, in_perm), bound by _bind
+    _tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
     def __init__(
         self,
@@ -147,7 +151,7 @@ class Int4Linear(DirectCall, nn.Module):
         outside the kernel). Refreshed whenever `_apply` (`.to()` and the like) replaces them."""
         self.__dict__["_tensors"] = (self.qweight, self.scales, self.zs, self.bias, self.in_perm)
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Int4Linear:
         result = super()._apply(fn, recurse)
         self._bind()
         return result
