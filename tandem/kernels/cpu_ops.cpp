@@ -340,33 +340,40 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor& x) {
 
 #if defined(__AVX512VNNI__)
 // Dynamic int8 activations (one symmetric scale per row, max |x| / 127) times int8 weights with one
-// scale per output row: y = x_scale * w_scale * sum(xq * w) + bias, float32 in and out.
+// scale per output row: y = x_scale * w_scale * sum(xq * w) + bias, in x's dtype (float32 or
+// bfloat16; bfloat16 rows are widened one at a time, not copied whole).
 // `vpdpbusd` wants unsigned activations, so they are offset by 128 and the offset is taken back
 // out with each weight row's sum (`w_sum`): sum((xq + 128) * w) - 128 * sum(w) = sum(xq * w).
 at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                      const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
   check_inputs("tandem gemm_w8a8", x, w);
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "tandem gemm_w8a8: x must be float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "tandem gemm_w8a8: x must be float32 or bfloat16");
   TORCH_CHECK(w.scalar_type() == at::kChar, "tandem gemm_w8a8: w must be int8");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == w.size(0),
               "tandem gemm_w8a8: w_scale must be contiguous float32, one per output row");
   TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == w.size(0),
               "tandem gemm_w8a8: w_sum must be contiguous int32, one per output row");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor xc = x.contiguous(), b;
-  const float* xp = xc.data_ptr<float>();
-  at::Tensor xu = at::empty({M, K}, x.options().dtype(at::kByte));
+  const at::Tensor xc = x.contiguous();
+  RowsF32 rows(xc);
+  at::Tensor xu = at::empty({M, K}, x.options().dtype(at::kByte)), b;
   uint8_t* up = xu.data_ptr<uint8_t>();
   float x_scale[kMaxRows];
-  for (int64_t m = 0; m < M; ++m) x_scale[m] = quantize_row_u8(xp + m * K, K, up + m * K);
+  for (int64_t m = 0; m < M; ++m) x_scale[m] = quantize_row_u8(rows.row(m), K, up + m * K);
   const float* bp = bias_ptr(bias, N, b);
-  at::Tensor out = at::empty({M, N}, x.options());
-  float* op = out.data_ptr<float>();
+  at::Tensor out = at::empty({M, N}, x.options());  // in x's dtype
+  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  uint16_t* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* sp = w_scale.data_ptr<float>();
   const int32_t* sump = w_sum.data_ptr<int32_t>();
   product<U8S8Dot>(up, M, K, w.data_ptr<int8_t>(), N, [&](int64_t m, int64_t n, int32_t dot) {
-    const float v = static_cast<float>(dot - 128 * sump[n]) * x_scale[m] * sp[n];
-    op[m * N + n] = bp ? v + bp[n] : v;
+    float v = static_cast<float>(dot - 128 * sump[n]) * x_scale[m] * sp[n];
+    if (bp) v += bp[n];
+    if (of)
+      of[m * N + n] = v;
+    else
+      ob[m * N + n] = float_to_bf16(v);
   });
   return out;
 }

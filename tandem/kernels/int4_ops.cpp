@@ -115,26 +115,6 @@ at::Tensor dequant_int4(const at::Tensor& qw, const at::Tensor& scales, const st
 }
 
 
-// Rows of x ([M, K] float32 or bfloat16, contiguous) as float32: a pointer into x, or into a
-// buffer the bfloat16 row is widened into (no converted copy of the whole activation).
-class RowsF32 {
- public:
-  explicit RowsF32(const at::Tensor& x) : x_(x), K_(x.size(1)) {
-    if (x.scalar_type() == at::kBFloat16) buf_.resize(K_);
-  }
-  const float* row(int64_t m) {
-    if (buf_.empty()) return x_.data_ptr<float>() + m * K_;
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(x_.data_ptr<at::BFloat16>()) + m * K_;
-    for (int64_t k = 0; k < K_; ++k) buf_[k] = bf16_to_float(src[k]);
-    return buf_.data();
-  }
-
- private:
-  const at::Tensor& x_;
-  int64_t K_;
-  std::vector<float> buf_;
-};
-
 #if defined(__AVX2__) && defined(__FMA__)
 // Activations are quantized to int8 in blocks of 32 (one symmetric scale per block, as
 // llama.cpp's Q8 blocks), so a block's product with the unsigned 4-bit weights is integer
@@ -390,12 +370,17 @@ Int4RowsFn int4_kernel(int64_t rows, int64_t gs) {
 // them in int32, each 128-bit lane one block. The lanes are then converted to float and scaled by
 // their block's activation scale times the weight group's scale: a convert, a multiply and an FMA
 // per quad. The activation scales are the AVX2 kernel's (a chunk's S times a 15-bit integer), so
-// both kernels compute the same sums up to float rounding order.
+// both kernels compute the same sums up to float rounding order. A symmetric weight's zero point
+// (8) comes out in integers before the scaling: each block's sum starts at -8 times the sum of its
+// int8 activations, so the row needs no per-group correction afterwards.
 struct Int4ActQuads {  // one activation matrix, quantized and laid out for int4_rows_vnni
   std::vector<int8_t> q;  // [M, quads, 128]: zero past the row's last block
   std::vector<float> s;   // [M, quads, 16]: lanes 4i..4i+3 hold block 4q+i's scale
   std::vector<float> xg;  // [M, G]: sum over each group of the activations as quantized
-  int64_t quads = 0;      // per row
+  // [M, quads, 16]: a symmetric weight's zero point taken out in integers, -8 * (sum of block
+  // 4q+i's int8 activations) in lane 4i, where the block's products start their sums.
+  std::vector<int32_t> zc;
+  int64_t quads = 0;  // per row
 };
 
 void quantize_int4_quads(RowsF32& x, int64_t M, int64_t K, int64_t gs, Int4ActQuads& a) {
@@ -404,6 +389,7 @@ void quantize_int4_quads(RowsF32& x, int64_t M, int64_t K, int64_t gs, Int4ActQu
   a.q.assign(M * Q * 128, 0);
   a.s.assign(M * Q * 16, 0.f);
   a.xg.assign(M * G, 0.f);
+  a.zc.assign(M * Q * 16, 0);
   alignas(32) int8_t blk[2 * kInt4ChunkUnits][32];
   float bs[2 * kInt4ChunkUnits];
   int32_t qs[2 * kInt4ChunkUnits];
@@ -412,6 +398,7 @@ void quantize_int4_quads(RowsF32& x, int64_t M, int64_t K, int64_t gs, Int4ActQu
     const float* xm = x.row(m);
     int8_t* q = a.q.data() + m * Q * 128;
     float* s = a.s.data() + m * Q * 16;
+    int32_t* zc = a.zc.data() + m * Q * 16;
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t b0 = 0; b0 < bpg; b0 += 2 * kInt4ChunkUnits) {  // the AVX2 kernel's chunks
         const int64_t b1 = std::min(bpg, b0 + 2 * kInt4ChunkUnits);
@@ -425,6 +412,7 @@ void quantize_int4_quads(RowsF32& x, int64_t M, int64_t K, int64_t gs, Int4ActQu
           std::memcpy(q + quad * 128 + i * 16, blk[b - b0], 16);
           std::memcpy(q + quad * 128 + 64 + i * 16, blk[b - b0] + 16, 16);
           for (int l = 0; l < 4; ++l) s[quad * 16 + i * 4 + l] = scale;
+          zc[quad * 16 + i * 4] = -static_cast<int32_t>(kSymZero) * qs[b - b0];
         }
       }
     }
@@ -445,10 +433,11 @@ inline __m512 quad_weight_scales(const float* sc, __mmask8 mask) {
 }
 
 // One quad of NR weight rows (raw bytes `w[j]`, their scales from sq[j * G]) times MR activation
-// rows (quads `xq` and lane scales `xs`, rows Q quads apart), accumulated into tot.
-template <int MR, int NR, int SPQ>
+// rows (quads `xq`, lane scales `xs` and, for a symmetric weight (SYM), zero-point lanes `zc`;
+// rows Q quads apart), accumulated into tot.
+template <int MR, int NR, int SPQ, bool SYM>
 inline void int4_quad(__m512 (&tot)[MR][NR], const __m512i (&w)[NR], const int8_t* xq, const float* xs,
-                      const float* sq, int64_t G, int64_t Q, __mmask8 smask) {
+                      const int32_t* zc, const float* sq, int64_t G, int64_t Q, __mmask8 smask) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   #pragma GCC unroll 8
   for (int j = 0; j < NR; ++j) {
@@ -458,7 +447,8 @@ inline void int4_quad(__m512 (&tot)[MR][NR], const __m512i (&w)[NR], const int8_
     #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
       const int8_t* xm = xq + m * Q * 128;
-      __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xm));
+      const __m512i start = SYM ? _mm512_loadu_si512(zc + m * Q * 16) : _mm512_setzero_si512();
+      __m512i acc = _mm512_dpbusd_epi32(start, lo, _mm512_loadu_si512(xm));
       acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(xm + 64));
       const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(xs + m * Q * 16), ws);
       tot[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, tot[m][j]);
@@ -479,7 +469,7 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 
 // out[m * ld + (n - n0)] = x_m . w_n for MR activation rows (from row m0 of `a`) and output rows
 // [n0, n1), NR weight rows at a time; prefetching as int4_rows does (NR * 64 bytes per quad).
-template <int MR, int NR, int SPQ>
+template <int MR, int NR, int SPQ, bool SYM>
 void int4_rows_vnni(const Int4ActQuads& a, int64_t m0, int64_t K, int64_t gs, const uint8_t* qw, const float* sc,
                     const float* zs, int64_t n0, int64_t n1, float* out, int64_t ld) {
   const int64_t G = K / gs, KH = K / 2, Q = a.quads, full = K / 128;
@@ -491,6 +481,7 @@ void int4_rows_vnni(const Int4ActQuads& a, int64_t m0, int64_t K, int64_t gs, co
   const int8_t* xq = a.q.data() + m0 * Q * 128;
   const float* xs = a.s.data() + m0 * Q * 16;
   const float* xg = a.xg.data() + m0 * G;
+  const int32_t* zc = a.zc.data() + m0 * Q * 16;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
     __m512 tot[MR][NR];
@@ -508,7 +499,8 @@ void int4_rows_vnni(const Int4ActQuads& a, int64_t m0, int64_t K, int64_t gs, co
       for (int l = 0; l < NR; ++l) _mm_prefetch(reinterpret_cast<const char*>(pf + l * 64), _MM_HINT_T0);
       #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_si512(wr + j * KH + q * 64);
-      int4_quad<MR, NR, SPQ>(tot, w, xq + q * 128, xs + q * 16, SPQ == 1 ? sr + g : sr + q * SPQ, G, Q, all_scales);
+      int4_quad<MR, NR, SPQ, SYM>(tot, w, xq + q * 128, xs + q * 16, zc + q * 16, SPQ == 1 ? sr + g : sr + q * SPQ, G,
+                                  Q, all_scales);
       if (SPQ == 1 && ++gq == qpg) {
         gq = 0;
         ++g;
@@ -517,33 +509,34 @@ void int4_rows_vnni(const Int4ActQuads& a, int64_t m0, int64_t K, int64_t gs, co
     if (tail) {
       #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) w[j] = _mm512_maskz_loadu_epi8(tail_bytes, wr + j * KH + full * 64);
-      int4_quad<MR, NR, SPQ>(tot, w, xq + full * 128, xs + full * 16, sr + full * SPQ, G, Q, tail_scales);
+      int4_quad<MR, NR, SPQ, SYM>(tot, w, xq + full * 128, xs + full * 16, zc + full * 16, sr + full * SPQ, G, Q,
+                                  tail_scales);
     }
     #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m)
       #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j)
-        out[m * ld + (n + j - n0)] = _mm512_reduce_add_ps(tot[m][j]) -
-                                     (zs ? dot_f32(zs + (n + j) * G, xg + m * G, G)
-                                         : kSymZero * dot_f32(sc + (n + j) * G, xg + m * G, G));
+        out[m * ld + (n + j - n0)] =
+            _mm512_reduce_add_ps(tot[m][j]) - (SYM ? 0.f : dot_f32(zs + (n + j) * G, xg + m * G, G));
   }
-  if (n < n1) int4_rows_vnni<MR, 1, SPQ>(a, m0, K, gs, qw, sc, zs, n, n1, out + (n - n0), ld);
+  if (n < n1) int4_rows_vnni<MR, 1, SPQ, SYM>(a, m0, K, gs, qw, sc, zs, n, n1, out + (n - n0), ld);
 }
 
 using Int4VnniFn = void (*)(const Int4ActQuads&, int64_t, int64_t, int64_t, const uint8_t*, const float*,
                             const float*, int64_t, int64_t, float*, int64_t);
 // 1, 2, 3 and 4 activation rows: weight rows per step as the 32 vector registers allow.
-template <int SPQ>
-constexpr Int4VnniFn kInt4VnniKernels[4] = {int4_rows_vnni<1, 4, SPQ>, int4_rows_vnni<2, 4, SPQ>,
-                                            int4_rows_vnni<3, 2, SPQ>, int4_rows_vnni<4, 2, SPQ>};
+template <int SPQ, bool SYM>
+constexpr Int4VnniFn kInt4VnniKernels[4] = {int4_rows_vnni<1, 4, SPQ, SYM>, int4_rows_vnni<2, 4, SPQ, SYM>,
+                                            int4_rows_vnni<3, 2, SPQ, SYM>, int4_rows_vnni<4, 2, SPQ, SYM>};
 
 // Scales per quad for groups of gs, or 0 where the quads do not line up with the groups (the AVX2
 // kernel takes those).
 int64_t scales_per_quad(int64_t gs) { return gs % 128 == 0 ? 1 : gs == 64 ? 2 : gs == 32 ? 4 : 0; }
 
+template <bool SYM>
 Int4VnniFn int4_vnni_kernel(int64_t rows, int64_t spq) {
   const int64_t i = std::min<int64_t>(rows, kInt4Sweep) - 1;
-  return spq == 1 ? kInt4VnniKernels<1>[i] : spq == 2 ? kInt4VnniKernels<2>[i] : kInt4VnniKernels<4>[i];
+  return spq == 1 ? kInt4VnniKernels<1, SYM>[i] : spq == 2 ? kInt4VnniKernels<2, SYM>[i] : kInt4VnniKernels<4, SYM>[i];
 }
 #endif  // __AVX512VNNI__ && __AVX512BW__
 
@@ -598,7 +591,8 @@ at::Tensor gemm_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
     int4_product(
         M, N,
         [&](int64_t r, int64_t m0, int64_t c0, int64_t c1, float* acc, int64_t width) {
-          int4_vnni_kernel(r, spq)(act, m0, K, gs, wp, sp, zp, c0, c1, acc, width);
+          (zp ? int4_vnni_kernel<false> : int4_vnni_kernel<true>)(r, spq)(act, m0, K, gs, wp, sp, zp, c0, c1, acc,
+                                                                         width);
         },
         store);
     return out;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -56,6 +57,26 @@ inline const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, a
   holder = bias->to(at::kFloat).contiguous();
   return holder.data_ptr<float>();
 }
+
+// Rows of x ([M, K] float32 or bfloat16, contiguous) as float32: a pointer into x, or into a
+// buffer the bfloat16 row is widened into (no converted copy of the whole activation).
+class RowsF32 {
+ public:
+  explicit RowsF32(const at::Tensor& x) : x_(x), K_(x.size(1)) {
+    if (x.scalar_type() == at::kBFloat16) buf_.resize(K_);
+  }
+  const float* row(int64_t m) {
+    if (buf_.empty()) return x_.data_ptr<float>() + m * K_;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x_.data_ptr<at::BFloat16>()) + m * K_;
+    for (int64_t k = 0; k < K_; ++k) buf_[k] = bf16_to_float(src[k]);
+    return buf_.data();
+  }
+
+ private:
+  const at::Tensor& x_;
+  int64_t K_;
+  std::vector<float> buf_;
+};
 
 #if defined(__AVX2__)
 inline float hsum256(__m256 v) {

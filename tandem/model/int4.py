@@ -23,14 +23,12 @@ Paths, by rows of the product (a decode step of a few streams is a few rows):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem import kernels
-from tandem.model.direct_call import DirectCall
+from tandem.model.direct_call import BoundTensors, DirectCall
 
 # Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM. On an AVX2 host the
 # kernel was still 1.2-3.3x faster than dequantize + float32 GEMM at 32-64 rows; with VNNI and
@@ -96,14 +94,14 @@ def dequantize_torch(
     return w.reshape(n, k).to(dtype)
 
 
-class Int4Linear(DirectCall, nn.Module):
+class Int4Linear(BoundTensors, DirectCall, nn.Module):
     """y = x @ W^T + b with W held as 4-bit groups (layout above); computed in x's dtype."""
 
     qweight: torch.Tensor  # buffers (register_buffer)
     scales: torch.Tensor
     zs: torch.Tensor | None
     in_perm: torch.Tensor | None
-    # (qweight, scales, zs, bias, in_perm), bound by _bind
+    _bound = ("qweight", "scales", "zs", "bias", "in_perm")
     _tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
     def __init__(
@@ -143,18 +141,7 @@ class Int4Linear(DirectCall, nn.Module):
         want = use_kernel is not False
         self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if want and kernels.has("gemm_int4") else 0
         self.compiled_dequant = want and kernels.has("dequant_int4")
-        self._bind()
-
-    def _bind(self) -> None:
-        """The tensors forward reads, as one plain attribute: buffers and parameters are found by
-        `nn.Module.__getattr__` (about 1 us each, five a call: a third of a one-row product's cost
-        outside the kernel). Refreshed whenever `_apply` (`.to()` and the like) replaces them."""
-        self.__dict__["_tensors"] = (self.qweight, self.scales, self.zs, self.bias, self.in_perm)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Int4Linear:
-        result = super()._apply(fn, recurse)
-        self._bind()
-        return result
+        self.bind_tensors()
 
     def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
         """The weight [out, in] in `dtype`, inputs in `in_perm` order if there is one. scratch=True
@@ -209,5 +196,5 @@ def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
     fused.in_features, fused.group_size = first.in_features, first.group_size
     fused.out_features = sum(p.out_features for p in parts)
     fused.kernel_max_rows, fused.compiled_dequant = first.kernel_max_rows, first.compiled_dequant
-    fused._bind()
+    fused.bind_tensors()
     return fused

@@ -34,13 +34,15 @@ from torch import nn
 from tandem import kernels
 from tandem.config import QUANTIZATION_METHODS
 from tandem.cpu import cpu_flags
-from tandem.model.direct_call import DirectCall
+from tandem.model.direct_call import BoundTensors, DirectCall
 from tandem.model.linear import M, replace_linears
 
 logger = logging.getLogger("tandem.model")
 
 # Rows up to which Tandem's VNNI kernel beats PyTorch's (benchmarks/gemm_paths.py).
 _KERNEL_MAX_ROWS = 8
+# Activation dtypes the few-row kernel reads directly.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the weight-only AVX2 kernel (no VNNI) runs, in calls of KERNEL_ROWS rows (each
 # streams the weight once): widening the whole weight to float per call costs more up to here
 # (benchmarks/gemm_paths.py: 16 rows 0.20 s against 1.28 s per pass over the 415M model's weights).
@@ -74,11 +76,13 @@ def cpu_has_vnni() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
 
 
-class Int8Linear(DirectCall, nn.Module):
+class Int8Linear(BoundTensors, DirectCall, nn.Module):
     """y = x @ (q * scale)^T + b with q int8 [out, in], scale [out]; activations int8 on the fast path."""
 
     qweight: torch.Tensor  # buffers (register_buffer)
     scale: torch.Tensor
+    _bound = ("qweight", "scale", "bias")
+    _tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool | None = None
@@ -106,6 +110,7 @@ class Int8Linear(DirectCall, nn.Module):
         self.row_sum = q.sum(1, dtype=torch.int32) if want and kernels.has("gemm_w8a8") else None
         # Without VNNI: the weight-only kernel for few rows.
         self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
+        self.bind_tensors()
 
     def _prepack(self) -> object:
         with warnings.catch_warnings():
@@ -119,7 +124,15 @@ class Int8Linear(DirectCall, nn.Module):
         return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.float32:  # the decoder's case: no reshapes or casts
+        qweight, scale, bias = self._tensors
+        if (
+            x.dim() == 2
+            and self.row_sum is not None
+            and 0 < x.shape[0] <= _KERNEL_MAX_ROWS
+            and x.dtype in _KERNEL_DTYPES
+        ):  # a decode step's few rows: the kernel reads bfloat16 and answers in x's dtype
+            return torch.ops.tandem.gemm_w8a8(x, qweight, scale, self.row_sum, bias)
+        if x.dim() == 2 and x.dtype == torch.float32:  # no reshapes or casts
             return self._matmul(x)
         y = self._matmul(x.reshape(-1, self.in_features).float())
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -77,6 +77,13 @@ def test_gemm_w8a8_matches_integer_reference(rows, shape, bias):
         ref = ref + b.double()
     y = torch.ops.tandem.gemm_w8a8(x, w, w_scale, w.sum(1, dtype=torch.int32), b)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    # bfloat16 activations: read as they are, the result rounded to bfloat16 (PyTorch's rounding
+    # of the float32 result the same activations give).
+    xb = x.to(torch.bfloat16)
+    yb = torch.ops.tandem.gemm_w8a8(xb, w, w_scale, w.sum(1, dtype=torch.int32), b)
+    assert yb.dtype == torch.bfloat16
+    expect = torch.ops.tandem.gemm_w8a8(xb.float(), w, w_scale, w.sum(1, dtype=torch.int32), b).to(torch.bfloat16)
+    assert torch.equal(yb, expect)
 
 
 @pytest.mark.skipif(not kernels.load(), reason="kernels did not build here")
