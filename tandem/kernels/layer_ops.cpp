@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "exp_approx.h"
@@ -167,6 +168,67 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
   return out;
 }
 
+// residual + x into new_residual (rounded to the storage type, as PyTorch's add), then RMSNorm of
+// that sum into out, one pass over each row (Llama's order: the normalized row cast first).
+template <typename E, typename W>
+void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const W* w, float offset, double eps,
+                       at::Tensor& out, at::Tensor& new_residual) {
+  const int64_t T = x.size(0), D = x.size(1), sx = x.stride(0), sr = residual.stride(0);
+  const E* xp = elements<E>(x);
+  const E* rp = elements<E>(residual);
+  E* op = elements<E>(out);
+  E* np = elements<E>(new_residual);
+  const float epsf = static_cast<float>(eps);
+  for_rows(T, D, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const E* xr = xp + r * sx;
+      const E* rr = rp + r * sr;
+      E* n = np + r * D;
+      E* o = op + r * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = rounded<E>(widen(rr[d]) + widen(xr[d]));
+        n[d] = narrow<E>(v);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + epsf);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = narrow<E>((widen(w[d]) + offset) * rounded<E>(widen(n[d]) * inv));
+    }
+  });
+}
+
+// (RMSNorm(residual + x) * (weight + weight_offset), residual + x) for [T, D] rows of one dtype: a
+// decoder layer's residual add fused with the next norm, the add rounded as PyTorch's.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, double weight_offset) {
+  const char* op = "tandem add_rms_norm";
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), op, ": x and residual must be [T, D] of one shape");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), op, ": x and residual must share a dtype");
+  check_rows(op, x);
+  check_rows(op, residual);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": weight must be [", x.size(-1), "]");
+  const bool as_is = weight.is_contiguous() &&
+                     (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16);
+  const at::Tensor w = as_is ? weight : weight.to(at::kFloat).contiguous();
+  const float offset = static_cast<float>(weight_offset);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor sum = at::empty(x.sizes(), x.options());
+  auto run = [&](auto elem) {
+    using E = decltype(elem);
+    if (w.scalar_type() == at::kFloat)
+      add_rms_norm_impl<E, float>(x, residual, w.data_ptr<float>(), offset, eps, out, sum);
+    else
+      add_rms_norm_impl<E, uint16_t>(x, residual, elements<uint16_t>(w), offset, eps, out, sum);
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(float{});
+  else
+    run(uint16_t{});
+  return {out, sum};
+}
+
 template <typename E>
 void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t T = gate_up.size(0), I = out.size(1), stride = gate_up.stride(0);
@@ -247,12 +309,14 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, float weight_offset, bool cast_first) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, float weight_offset) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
 }

@@ -18,7 +18,7 @@ from tandem import kernels
 from tandem.model.layers import GatedMLP, RMSNorm
 from tandem.model.llama import Attention
 
-KERNELS = ("rms_norm", "silu_mul", "rope_")
+KERNELS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_")
 
 
 def wants_fused_ops(dtype: torch.dtype, quantized: bool) -> bool:

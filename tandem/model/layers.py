@@ -33,6 +33,14 @@ class RMSNorm(DirectCall, nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a decoder layer's residual add and the norm after it,
+        one pass over the rows with the kernel (the sum rounded to the dtype as PyTorch's add)."""
+        if self.fused and x.dim() == 2 and residual.dtype == x.dtype:
+            return torch.ops.tandem.add_rms_norm(x, residual, self.weight, self.eps, 0.0)
+        total = residual + x
+        return self.forward(total), total
+
 
 # cos and sign-folded sin rows for a pass's positions, shaped [T, 1, D] to broadcast over heads.
 Rope = tuple[torch.Tensor, torch.Tensor]

@@ -70,10 +70,22 @@ class DecoderLayer(DirectCall, nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        rope: Rope,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state comes and goes as a pending sum, x + residual (residual None before the
+        first layer), so each residual add fuses with the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        a = self.self_attn(rope, h, kv_cache, batch)
+        h, residual = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(LlamaCheckpointMapping, nn.Module):
@@ -98,9 +110,10 @@ class LlamaForCausalLM(LlamaCheckpointMapping, nn.Module):
         """Hidden states after the final norm, one row per token of the flat batch."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary.lookup(batch.positions)  # once per pass, not once per layer
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv_cache, batch)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, batch)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

@@ -57,6 +57,29 @@ def test_rms_norm_matches_the_module(dtype, norm_cls):
     _close(norm(x), ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_add_then_norm(dtype):
+    """The fused residual add + norm: the sum exactly as PyTorch's add rounds it, the norm as the
+    module's (also on a strided x, as the attention output can be)."""
+    g = torch.Generator().manual_seed(2)
+    for tokens, dim in [(1, 896), (5, 96), (3, 70)]:
+        norm = RMSNorm(dim, 1e-6)
+        norm.weight.data = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+        x = (torch.randn(tokens, dim, generator=g) * 3).to(dtype)
+        residual = (torch.randn(tokens, dim, generator=g) * 3).to(dtype)
+        ref_norm, ref_sum = norm.add_forward(x, residual)  # unfused: residual + x, then the module
+        torch.testing.assert_close(ref_sum, residual + x, rtol=0, atol=0)
+        norm.fused = True
+        got_norm, got_sum = norm.add_forward(x, residual)
+        torch.testing.assert_close(got_sum, ref_sum, rtol=0, atol=0)
+        _close(got_norm, ref_norm, dtype)
+        wide = torch.zeros(tokens, dim + 16, dtype=dtype)
+        wide[:, 8 : 8 + dim] = x
+        got_norm, got_sum = norm.add_forward(wide[:, 8 : 8 + dim], residual)
+        torch.testing.assert_close(got_sum, ref_sum, rtol=0, atol=0)
+        _close(got_norm, ref_norm, dtype)
+
+
 def test_rms_norm_reads_any_weight_dtype_and_layout():
     """The model's float32 and bfloat16 weights are read in place; another dtype or a strided weight
     gives the same result as its float32 copy."""
@@ -116,6 +139,10 @@ def test_rope_in_place_matches_apply_rope(dtype, rotary_dim):
 
 
 def test_layer_kernels_reject_bad_input():
+    with pytest.raises(RuntimeError, match="one shape"):
+        torch.ops.tandem.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6, 0.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.tandem.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6, 0.0)
     with pytest.raises(RuntimeError, match="rms_norm: weight"):
         torch.ops.tandem.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6, 0.0, True)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
