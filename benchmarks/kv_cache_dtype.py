@@ -37,6 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from tandem.config import DEFAULT_MAX_NUM_BATCHED_TOKENS  # noqa: E402
+
 # (model dtype, kv_cache_dtype): the float caches, and the quantized ones under each model dtype.
 CONFIGS = [
     ("float32", "auto"),
@@ -137,7 +139,7 @@ def main() -> None:
         "--tight-seqs", type=int, default=32, help="the tight run's budget: bfloat16 KV for this many"
     )
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--configs", default=",".join(f"{d}:{k}" for d, k in CONFIGS), help="dtype:kv_cache_dtype,..."
