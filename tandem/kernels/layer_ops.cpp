@@ -111,6 +111,15 @@ void check_rows(const char* op, const at::Tensor& x) {
               ": float32 or bfloat16 only, got ", x.scalar_type());
 }
 
+// A norm's weight [D]: the model's own (float32 or bfloat16, contiguous) read in place; anything
+// else once converted.
+at::Tensor norm_weight(const char* op, const at::Tensor& weight, int64_t D) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, op, ": weight must be [", D, "]");
+  const bool as_is = weight.is_contiguous() &&
+                     (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16);
+  return as_is ? weight : weight.to(at::kFloat).contiguous();
+}
+
 // W: the weight's storage type (float, or bfloat16's bits), read as it is: no per-call copy.
 template <typename E, typename W>
 void rms_norm_impl(const at::Tensor& x, const W* w, float offset, double eps, bool cast_first, at::Tensor& out) {
@@ -156,12 +165,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
                     bool cast_first) {
   const char* op = "tandem rms_norm";
   check_rows(op, x);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": weight must be [", x.size(-1), "]");
-  // The model's own weights (float32 or bfloat16, contiguous) are read in place; anything else once
-  // converted.
-  const bool as_is = weight.is_contiguous() &&
-                     (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16);
-  const at::Tensor w = as_is ? weight : weight.to(at::kFloat).contiguous();
+  const at::Tensor w = norm_weight(op, weight, x.size(-1));
   const float offset = static_cast<float>(weight_offset);
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kFloat) {
@@ -212,10 +216,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(residual.scalar_type() == x.scalar_type(), op, ": x and residual must share a dtype");
   check_rows(op, x);
   check_rows(op, residual);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": weight must be [", x.size(-1), "]");
-  const bool as_is = weight.is_contiguous() &&
-                     (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16);
-  const at::Tensor w = as_is ? weight : weight.to(at::kFloat).contiguous();
+  const at::Tensor w = norm_weight(op, weight, x.size(-1));
   const float offset = static_cast<float>(weight_offset);
   at::Tensor out = at::empty(x.sizes(), x.options());
   at::Tensor sum = at::empty(x.sizes(), x.options());
