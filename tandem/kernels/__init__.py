@@ -1,5 +1,6 @@
 """Tandem's compiled CPU kernels (`cpu_ops.cpp`: products and attention; `int4_ops.cpp`: 4-bit
-weight products; `layer_ops.cpp`: a decoder layer's per-token glue), one library built from source on first use.
+weight products; `layer_ops.cpp`: a decoder layer's per-token glue), one library built from
+source on first use.
 
 The build needs only what a clean install brings: a C++ compiler on the PATH, PyTorch's headers and
 `ninja` (a dependency). It compiles for the host CPU (`-march=native`) into PyTorch's extension

@@ -6,10 +6,10 @@ Tandem's kernel reads: `qweight` [out, in/2] bytes, where each 32-element block 
 element k of row n is `(q - zero) * scale` of its group of `group_size` inputs. Scales and
 `zs = scale * zero` are float32 [out, in / group_size]; a symmetric layer (every zero 8, as
 GPTQ's `sym` and compressed-tensors without zero points write them) keeps no `zs`. That is a
-quarter of bfloat16's weight bytes plus 4 (symmetric) or 8 bytes per group. Act-order checkpoints (GPTQ `desc_act`, compressed-tensors
-`actorder: group`) group inputs out of order: their columns are stored sorted by group and
-`in_perm` gathers the activations into that order first (a copy of the activations, not of
-the weight).
+quarter of bfloat16's weight bytes plus 4 (symmetric) or 8 bytes per group. Act-order
+checkpoints (GPTQ `desc_act`, compressed-tensors `actorder: group`) group inputs out of order:
+their columns are stored sorted by group and `in_perm` gathers the activations into that order
+first (a copy of the activations, not of the weight).
 
 Paths, by rows of the product (a decode step of a few streams is a few rows):
 - up to `INT4_KERNEL_MAX_ROWS` rows: `tandem.gemm_int4` (AVX512-VNNI, or AVX2 + FMA;
