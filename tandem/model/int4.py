@@ -41,16 +41,20 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 BLOCK = 32
 
 
-_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+class DequantScratch:
+    """The buffer a model's 4-bit layers dequantize into for their large-batch products, one per
+    dtype, grown to the largest layer and kept: a model's steps run one at a time and each product
+    finishes before the next layer's, so one model's layers share it (the loader gives them one)."""
 
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
-def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """A flat buffer of at least `numel` elements, grown to the largest layer and kept. Steps run
-    one at a time in the engine's process, and each product finishes before the next layer's."""
-    buf = _SCRATCH.get(dtype)
-    if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[dtype] = torch.empty(numel, dtype=dtype)
-    return buf[:numel]
+    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements."""
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
 
 
 def check_shape(in_features: int, group_size: int, what: str) -> None:
@@ -113,6 +117,7 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         bias: torch.Tensor | None,
         use_kernel: bool | None = None,
         in_perm: torch.Tensor | None = None,
+        scratch: DequantScratch | None = None,
     ) -> None:
         """q [N, K] unsigned 0..15, scales and zeros [N, K / group_size] (zeros may be fractional);
         with `in_perm`, group g holds inputs in_perm[g * group_size : (g + 1) * group_size]."""
@@ -141,6 +146,8 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         want = use_kernel is not False
         self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if want and kernels.has("gemm_int4") else 0
         self.compiled_dequant = want and kernels.has("dequant_int4")
+        # Shared by the layers of one model (the loader passes one); a layer made alone has its own.
+        self.scratch = scratch if scratch is not None else DequantScratch()
         self.bind_tensors()
 
     def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
@@ -149,7 +156,7 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         per-call path allocates nothing."""
         if self.compiled_dequant and dtype in (torch.float32, torch.bfloat16):
             n, k = self.out_features, self.in_features
-            out = _scratch(dtype, n * k).view(n, k) if scratch else torch.empty(n, k, dtype=dtype)
+            out = self.scratch.get(dtype, n * k).view(n, k) if scratch else torch.empty(n, k, dtype=dtype)
             return torch.ops.tandem.dequant_int4(self.qweight, self.scales, self.zs, self.group_size, out)
         return dequantize_torch(self.qweight, self.scales, self.zs, self.group_size, dtype)
 
@@ -196,5 +203,6 @@ def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
     fused.in_features, fused.group_size = first.in_features, first.group_size
     fused.out_features = sum(p.out_features for p in parts)
     fused.kernel_max_rows, fused.compiled_dequant = first.kernel_max_rows, first.compiled_dequant
+    fused.scratch = first.scratch
     fused.bind_tensors()
     return fused

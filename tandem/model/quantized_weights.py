@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from tandem.model.int4 import Int4Linear, check_shape, fuse_int4
+from tandem.model.int4 import DequantScratch, Int4Linear, check_shape, fuse_int4
 from tandem.model.int4_formats import dequantize_fp8, read_awq, read_compressed_tensors, read_gptq
 from tandem.model.weights import WeightMapping, checkpoint_files
 from tandem.quantization_config import QuantizationConfig
@@ -37,6 +37,8 @@ class QuantizedCheckpoint:
     def __init__(self, qcfg: QuantizationConfig, folder: Path) -> None:
         self.qcfg = qcfg
         self.folder = folder
+        # The one dequantization buffer this checkpoint's 4-bit layers share.
+        self.scratch = DequantScratch()
         self._handles: dict[Path, Any] = {}
         self.where: dict[str, Path] = {}
         for file in checkpoint_files(folder):
@@ -92,7 +94,7 @@ class QuantizedCheckpoint:
                                               self._maybe(f"{prefix}.weight_g_idx"))
         group = q.shape[1] // s.shape[1]
         check_shape(q.shape[1], group, prefix)
-        return Int4Linear(q, s, z, group, None, in_perm=perm)
+        return Int4Linear(q, s, z, group, None, in_perm=perm, scratch=self.scratch)
 
     def int4_layers(self, model: nn.Module, mapping: WeightMapping) -> dict[str, Int4Linear]:
         """Model module name -> its 4-bit layer (bias not set: it loads with the float tensors)."""

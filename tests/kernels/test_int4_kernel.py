@@ -236,3 +236,4 @@ def test_int4_linear_follows_its_tensors_when_they_are_replaced():
     with torch.no_grad():
         lin.bias.zero_()  # the new bias: forward must see it
     torch.testing.assert_close(lin(x), before - bias, rtol=1e-5, atol=1e-5)
+

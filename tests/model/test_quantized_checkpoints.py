@@ -160,6 +160,11 @@ def test_int4_weights_take_a_quarter_of_bfloat16(written):
         groups = weights // m.group_size
         assert m.scales.numel() == groups
         assert m.zs is None  # symmetric: every zero point 8, none stored
+    # One dequantization buffer for the model's 4-bit layers: not one per layer (the float model's
+    # memory again), nor one per process (shared with other models).
+    assert len({id(m.scratch) for m in layers}) == 1
+    other = load_model(cfg, torch.float32, torch.device("cpu"), "torch", 64)
+    assert next(m for m in other.modules() if isinstance(m, Int4Linear)).scratch is not layers[0].scratch
 
 
 def test_transformers_reference_is_its_own_float_model(written, source):
