@@ -124,23 +124,19 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
         return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            y = self.forward(x.reshape(-1, self.in_features))
+            return y.reshape(*x.shape[:-1], self.out_features)
         qweight, scale, bias = self._tensors
-        if (
-            x.dim() == 2
-            and self.row_sum is not None
-            and 0 < x.shape[0] <= _KERNEL_MAX_ROWS
-            and x.dtype in _KERNEL_DTYPES
-        ):  # a decode step's few rows: the kernel reads bfloat16 and answers in x's dtype
+        if self.row_sum is not None and 0 < x.shape[0] <= _KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES:
+            # A decode step's few rows: the kernel reads bfloat16 too and answers in x's dtype.
             return torch.ops.tandem.gemm_w8a8(x, qweight, scale, self.row_sum, bias)
-        if x.dim() == 2 and x.dtype == torch.float32:  # no reshapes or casts
+        if x.dtype == torch.float32:
             return self._matmul(x)
-        y = self._matmul(x.reshape(-1, self.in_features).float())
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return self._matmul(x.float()).to(x.dtype)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        """[rows, in] float32 -> [rows, out] float32."""
-        if self.row_sum is not None and 0 < x2.shape[0] <= _KERNEL_MAX_ROWS:
-            return torch.ops.tandem.gemm_w8a8(x2, self.qweight, self.scale, self.row_sum, self.bias)
+        """[rows, in] float32 -> [rows, out] float32, above the kernel's rows or without it."""
         if self._qlinear is not None and x2.shape[0] > 0:
             xq, x_scale = torch.ops.tandem.quantize_rows_u8(x2)
             y = torch.ops.onednn.qlinear_pointwise(
