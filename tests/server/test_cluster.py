@@ -92,27 +92,21 @@ def running(server) -> dict[int, float]:
     return {i: m[key.format(i)] for i in (0, 1, 2) if key.format(i) in m}
 
 
-def num_dispatched(server) -> float:
-    """Requests the dispatcher has sent to any instance so far."""
-    m = server.metrics()
-    return sum(v for k, v in m.items() if k.startswith("tandem:instance_requests_dispatched{"))
-
-
 def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, offline):
     results: dict = {}
     # 1000 tokens each (the tiny model holds 1024): a request decodes for a second or two on a fast
     # machine, and the imbalance trigger moves some around meanwhile, so the instances seldom report
     # all six running at once. The drained instance is whichever runs the most requests once all
-    # six are dispatched and the load reports show at least half of them running (a report from
-    # before them can still say an instance runs a request of the previous test), so the test does
-    # not depend on where the dispatcher put them (after the drain, three per instance fit in 1024
-    # blocks of 4).
-    sent = num_dispatched(server)
+    # six are prefilled, as the instances' reports count prompt tokens (so every load report read
+    # then was sent after its instance took its share: an older one can still show a request of the
+    # previous test), so the test does not depend on where the dispatcher put them (after the
+    # drain, three per instance fit in 1024 blocks of 4).
+    prefilled = server.metrics()["tandem:prompt_tokens_total"] + sum(len(p) for p in PROMPTS)
     threads = post_all(server, MAX_TOKENS, results)
     deadline = time.monotonic() + 60
     load = running(server)
     while time.monotonic() < deadline and not (
-        num_dispatched(server) >= sent + len(PROMPTS) and sum(load.values()) >= len(PROMPTS) // 2
+        server.metrics()["tandem:prompt_tokens_total"] >= prefilled and max(load.values(), default=0) > 0
     ):
         time.sleep(0.01)
         load = running(server)
