@@ -64,8 +64,7 @@ void dequant_int4_impl(const uint8_t* qw, const float* sc, const float* zs, int6
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
         for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) dequant_block_avx512(wr + b * 16, sv, zv, orow + b * 32);
-        continue;
-#endif
+#else
         for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) {
           const uint8_t* blk = wr + b * 16;
           E* o = orow + b * 32;
@@ -75,6 +74,7 @@ void dequant_int4_impl(const uint8_t* qw, const float* sc, const float* zs, int6
             o[j + 16] = static_cast<E>(static_cast<float>(blk[j] >> 4) * s - z);
           }
         }
+#endif
       }
     }
   });

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "exp_approx.h"
+#include "kernel_util.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -37,12 +38,7 @@ constexpr int64_t kParallelElems = 1 << 15;
 // bfloat16 is handled as its bits (uint16_t) so that the loops below vectorize: at::BFloat16's
 // conversions branch.
 inline float widen(float v) { return v; }
-inline float widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float widen(uint16_t v) { return bf16_to_float(v); }
 
 template <typename S>
 inline S narrow(float v);
@@ -260,11 +256,12 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
 inline __m512i bf16_bits16(__m512 v) {
 #if defined(__AVX512BF16__)
   return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-#endif
+#else
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+#endif
 }
 inline __m512 rounded16(const float*, __m512 v) { return v; }
 inline __m512 rounded16(const uint16_t*, __m512 v) {
@@ -310,8 +307,7 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       E* o = op + t * I;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       silu_mul_row16(g, u, o, I);
-      continue;
-#endif
+#else
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
         const float a = widen(g[i]);
@@ -319,6 +315,7 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
         const float s = rounded<E>(a / (1.f + exp_clamped(-a)));
         o[i] = narrow<E>(s * widen(u[i]));
       }
+#endif
     }
   });
 }
