@@ -47,7 +47,13 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
             packed16,
             lambda x, p: torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), p, None, "none", [], ""),
         )
-        # Tandem's own kernel for 1-4 rows where it built (tandem/kernels), oneDNN above.
+        if kernels.has("gemm_amx_bf16") and torch.ops.tandem.amx_ready():  # AMX tiles, Tandem's layout
+            tiles = [(torch.ops.tandem.amx_pack(w), w.shape[0]) for w in bf16]
+            paths["bf16 Tandem AMX kernel gemm_amx_bf16"] = (
+                tiles,
+                lambda x, t: torch.ops.tandem.gemm_amx_bf16(x.to(torch.bfloat16), t[0], t[1], None),
+            )
+        # Tandem's own kernels where they built (tandem/kernels), oneDNN above.
         paths["bf16 Tandem PackedLinear"] = (
             [PackedLinear(w, None) for w in bf16],
             lambda x, m: m(x.to(torch.bfloat16)),
@@ -67,7 +73,13 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
             dynamic,
             lambda x, p: torch.ops.quantized.linear_dynamic(x, p, False),
         )
-    # Tandem's VNNI kernel for up to 8 rows where it built, oneDNN's int8 GEMM above.
+    if kernels.has("gemm_amx_w8a8") and torch.ops.tandem.amx_ready():
+        tiles8 = [(torch.ops.tandem.amx_pack(m.qweight), m) for m in int8]
+        paths["int8 Tandem AMX kernel gemm_amx_w8a8"] = (
+            tiles8,
+            lambda x, t: torch.ops.tandem.gemm_amx_w8a8(x, t[0], t[1].out_features, t[1].scale, t[1].row_sum, None),
+        )
+    # Tandem's kernels where they built, oneDNN's int8 GEMM above.
     paths["int8 Tandem Int8Linear (W8A8)"] = (int8, lambda x, m: m(x))
     if rows <= 8 and hasattr(torch.ops.aten, "_weight_int8pack_mm"):  # far too slow beyond
         paths["int8 weight-only ATen kernel"] = (

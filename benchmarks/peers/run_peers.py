@@ -39,6 +39,7 @@ TANDEM_VARIANTS = {
     "tandem": [],
     "tandem-bf16": ["--dtype", "bfloat16"],
     "tandem-int8": ["--quantization", "int8"],
+    "tandem-int8-bf16": ["--quantization", "int8"],  # bfloat16 activations (system_dtype)
 }
 SYSTEMS = (*TANDEM_VARIANTS, "transformers", "vllm", "sglang", "llamacpp")
 DTYPES = ("float32", "bfloat16")
@@ -133,8 +134,9 @@ def system_dtype(args: argparse.Namespace, name: str) -> str:
         return "bfloat16"  # its CPU rmsnorm has no float32 kernel
     if name.startswith("llamacpp"):
         return "GGUF"
-    # tandem-bf16 is the bfloat16 variant; tandem-int8 is float32 with int8 weights; transformers float32.
-    return "bfloat16" if name == "tandem-bf16" else "float32"
+    # tandem-bf16 is the bfloat16 variant; tandem-int8 is float32 with int8 weights (tandem-int8-bf16:
+    # bfloat16 with int8 weights); transformers float32.
+    return "bfloat16" if name in ("tandem-bf16", "tandem-int8-bf16") else "float32"
 
 
 def dtype_setting(args: argparse.Namespace, systems: list[str]) -> str:

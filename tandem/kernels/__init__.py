@@ -1,5 +1,6 @@
 """Tandem's compiled CPU kernels (`cpu_ops.cpp`: products and attention; `int4_ops.cpp`: 4-bit
-weight products; `layer_ops.cpp`: a decoder layer's per-token glue), one library built from
+weight products; `amx_ops.cpp`: AMX tile products for decode-sized batches; `amx_attention.cpp`:
+attention on AMX tiles; `layer_ops.cpp`: a decoder layer's per-token glue), one library built from
 source on first use.
 
 The build needs only what a clean install brings: a C++ compiler on the PATH, PyTorch's headers and
@@ -21,7 +22,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "layer_ops.cpp", "int4_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "layer_ops.cpp", "int4_ops.cpp", "amx_ops.cpp", "amx_attention.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("exp_approx.h", "kernel_util.h"))
 ENV_SWITCH = "TANDEM_CPU_KERNELS"
 # -fno-trapping-math: floating-point exceptions stay masked (as PyTorch runs), so the compiler may

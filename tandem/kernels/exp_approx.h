@@ -7,6 +7,9 @@
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace tandem_kernels {
 
@@ -32,6 +35,25 @@ inline float exp_clamped(float x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+#if defined(__AVX512F__)
+// exp_clamped's steps on 16 lanes.
+inline __m512 exp_clamped16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 big = _mm512_set1_ps(12582912.f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), big), big);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);  // p * 2^n, n integral and in [-126, 127]
+}
+#endif
 
 // Denormal results flushed to zero (and denormal inputs read as zero) while in scope, on the
 // calling thread. A vectorized loop over exp_clamped evaluates the clamped branch in every lane and

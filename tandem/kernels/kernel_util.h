@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,10 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -78,6 +83,57 @@ class RowsF32 {
   std::vector<float> buf_;
 };
 
+// One row of float32 activations as unsigned 8-bit values with a symmetric scale (max |x| / 127),
+// offset by 128 (the unsigned operand of VNNI and AMX products); returns the scale.
+inline float quantize_row_u8(const float* row, int64_t K, uint8_t* out) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+  const float s = std::max(amax, 1e-12f) / 127.f;
+  const float inv = 1.f / s;
+  for (int64_t k = 0; k < K; ++k) {
+    const float q = std::nearbyint(row[k] * inv);
+    out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::clamp(q, -127.f, 127.f)) + 128);
+  }
+  return s;
+}
+
+// Checks the layout of a paged-attention call (cpu_ops.cpp, amx_attention.cpp); returns the output tensor [T, H, D].
+at::Tensor check_paged(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op, ": q, k, v must be 3-D");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), op,
+              ": kv_cache must be a contiguous [2, blocks, block_size, kv_heads, row] tensor");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, op, ": rows must be contiguous");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(), op,
+              ": k, v and the cache must share a dtype");
+  TORCH_CHECK(k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4) && v.size(1) == k.size(1) &&
+                  v.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
+              op, ": head counts or rows do not match the cache");
+  const int64_t T = q.size(0), B = seq_lens.numel();
+  TORCH_CHECK(k.size(0) == T && v.size(0) == T && slot_mapping.numel() == T, op, ": one slot per token");
+  TORCH_CHECK(query_start_loc.numel() == B + 1 && block_tables.dim() == 2 && block_tables.size(0) == B, op,
+              ": one block table row and one query range per request");
+  for (const at::Tensor* t : {&slot_mapping, &block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), op, ": index tensors must be contiguous int64");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1), BS = kv_cache.size(2);
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, op, ": query_start_loc must run from 0 to the token count");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(nq >= 1 && nq <= sl[b] && sl[b] <= max_blocks * BS, op, ": request ", b,
+                " has a query range that does not fit its context or block table");
+  }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 only");
+  return at::empty({T, q.size(1), q.size(2)}, q.options());
+}
+
+#if defined(__AVX512F__)
+// A mask of the first n (0-16) of 16 lanes.
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+#endif
+
 #if defined(__AVX2__)
 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -85,6 +141,30 @@ inline float hsum256(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+#endif
+
+#if defined(__AMX_TILE__)
+// Linux hands out the AMX register state only to a process that asked for it.
+inline bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// The operand of `ldtilecfg` (palette 1): each tile's rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  void set(int tile, int n_rows, int bytes_per_row) {
+    rows[tile] = static_cast<uint8_t>(n_rows);
+    colsb[tile] = static_cast<uint16_t>(bytes_per_row);
+  }
+};
 #endif
 
 }  // namespace

@@ -231,23 +231,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// exp_clamped's steps on 16 lanes.
-inline __m512 exp_clamped16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 big = _mm512_set1_ps(12582912.f);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), big), big);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);  // p * 2^n, n integral and in [-126, 127]
-}
-
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
@@ -286,7 +269,7 @@ void silu_mul_row16(const E* g, const E* u, E* o, int64_t I) {
   for (int64_t i = 0; i < I; i += 16) {
     const __mmask16 m = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
     const __m512 a = load16(g + i, m);
-    const __m512 d = _mm512_add_ps(one, exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
+    const __m512 d = _mm512_add_ps(one, tandem_kernels::exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
     __m512 r = _mm512_rcp14_ps(d);
     r = _mm512_fmadd_ps(_mm512_fnmadd_ps(d, r, one), r, r);
     const __m512 s = rounded16(g, _mm512_mul_ps(a, r));

@@ -68,6 +68,8 @@ class _Paged:
     # kernel takes (query_start_loc then indexes into those rows), and their cache slots.
     rows: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
+    # The AMX tile kernel (paged_attention_amx), which takes queries of any length.
+    tiles: bool = False
 
 
 @dataclass(slots=True)
@@ -105,6 +107,17 @@ class TorchAttentionBackend:
         # use_kernel=False keeps the pure-torch path (tests); None takes the kernel where it built.
         op = "paged_attention" if self.kv_format is None else "paged_attention_quantized"
         self.fused = use_kernel is not False and kernels.has(op)
+        # A bfloat16 cache on AMX: every query, prompt chunks too, in tiles (no window, head_dim 64/128).
+        self.tiles = (
+            self.fused
+            and self.kv_format is None
+            and kv_format is not None
+            and kv_format.model_dtype == torch.bfloat16
+            and head_dim in (64, 128)
+            and sliding_window is None
+            and kernels.has("paged_attention_amx")
+            and bool(torch.ops.tandem.amx_ready())
+        )
         # Windows of layers declared with `layer()` that differ from the default.
         self.other_windows: set[int | None] = set()
 
@@ -112,12 +125,17 @@ class TorchAttentionBackend:
         """Declare a layer's variation before the first pass; the layer passes it to `forward`."""
         if spec.sliding_window != self.sliding_window:
             self.other_windows.add(spec.sliding_window)
+            self.tiles = False
         if spec.softcap is not None:
-            self.fused = False
+            self.fused = self.tiles = False
         return spec
 
     def prepare(self, batch: ForwardBatch) -> None:
         short = np.zeros(batch.num_requests, dtype=bool)
+        if self.tiles and batch.input_ids.device.type == "cpu":
+            batch.attn_metadata = self._paged(batch)
+            batch.attn_metadata.tiles = True
+            return
         if self.fused and batch.input_ids.device.type == "cpu":
             short = batch.query_lens <= FUSED_MAX_QUERY
             if short.all():
@@ -279,6 +297,10 @@ class TorchAttentionBackend:
         window: int | None,
     ) -> torch.Tensor:
         """The fused kernel over these queries; k_rows, v_rows: their new K/V in the cache's format."""
+        if meta.tiles:
+            return torch.ops.tandem.paged_attention_amx(
+                q, k_rows, v_rows, kv_cache, slots, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+            )
         args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, window or 0)
         if self.kv_format is None:
             return torch.ops.tandem.paged_attention(q, k_rows, v_rows, kv_cache, slots, *args)

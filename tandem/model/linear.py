@@ -3,13 +3,15 @@
 `F.linear` goes to MKL's sgemm with the weight as stored. For the 3-64-row products of batched
 decoding and speculative verification that path is slow: oneDNN with the weight reordered once
 into its blocked layout (`mkldnn._linear_pointwise`) is up to 1.9x faster in float32 and faster in
-bfloat16 from 8 rows on (benchmarks/gemm_paths.py, results in docs/benchmarks.md). A product of a
-few rows is bound by reading the weight from memory, and there the plain weight streamed once is
-best: on AVX-512 CPUs MKL's sgemv for one or two float32 rows (the same call transformers makes, so
-a single stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16
-float32 rows and 1-4 bfloat16 rows; on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv streams at half the
-memory bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers keep both forms where
-a few-row path exists.
+bfloat16 from 8 rows on (benchmarks/gemm_paths.py, results in docs/benchmarks-kernels.md). A
+product of a few rows is bound by reading the weight from memory, and there a kernel that streams
+the weight once, in the order it is stored, is best: on CPUs with AMX, Tandem's tile kernel
+(`gemm_amx_bf16`, its own weight layout) for 1-64 bfloat16 rows, 1.2-1.3x oneDNN from 8 rows on;
+on AVX-512 CPUs MKL's sgemv for one or two float32 rows (the same call transformers makes, so a
+single stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16
+float32 rows and, without AMX, 1-4 bfloat16 rows; on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv
+streams at half the memory bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers
+keep two forms of the weight where a few-row path exists: oneDNN's and the plain or tiled one.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ _MKL_MAX_ROWS = 2 if "avx512f" in cpu_flags() else 0
 # AVX2 once per two, and oneDNN wins from about twelve.
 _KERNEL_MAX_ROWS = {torch.float32: 16 if "avx512f" in cpu_flags() else 8, torch.bfloat16: 4}
 _KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
+# bfloat16 rows up to which the AMX tile kernel runs: above, a product is bound by compute and
+# oneDNN's blocking is faster (benchmarks/gemm_paths.py: even at 64-128 rows, 1.8x oneDNN at 512).
+_AMX_MAX_ROWS = 64
 # Batch-size hint oneDNN tunes the reordered layout for: mid-size decode batches.
 _PACK_HINT_ROWS = 8
 
@@ -57,6 +62,11 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+def amx_tiles_available() -> bool:
+    """Tandem's AMX tile kernels built on this CPU and the OS lets this process use the tiles."""
+    return kernels.has("gemm_amx_bf16") and bool(torch.ops.tandem.amx_ready())
+
+
 class PackedLinear(DirectCall, nn.Module):
     """A linear layer whose weight is also held in oneDNN's reordered layout (CPU only)."""
 
@@ -65,8 +75,13 @@ class PackedLinear(DirectCall, nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         w = weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
-        # The plain weight too, where a few-row path exists for this dtype.
-        if kernels.has(_KERNEL[w.dtype]):
+        # bfloat16 on AMX: the weight in tiles too, for decode-sized batches.
+        self.tiles = torch.ops.tandem.amx_pack(w) if w.dtype == torch.bfloat16 and amx_tiles_available() else None
+        self.tiles_max_rows = _AMX_MAX_ROWS if self.tiles is not None else 0
+        # Else the plain weight, where a few-row path exists for this dtype.
+        if self.tiles is not None:
+            few = 0
+        elif kernels.has(_KERNEL[w.dtype]):
             few = _KERNEL_MAX_ROWS[w.dtype]
         else:
             few = _MKL_MAX_ROWS if w.dtype == torch.float32 else 0
@@ -79,6 +94,9 @@ class PackedLinear(DirectCall, nn.Module):
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
+        tiles = self.tiles
+        if tiles is not None and rows <= _AMX_MAX_ROWS and x.dtype == torch.bfloat16:
+            return torch.ops.tandem.gemm_amx_bf16(x, tiles, self.out_features, self.bias)
         plain = self.plain  # None exactly when plain_max_rows is 0
         if plain is not None and rows <= self.plain_max_rows:
             if plain.dtype == torch.float32:
@@ -117,7 +135,7 @@ def warm_row_counts(model: nn.Module, rows: range) -> None:
         if isinstance(m, PackedLinear) and (m.in_features, m.out_features, m.packed.dtype) not in seen:
             seen.add((m.in_features, m.out_features, m.packed.dtype))
             for r in rows:
-                if r > m.plain_max_rows:
+                if r > max(m.plain_max_rows, m.tiles_max_rows):
                     m(torch.zeros(r, m.in_features, dtype=m.packed.dtype))
 
 

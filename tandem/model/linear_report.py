@@ -49,6 +49,10 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
             library = "oneDNN int8, rows quantized one by one"
         elif m._packed is not None:
             library = "PyTorch dynamic int8"
+        if m.tiles is not None:
+            return "int8 AMX tile kernel, rows quantized one by one", _tensor_bytes(
+                m.qweight, m.tiles, m.scale, m.row_sum, m.bias
+            )
         if m.row_sum is not None:
             path = f"int8 kernel (<= 8 rows) + {library or 'int8 weights widened to float'}"
         elif library is not None:
@@ -63,7 +67,9 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
     if isinstance(m, PackedLinear):
         dtype = str(m.packed.dtype).removeprefix("torch.")
         few = f" + plain weight for <= {m.plain_max_rows} rows" if m.plain is not None else ""
-        return f"packed oneDNN {dtype}{few}", _tensor_bytes(m.packed, m.plain, m.bias)
+        if m.tiles is not None:
+            few = f" + AMX tiles for <= {m.tiles_max_rows} rows"
+        return f"packed oneDNN {dtype}{few}", _tensor_bytes(m.packed, m.plain, m.tiles, m.bias)
     if isinstance(m, nn.Linear):
         return f"F.linear {str(m.weight.dtype).removeprefix('torch.')}", _tensor_bytes(m.weight, m.bias)
     raise TypeError(f"not a linear layer: {type(m).__name__}")

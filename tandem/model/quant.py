@@ -2,8 +2,10 @@
 
 Weights: int8 with one symmetric scale per output channel (max |w| / 127), a quarter of float32's
 bytes, which is what bounds small-batch decoding on a CPU. Activations: quantized to 8 bits at run
-time with one scale per row (per token), accumulated in int32 and scaled back to float. For up to
-eight rows (decoding a few streams) Tandem's own AVX512-VNNI kernel (tandem/kernels) does the whole
+time with one scale per row (per token), accumulated in int32 and scaled back to float. On CPUs
+with AMX, Tandem's tile kernel (`gemm_amx_w8a8`, the weight in its own tile layout) does every
+product, quantizing inside the call: it streams the weight at memory speed up to ~64 rows (1.6x
+oneDNN's int8 GEMM at 32 rows) and is on par with oneDNN at 512. Elsewhere, for up to eight rows (decoding a few streams) Tandem's own AVX512-VNNI kernel (tandem/kernels) does the whole
 product, quantizing inside the call and streaming the weight at memory speed; above that the rows
 are quantized by Tandem (`quantize_rows_u8`) and multiplied by oneDNN's int8 GEMM
 (`onednn::qlinear_pointwise`, AMX or VNNI, weight prepacked once), each result row scaled by its
@@ -35,7 +37,7 @@ from tandem import kernels
 from tandem.config import QUANTIZATION_METHODS
 from tandem.cpu import cpu_flags
 from tandem.model.direct_call import BoundTensors, DirectCall
-from tandem.model.linear import M, replace_linears
+from tandem.model.linear import M, amx_tiles_available, replace_linears
 
 logger = logging.getLogger("tandem.model")
 
@@ -100,14 +102,17 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
         # Above the few-row kernel's rows: oneDNN's int8 GEMM (AMX or VNNI) on activations quantized
         # per row where it is there, else PyTorch's dynamic linear (one scale per tensor).
         self._qlinear = self._zero = self._packed = None
-        if want and cpu_has_vnni():
+        # AMX: the weight in tiles, for all rows (no library copy).
+        self.tiles = torch.ops.tandem.amx_pack(q) if want and amx_tiles_available() else None
+        if self.tiles is None and want and cpu_has_vnni():
             if onednn_int8_available() and kernels.has("quantize_rows_u8"):
                 self._qlinear = torch.ops.onednn.qlinear_prepack(q, None)
                 self._zero = torch.zeros(self.out_features, dtype=torch.long)
             elif dynamic_int8_available():
                 self._packed = self._prepack()
-        # Tandem's few-row kernel wants each weight row's sum (it offsets activations by 128).
-        self.row_sum = q.sum(1, dtype=torch.int32) if want and kernels.has("gemm_w8a8") else None
+        # Tandem's VNNI and AMX kernels want each weight row's sum (they offset activations by 128).
+        vnni = want and (self.tiles is not None or kernels.has("gemm_w8a8"))
+        self.row_sum = q.sum(1, dtype=torch.int32) if vnni else None
         # Without VNNI: the weight-only kernel for few rows.
         self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
         self.bind_tensors()
@@ -128,6 +133,8 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         qweight, scale, bias = self._tensors
+        if self.tiles is not None and x.dtype in _KERNEL_DTYPES:
+            return torch.ops.tandem.gemm_amx_w8a8(x, self.tiles, self.out_features, scale, self.row_sum, bias)
         if self.row_sum is not None and 0 < x.shape[0] <= _KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES:
             # A decode step's few rows: the kernel reads bfloat16 too and answers in x's dtype.
             return torch.ops.tandem.gemm_w8a8(x, qweight, scale, self.row_sum, bias)

@@ -7,19 +7,21 @@ import pytest
 import torch
 
 from tandem import kernels
-from tandem.model.attention import FUSED_MAX_QUERY, TorchAttentionBackend, _Paged
+from tandem.model.attention import FUSED_MAX_QUERY, LayerAttention, TorchAttentionBackend, _Paged
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.kv_quant import KVCacheFormat
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
 
 
-def make_batch(q_lens: list[int], seq_lens: list[int], num_blocks: int, rng: np.random.Generator):
+def make_batch(
+    q_lens: list[int], seq_lens: list[int], num_blocks: int, rng: np.random.Generator, block: int = BLOCK
+):
     """A flat batch whose requests own shuffled, disjoint blocks of the cache."""
     free = list(rng.permutation(num_blocks))
     tables = []
     for s in seq_lens:
-        tables.append([int(free.pop()) for _ in range(-(-s // BLOCK))])
+        tables.append([int(free.pop()) for _ in range(-(-s // block))])
     width = max(len(t) for t in tables)
     block_tables = np.zeros((len(q_lens), width), dtype=np.int64)
     for i, t in enumerate(tables):
@@ -30,7 +32,7 @@ def make_batch(q_lens: list[int], seq_lens: list[int], num_blocks: int, rng: np.
     np.cumsum(q, out=qsl[1:])
     positions = np.concatenate([np.arange(s - n, s) for n, s in zip(q, seq)])
     req = np.repeat(np.arange(len(q)), q)
-    slots = block_tables[req, positions // BLOCK] * BLOCK + positions % BLOCK
+    slots = block_tables[req, positions // block] * block + positions % block
     return ForwardBatch(
         input_ids=torch.zeros(int(qsl[-1]), dtype=torch.long),
         positions=torch.from_numpy(positions),
@@ -40,17 +42,18 @@ def make_batch(q_lens: list[int], seq_lens: list[int], num_blocks: int, rng: np.
         query_lens=q,
         seq_lens=seq,
         block_tables=block_tables,
-        block_size=BLOCK,
+        block_size=block,
     )
 
 
 def reference(q, k_cache, v_cache, batch: ForwardBatch, scale: float, window: int | None) -> torch.Tensor:
+    block = batch.block_size
     out = torch.empty_like(q, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[1]
     for i in range(batch.num_requests):
         start, n, s = int(batch.query_start_loc[i]), int(batch.query_lens[i]), int(batch.seq_lens[i])
         pos = np.arange(s)
-        slots = batch.block_tables[i, pos // BLOCK] * BLOCK + pos % BLOCK
+        slots = batch.block_tables[i, pos // block] * block + pos % block
         k = k_cache[torch.from_numpy(slots)].double().repeat_interleave(group, dim=1)  # [S, H, D]
         v = v_cache[torch.from_numpy(slots)].double().repeat_interleave(group, dim=1)
         for j in range(n):
@@ -198,6 +201,53 @@ def test_fused_kernel_query_tiles(heads, kv_heads, q_lens, dtype) -> None:
     expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, head_dim**-0.5, None)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not kernels.has("paged_attention_amx"), reason="needs AMX")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block"), [
+    (14, 2, 64, 16),  # the 415M peer checkpoint's layout
+    (7, 1, 128, 16),
+    (4, 2, 64, 4),  # blocks smaller than a 16-position tile
+])
+def test_amx_kernel_takes_every_query_length(heads, kv_heads, head_dim, block) -> None:
+    """A bfloat16 cache on AMX: decodes, verifications, a prompt chunk over cached context and a
+    fresh prompt all go to the tile kernel in one call and match the reference. Cache rows outside
+    every context hold NaN, which must not reach the output."""
+    rng = np.random.default_rng(8)
+    torch.manual_seed(8)
+    num_blocks = 4 * 130 // block + 8
+    q_lens = [1, 5, 70, 40, 1]
+    seq_lens = [40, 16, 100, 40, 130]  # request 3 is a fresh prompt (query = whole context)
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng, block=block)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, kv_format=KVCacheFormat("auto", torch.bfloat16))
+    backend.prepare(batch)
+    assert isinstance(batch.attn_metadata, _Paged) and batch.attn_metadata.tiles
+    cache = torch.full((2, num_blocks, block, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    flat = cache.view(2, -1, kv_heads, head_dim)
+    for i, s in enumerate(seq_lens):
+        pos = np.arange(s)
+        slots = torch.from_numpy(batch.block_tables[i, pos // block] * block + pos % block)
+        flat[:, slots] = torch.randn(2, s, kv_heads, head_dim).to(torch.bfloat16)
+    t = batch.num_tokens
+    q = torch.randn(t, heads, head_dim).to(torch.bfloat16)
+    k, v = (torch.randn(t, kv_heads, head_dim).to(torch.bfloat16) for _ in range(2))
+    out = backend.forward(q, k, v, cache, batch)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    expected = reference(q.float(), flat[0].float(), flat[1].float(), batch, head_dim**-0.5, None)
+    # bfloat16 probabilities in the value product: within a few bfloat16 steps of the output
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_amx_kernel_is_not_taken_where_it_does_not_apply() -> None:
+    bf16 = KVCacheFormat("auto", torch.bfloat16)
+    assert not TorchAttentionBackend(4, 2, 64, kv_format=KVCacheFormat("auto", torch.float32)).tiles
+    assert not TorchAttentionBackend(4, 2, 80, kv_format=bf16).tiles  # head_dim
+    assert not TorchAttentionBackend(4, 2, 64, sliding_window=8, kv_format=bf16).tiles
+    assert not TorchAttentionBackend(4, 2, 64, kv_format=KVCacheFormat("int8", torch.bfloat16)).tiles
+    assert not TorchAttentionBackend(4, 2, 64, use_kernel=False, kv_format=bf16).tiles
+    backend = TorchAttentionBackend(4, 2, 64, kv_format=bf16)
+    backend.layer(LayerAttention(softcap=30.0))
+    assert not backend.tiles
 
 
 @needs_kernel

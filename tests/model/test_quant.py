@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tandem import LLM, SamplingParams, kernels
 from tandem.config import EngineConfig
 from tandem.model import quant
-from tandem.model.linear import PackedLinear, onednn_available, pack_linears
+from tandem.model.linear import PackedLinear, amx_tiles_available, onednn_available, pack_linears
 from tandem.model.quant import Int8Linear, quantize_model
 
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"]
@@ -72,7 +72,10 @@ def test_packed_linear_matches_f_linear(rows, dtype, bias):
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(lin(x).float(), ref, rtol=tol, atol=tol * 10)
     assert lin(x.view(rows, 1, 24)).shape == (rows, 1, 40)
-    assert (lin.plain is not None) == (dtype == torch.float32 or kernels.has("gemv_bf16"))
+    if dtype == torch.bfloat16 and amx_tiles_available():  # the tile kernel, no plain copy
+        assert lin.tiles is not None and lin.plain is None
+    else:
+        assert (lin.plain is not None) == (dtype == torch.float32 or kernels.has("gemv_bf16"))
 
 
 def test_pack_linears_swaps_float_layers_only():
@@ -134,7 +137,7 @@ def test_int8_default_model_stays_close_to_float():
         llm = LLM(quantization="int8")
         for m in llm.engine.core.runner.model.modules():
             if isinstance(m, Int8Linear) and not use_kernel:  # the int8 weights widened to float
-                m._qlinear = m._packed = m.row_sum = None
+                m._qlinear = m._packed = m.row_sum = m.tiles = None
                 m.weight_only_kernel = False
         lps, top = _teacher_forced(llm, seqs)
         assert not any(math.isnan(v) for v in lps)
