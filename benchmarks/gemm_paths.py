@@ -26,7 +26,7 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
     """name -> (per-layer prepared weights, fn(x, prepared) -> y)."""
     from tandem import kernels
     from tandem.model.linear import PackedLinear, onednn_available
-    from tandem.model.quant import Int8Linear, cpu_has_vnni, dynamic_int8_available
+    from tandem.model.quant import Int8Linear, cpu_has_vnni, dynamic_int8_available, onednn_int8_available
 
     paths: dict[str, tuple[list, Callable]] = {}
     paths["fp32 F.linear (MKL)"] = (weights, lambda x, w: F.linear(x, w))
@@ -59,11 +59,16 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
             lambda x, m: m(x.to(torch.bfloat16)),
         )
     int8 = [Int8Linear(w, None) for w in weights]
-    if int8[0]._qlinear is not None:
+    if cpu_has_vnni() and onednn_int8_available() and kernels.has("quantize_rows_u8"):
+        # oneDNN's int8 GEMM on its own prepacked copy (what Int8Linear runs without AMX).
+        qlinear = [
+            (torch.ops.onednn.qlinear_prepack(m.qweight, None), m.scale, torch.zeros(m.out_features, dtype=torch.long))
+            for m in int8
+        ]
         paths["int8 oneDNN qlinear (W8A8, per-row scales)"] = (
-            int8,
-            lambda x, m: torch.ops.onednn.qlinear_pointwise(
-                *torch.ops.tandem.quantize_rows_u8(x)[:1], 1.0, 128, m._qlinear, m.scale, m._zero, None,
+            qlinear,
+            lambda x, q: torch.ops.onednn.qlinear_pointwise(
+                *torch.ops.tandem.quantize_rows_u8(x)[:1], 1.0, 128, q[0], q[1], q[2], None,
                 1.0, 0, torch.float32, "none", [], "",
             ),
         )

@@ -31,8 +31,10 @@ GROUPS = {
         "aten::bmm",
         "mkl",
         "mkldnn",
+        "tandem::gemm",
+        "tandem::gemv",
     ),
-    "attention": ("scaled_dot_product", "_scaled_dot_product", "aten::_softmax"),
+    "attention": ("scaled_dot_product", "_scaled_dot_product", "aten::_softmax", "tandem::paged_attention"),
     "index/copy": (
         "aten::index",
         "aten::index_copy_",
@@ -57,6 +59,10 @@ GROUPS = {
         "aten::silu",
         "aten::div",
         "aten::where",
+        "tandem::silu_mul",
+        "tandem::rms_norm",
+        "tandem::add_rms_norm",
+        "tandem::rope_",
     ),
 }
 

@@ -43,8 +43,9 @@ from tandem import kernels
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.kv_quant import KVCacheFormat
 
-# Longest query (tokens per request in a step) the fused kernel takes; longer ones (prompt chunks)
-# go to SDPA, whose blocked kernels win once queries are long.
+# Longest query (tokens per request in a step) the portable fused kernel takes; longer ones (prompt
+# chunks) go to SDPA, whose blocked kernels win once queries are long. (The AMX kernel over a
+# bfloat16 cache takes every query: a chunk's query tiles share one tiled layout of its context.)
 FUSED_MAX_QUERY = 16
 
 
