@@ -27,6 +27,9 @@ constexpr int64_t kBlockBytes = 64;  // bytes of K per tile row
 // How far ahead of the tile being multiplied the weight stream is prefetched: without it the tile
 // loads wait on memory between products (32 rows: ~22 -> ~25 GB/s).
 constexpr int64_t kPrefetchBytes = 4096;
+// Activation bytes one pass over the weight's panels multiplies: half the L2 of a Sapphire Rapids
+// core (2 MB), the rest for the panels.
+constexpr int64_t kRowBlockBytes = 1 << 20;
 
 // Tiles 0-3: results (row block r, column tile c at 2r + c); 4, 5: activation row blocks; 6, 7: the
 // weight's two column tiles. r1 = 0: one row block.
@@ -68,10 +71,10 @@ struct Int8Tiles {  // unsigned activations (offset by 128) times signed weights
   }
 };
 
-// a: M rows of `kblocks` * 64 bytes at a stride of lda bytes; w: amx_pack's layout for N columns.
-// epi(m0, n0, rows, cols, acc) takes each finished 16 x 16 result tile (row stride 16).
+// tile_product (below) over rows a block of activations small enough to stay in L2.
 template <class T, class Epi>
-void tile_product(const char* a, int64_t lda, int64_t M, int64_t kblocks, const char* w, int64_t N, const Epi& epi) {
+void tile_product_rows(const char* a, int64_t lda, int64_t M, int64_t kblocks, const char* w, int64_t N,
+                       const Epi& epi) {
   const int64_t panels = (N + kPanelCols - 1) / kPanelCols;
   const int64_t panel_bytes = kblocks * 2 * kTileBytes;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -130,6 +133,22 @@ void tile_product(const char* a, int64_t lda, int64_t M, int64_t kblocks, const 
     }
     _tile_release();
   });
+}
+
+// a: M rows of `kblocks` * 64 bytes at a stride of lda bytes; w: amx_pack's layout for N columns.
+// epi(m0, n0, rows, cols, acc) takes each finished 16 x 16 result tile (row stride 16). Every panel
+// of the weight multiplies all rows of a row block before the next panel: a block's activations
+// stay in L2 (a prompt chunk's rows of a wide layer would not), each panel streams from memory once
+// per block.
+template <class T, class Epi>
+void tile_product(const char* a, int64_t lda, int64_t M, int64_t kblocks, const char* w, int64_t N, const Epi& epi) {
+  const int64_t block = std::max<int64_t>(2 * kTileRows, kRowBlockBytes / lda / (2 * kTileRows) * (2 * kTileRows));
+  for (int64_t mb = 0; mb < M; mb += block) {
+    tile_product_rows<T>(a + mb * lda, lda, std::min(block, M - mb), kblocks, w, N,
+                         [&](int64_t m0, int64_t n0, int rows, int cols, const typename T::Acc* acc) {
+                           epi(mb + m0, n0, rows, cols, acc);
+                         });
+  }
 }
 
 // Stores 16 float32 lanes (the first `cols`) as bfloat16, rounded to nearest even.
