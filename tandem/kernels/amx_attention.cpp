@@ -104,12 +104,18 @@ void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, co
   for (int64_t c = 0; c < nc; ++c) span = std::max(span, hi[c] + 1);
   const int64_t kblocks = (span + kT - 1) / kT, vblocks = (span + 2 * kT - 1) / (2 * kT);
   const int64_t width = vblocks * 2 * kT;  // a score row, padded to whole value tiles
-  scores.resize(kT * width);
-  probs.resize(kT * width);
+  // Row strides off powers of two: 16 tile rows 2 or 4 KB apart would share L1 sets.
+  const int64_t lds = width + kT, ldp = width + 2 * kT;
+  scores.resize(kT * lds);
+  probs.resize(kT * ldp);
   const int64_t dk = D / 32, dv = D / 16;
   alignas(64) uint16_t qa[kT * 128];
-  for (int64_t c = 0; c < kT; ++c)
-    for (int64_t d = 0; d < D; ++d) qa[c * D + d] = c < nc ? qrows[c][d] : 0;
+  for (int64_t c = 0; c < kT; ++c) {
+    if (c < nc)
+      std::memcpy(qa + c * D, qrows[c], D * sizeof(uint16_t));
+    else
+      std::memset(qa + c * D, 0, D * sizeof(uint16_t));
+  }
   _tile_loadd(2, qa, D * 2);
   _tile_loadd(3, qa + 32, D * 2);
   if (dk == 4) {
@@ -129,21 +135,22 @@ void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, co
       _tile_loadd(1, kt + 3 * kT * kT, 64);
       _tile_dpbf16ps(0, 5, 1);
     }
-    _tile_stored(0, scores.data() + pb * kT, width * 4);
+    _tile_stored(0, scores.data() + pb * kT, lds * 4);
   }
   // Softmax of each query's row over its positions 0..hi[c]; the rest of the row becomes 0. (Lanes
   // past hi[c] are read but masked: later positions' scores or unwritten buffer.)
   float inv[kT];
   for (int64_t c = 0; c < nc; ++c) {
-    const float* s = scores.data() + c * width;
-    uint16_t* p = probs.data() + c * width;
+    const float* s = scores.data() + c * lds;
+    uint16_t* p = probs.data() + c * ldp;
     const int64_t n = hi[c] + 1;
     auto lanes = [n](int64_t j) { return j >= n ? __mmask16{0} : j + 16 <= n ? __mmask16{0xFFFF} : first_lanes(n - j); };
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) mv = _mm512_mask_max_ps(mv, lanes(j), mv, _mm512_loadu_ps(s + j));
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), sc = _mm512_set1_ps(scale);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < width; j += 32) {
+    int64_t j = 0;
+    for (; j < n; j += 32) {
       __m512 e[2];
       for (int h = 0; h < 2; ++h) {
         const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16 * h), mx), sc);
@@ -152,9 +159,10 @@ void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, co
       }
       _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
     }
+    for (; j < width; j += 32) _mm512_storeu_si512(p + j, _mm512_setzero_si512());
     inv[c] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  for (int64_t c = nc; c < kT; ++c) std::fill(probs.begin() + c * width, probs.begin() + (c + 1) * width, 0);
+  for (int64_t c = nc; c < kT; ++c) std::fill(probs.begin() + c * ldp, probs.begin() + c * ldp + width, 0);
   // P . V, 4 output tiles (64 head elements) at a time.
   alignas(64) float o[kT * 64];
   for (int64_t d0 = 0; d0 < dv; d0 += 4) {
@@ -164,7 +172,7 @@ void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, co
     _tile_zero(5);
     for (int64_t pb = 0; pb < vblocks; ++pb) {
       const uint32_t* vt = ctx.values.data() + (pb * dv + d0) * kT * kT;
-      _tile_loadd(0, probs.data() + pb * 2 * kT, width * 2);
+      _tile_loadd(0, probs.data() + pb * 2 * kT, ldp * 2);
       _tile_loadd(1, vt, 64);
       _tile_dpbf16ps(2, 0, 1);
       _tile_loadd(1, vt + kT * kT, 64);
