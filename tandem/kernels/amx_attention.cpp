@@ -197,7 +197,7 @@ void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, co
 }
 
 // q [T, H, D], k and v [T, KVH, D], kv_cache [2, blocks, block_size, KVH, D], all bfloat16; the
-// layout paged_attention takes (cpu_ops.cpp), which checks it first. Returns the output [T, H, D].
+// layout paged_attention takes (cpu_ops.cpp), checked alike. Returns the output [T, H, D].
 at::Tensor paged_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale_d) {

@@ -4,8 +4,10 @@
 // A step of that size is bound by reading the weight once from memory. oneDNN's packed bfloat16
 // GEMM streams it at ~17-20 GB/s at 32-64 rows on the 2-core Sapphire Rapids VM and its int8 GEMM
 // at ~10; these kernels read each weight panel once, in the order it is stored, prefetched ahead,
-// and reach ~25-28 GB/s (benchmarks/gemm_paths.py). Above ~64 rows a product is bound by compute and
-// oneDNN's blocking is better, so callers keep its form for those (tandem/model/linear.py).
+// and reach ~20-28 GB/s up to 32 rows (benchmarks/gemm_paths.py). Above ~64 rows a product is
+// bound by compute: in bfloat16 oneDNN's blocking ties or wins there, so bfloat16 layers keep its
+// form for prompt chunks (tandem/model/linear.py); in int8 these kernels stay ahead (1.6x oneDNN's
+// int8 GEMM at 512 rows) and take every product (tandem/model/quant.py).
 //
 // Layout (`amx_pack`): output columns in panels of 32 (two 16-column B tiles), then K in blocks of
 // 64 bytes (32 bfloat16 or 64 int8 values), each tile 16 rows of 64 bytes: row r holds, for each of
@@ -167,7 +169,7 @@ inline __m512 load_f32(const uint16_t* p, __mmask16 m) {
 
 // quantize_row_u8 (kernel_util.h) on 16 lanes, reading float32 or bfloat16 directly: the same
 // operations (max |x| / 127, x times its reciprocal rounded to nearest even, clamped, + 128), so the
-// same bytes; the scalar loop was ~a third of a 32-row int8 product.
+// same bytes (a scalar loop costs about a third of a 32-row int8 product).
 template <typename T>
 float quantize_row_u8_16(const T* row, int64_t K, uint8_t* out) {
   __m512 amax = _mm512_setzero_ps();
