@@ -39,7 +39,7 @@ _MKL_MAX_ROWS = 2 if "avx512f" in cpu_flags() else 0
 _KERNEL_MAX_ROWS = {torch.float32: 16 if "avx512f" in cpu_flags() else 8, torch.bfloat16: 4}
 _KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
 # bfloat16 rows up to which the AMX tile kernel runs: above, a product is bound by compute and
-# oneDNN's blocking is faster (benchmarks/gemm_paths.py: even at 64-128 rows, 1.8x oneDNN at 512).
+# oneDNN's blocking ties or wins (benchmarks/gemm_paths.py: even at 64-128 and 512 rows, 0.88x at 256).
 _AMX_MAX_ROWS = 64
 # Batch-size hint oneDNN tunes the reordered layout for: mid-size decode batches.
 _PACK_HINT_ROWS = 8

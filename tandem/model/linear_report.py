@@ -44,15 +44,15 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
     if isinstance(m, Int4Linear):
         return f"{m.path()}, groups of {m.group_size}", _tensor_bytes(m.qweight, m.scales, m.zs, m.bias)
     if isinstance(m, Int8Linear):
+        if m.tiles is not None:
+            return "int8 AMX tile kernel, rows quantized one by one", _tensor_bytes(
+                m.qweight, m.tiles, m.scale, m.row_sum, m.bias
+            )
         library = None
         if m._qlinear is not None:
             library = "oneDNN int8, rows quantized one by one"
         elif m._packed is not None:
             library = "PyTorch dynamic int8"
-        if m.tiles is not None:
-            return "int8 AMX tile kernel, rows quantized one by one", _tensor_bytes(
-                m.qweight, m.tiles, m.scale, m.row_sum, m.bias
-            )
         if m.row_sum is not None:
             path = f"int8 kernel (<= 8 rows) + {library or 'int8 weights widened to float'}"
         elif library is not None:

@@ -4,12 +4,12 @@ Weights: int8 with one symmetric scale per output channel (max |w| / 127), a qua
 bytes, which is what bounds small-batch decoding on a CPU. Activations: quantized to 8 bits at run
 time with one scale per row (per token), accumulated in int32 and scaled back to float. On CPUs
 with AMX, Tandem's tile kernel (`gemm_amx_w8a8`, the weight in its own tile layout) does every
-product, quantizing inside the call: it streams the weight at memory speed up to ~64 rows (1.6x
-oneDNN's int8 GEMM at 32 rows) and is on par with oneDNN at 512. Elsewhere, for up to eight rows (decoding a few streams) Tandem's own AVX512-VNNI kernel (tandem/kernels) does the whole
-product, quantizing inside the call and streaming the weight at memory speed; above that the rows
-are quantized by Tandem (`quantize_rows_u8`) and multiplied by oneDNN's int8 GEMM
-(`onednn::qlinear_pointwise`, AMX or VNNI, weight prepacked once), each result row scaled by its
-own scale. One scale per row matters: PyTorch's `quantized::linear_dynamic` (kept where oneDNN's
+product, quantizing inside the call: 1.5x oneDNN's int8 GEMM at 32 rows, 1.6x at 512 (prompt
+chunks). Elsewhere, for up to eight rows (decoding a few streams) Tandem's own AVX512-VNNI kernel
+(tandem/kernels) does the whole product, quantizing inside the call and streaming the weight at
+memory speed; above that the rows are quantized by Tandem (`quantize_rows_u8`) and multiplied by
+oneDNN's int8 GEMM (`onednn::qlinear_pointwise`, VNNI, weight prepacked once), each result row
+scaled by its own scale. One scale per row matters: PyTorch's `quantized::linear_dynamic` (kept where oneDNN's
 operator is missing) takes one scale for the whole batch, so one large row (a first token's
 activations often are) costs every other row its precision; on the default model that tripled the
 logprob error of a prefill (tests/model/test_quant.py). All need a CPU with VNNI (AVX512-VNNI or
@@ -111,8 +111,8 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
             elif dynamic_int8_available():
                 self._packed = self._prepack()
         # Tandem's VNNI and AMX kernels want each weight row's sum (they offset activations by 128).
-        vnni = want and (self.tiles is not None or kernels.has("gemm_w8a8"))
-        self.row_sum = q.sum(1, dtype=torch.int32) if vnni else None
+        offsets_activations = want and (self.tiles is not None or kernels.has("gemm_w8a8"))
+        self.row_sum = q.sum(1, dtype=torch.int32) if offsets_activations else None
         # Without VNNI: the weight-only kernel for few rows.
         self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
         self.bind_tensors()
