@@ -144,7 +144,7 @@ void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, co
     const float* s = scores.data() + c * lds;
     uint16_t* p = probs.data() + c * ldp;
     const int64_t n = hi[c] + 1;
-    auto lanes = [n](int64_t j) { return j >= n ? __mmask16{0} : j + 16 <= n ? __mmask16{0xFFFF} : first_lanes(n - j); };
+    auto lanes = [n](int64_t j) { return first_lanes(std::clamp<int64_t>(n - j, 0, 16)); };
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) mv = _mm512_mask_max_ps(mv, lanes(j), mv, _mm512_loadu_ps(s + j));
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), sc = _mm512_set1_ps(scale);

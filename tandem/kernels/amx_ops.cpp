@@ -162,11 +162,6 @@ inline __m512 load_bias(const float* bias, int64_t n0, int cols) {
   return bias ? _mm512_maskz_loadu_ps(first_lanes(cols), bias + n0) : _mm512_setzero_ps();
 }
 
-inline __m512 load_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_f32(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 // quantize_row_u8 (kernel_util.h) on 16 lanes, reading float32 or bfloat16 directly: the same
 // operations (max |x| / 127, x times its reciprocal rounded to nearest even, clamped, + 128), so the
 // same bytes (a scalar loop costs about a third of a 32-row int8 product).
@@ -175,14 +170,14 @@ float quantize_row_u8_16(const T* row, int64_t K, uint8_t* out) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = first_lanes(std::min<int64_t>(16, K - k));
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(load_f32(row + k, m)));
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row + k, m)));
   }
   const float s = std::max(_mm512_reduce_max_ps(amax), 1e-12f) / 127.f;
   const __m512 inv = _mm512_set1_ps(1.f / s);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), offset = _mm512_set1_epi32(128);
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = first_lanes(std::min<int64_t>(16, K - k));
-    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_f32(row + k, m), inv));  // rounds to nearest even
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + k, m), inv));  // rounds to nearest even
     q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), offset);
     _mm_mask_storeu_epi8(out + k, m, _mm512_cvtepi32_epi8(q));
   }

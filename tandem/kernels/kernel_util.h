@@ -97,8 +97,9 @@ inline float quantize_row_u8(const float* row, int64_t K, uint8_t* out) {
   return s;
 }
 
-// Checks the layout of a paged-attention call (cpu_ops.cpp, amx_attention.cpp); returns the output tensor [T, H, D].
-at::Tensor check_paged(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+// Checks the layout of a paged-attention call (cpu_ops.cpp, amx_attention.cpp); returns the output
+// tensor [T, H, D].
+inline at::Tensor check_paged(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op, ": q, k, v must be 3-D");
@@ -132,6 +133,14 @@ at::Tensor check_paged(const char* op, const at::Tensor& q, const at::Tensor& k,
 #if defined(__AVX512F__)
 // A mask of the first n (0-16) of 16 lanes.
 inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 lanes (those in m; the rest 0) of float32 or bfloat16 values as float32.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
 #endif
 
 #if defined(__AVX2__)

@@ -231,10 +231,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
 // bfloat16 bits of each lane in the low half (round to nearest even; NaN stays NaN, as narrow()).
 inline __m512i bf16_bits16(__m512 v) {
 #if defined(__AVX512BF16__)
@@ -267,7 +263,7 @@ template <typename E>
 void silu_mul_row16(const E* g, const E* u, E* o, int64_t I) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < I; i += 16) {
-    const __mmask16 m = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
+    const __mmask16 m = first_lanes(std::min<int64_t>(16, I - i));
     const __m512 a = load16(g + i, m);
     const __m512 d = _mm512_add_ps(one, tandem_kernels::exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
     __m512 r = _mm512_rcp14_ps(d);
