@@ -50,7 +50,9 @@ def run(
     trace: Trace, instances: int, *, spec: InstanceSpec = SPEC, **cluster: Any
 ) -> tuple[dict[str, Any], ClusterSim, SimResult]:
     config = ClusterConfig(num_instances=instances, **cluster)
-    sim = ClusterSim(trace, load_cost(str(COST)), spec, config, vocab_size=VOCAB)
+    # The engines' policies are what is studied: no front-end admission bound (a deployment
+    # setting, `--max-waiting-requests`) refuses requests here.
+    sim = ClusterSim(trace, load_cost(str(COST)), spec, config, vocab_size=VOCAB, max_waiting_requests=None)
     start = time.perf_counter()
     result = sim.run()
     figures = summary(result, SLO)

@@ -4,10 +4,13 @@ For each instance count (`--instances`, default 1 and 2) and each load level (`-
 near capacity, overloaded), a synthetic trace is written to disk, replayed against `tandem serve`
 (the default model, one thread per instance; 2 instances on Ray) by `tandem bench serve --dataset
 trace`, and run through `tandem simulate` with the step-time model fitted on this machine and the
-same instance settings. Prints throughput, mean and P99 TTFT and mean ITL, real against simulated,
-with the relative error of each, and writes them as JSON. Each row is also simulated with a cost
-model fitted on that real run's own steps ("in-sample"): what is left then is the schedule's error,
-not the step costs'.
+same instance settings (several instances share one host, as they share this machine). The real
+side runs `--repeats` times: the simulation is set against the runs' mean, and how far the runs
+fall from it is printed beside (this VM's speed drifts between minutes; no simulator can land closer
+than that). Prints throughput, mean and P99 TTFT and mean ITL, real against simulated, with the
+relative error of each, and writes them as JSON. Each row is also simulated with a cost model fitted
+on that row's real steps ("in-sample"): what is left then is the schedule's error, not the step
+costs'.
 
 Both sides also write a per-step trace (the engine's `--step-trace`, the simulator's own), compared
 as: steps, tokens per step, the engine loop's gap between consecutive busy steps (work the cost
@@ -21,7 +24,6 @@ time against what the cost model predicts for the same shapes.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import platform
@@ -62,14 +64,12 @@ def cpu_seconds(pid: int) -> float:
 
 # Seconds between the calibration trace's load levels (an overloaded level's backlog drains first).
 CALIBRATION_GAP_S = 10.0
-# Gaps between consecutive steps shorter than this are the busy loop's own; longer ones are idle.
-BUSY_GAP_S = 0.05
 
 
 def step_view(path: str, cost_path: str | None) -> dict[str, float]:
     """Steps of a step trace: how many, tokens per step, the loop's gap between busy steps, and
     the steps' recorded durations against the cost model's prediction for their shapes."""
-    from tandem.engine.step_trace import line_shape, read_step_trace
+    from tandem.engine.step_trace import line_shape, loop_gaps, read_step_trace
     from tandem.sim.cli import DEFAULT_COST
     from tandem.sim.cost import load_cost
 
@@ -78,11 +78,7 @@ def step_view(path: str, cost_path: str | None) -> dict[str, float]:
         return {}
     cost = load_cost(cost_path or str(DEFAULT_COST))
     predicted = [cost.step_seconds(line_shape(line)) for line in lines]
-    gaps = []
-    for pid in {line["pid"] for line in lines}:
-        own = sorted((line for line in lines if line["pid"] == pid), key=lambda line: line["start"])
-        gaps += [b["start"] - a["start"] - a["seconds"] for a, b in itertools.pairwise(own)]
-    busy_gaps = [g for g in gaps if g < BUSY_GAP_S]
+    busy_gaps = loop_gaps(lines)
     ratios = sorted(line["seconds"] / p for line, p in zip(lines, predicted) if p > 0)
     decode_only = [(line["seconds"], p) for line, p in zip(lines, predicted) if line["prefill_tokens"] == 0]
     with_prefill = [(line["seconds"], p) for line, p in zip(lines, predicted) if line["prefill_tokens"] > 0]
@@ -150,11 +146,14 @@ def engine_view(m: dict[str, float]) -> dict[str, float]:
 
 
 def simulated(trace: str, instances: int, cost: str | None, step_trace: str | None = None) -> dict[str, float]:
+    """The trace through `tandem simulate` with the real run's settings; the instances share one host,
+    as the real ones share this machine."""
     from tandem.entrypoints.cli import build_parser
     from tandem.sim.cli import build, write_step_trace
     from tandem.sim.report import summary
 
     argv = ["simulate", "--trace", trace, "--instances", str(instances), "--policy", "least_load"]
+    argv += ["--instances-per-host", str(instances)]
     argv += ["--num-kv-blocks", "2048", "--block-size", "16", "--max-num-seqs", "32"]
     argv += ["--max-num-batched-tokens", "512", "--max-model-len", "2048", "--vocab-size", "4096"]
     if cost:
@@ -169,10 +168,12 @@ def simulated(trace: str, instances: int, cost: str | None, step_trace: str | No
     return {**figures(summary(result)), "engine_steps": result.steps, "engine_busy_s": busy}
 
 
-def in_sample(trace: str, instances: int, real_steps: str, cost: str | None, tmp: str) -> dict[str, float]:
+def in_sample(trace: str, instances: int, real_steps: list[str], cost: str | None, tmp: str) -> dict[str, float]:
     """The simulation with a cost model fitted on the real run's own steps: not a prediction, but
-    what is left when the step costs are right (the schedule's fidelity)."""
-    from tandem.sim.calibrate import calibrate
+    what is left when the step costs are right (the schedule's fidelity). With several instances on
+    this machine, the steps alone stay the given model's and the run's own steps fit the co-run
+    penalty and the loop gap."""
+    from tandem.sim.calibrate import calibrate, calibrate_co_run
     from tandem.sim.cli import DEFAULT_COST
     from tandem.sim.cost import FittedCost, load_cost, save_cost
 
@@ -180,7 +181,7 @@ def in_sample(trace: str, instances: int, real_steps: str, cost: str | None, tmp
     if not isinstance(base, FittedCost):
         return {}
     path = str(Path(tmp) / "in-sample-cost.json")
-    save_cost(calibrate([real_steps], base), path)
+    save_cost(calibrate(real_steps, base) if instances == 1 else calibrate_co_run(real_steps, base), path)
     return simulated(trace, instances, path)
 
 
@@ -191,18 +192,20 @@ def workload(num: int, rate: float, seed: int) -> Any:
     return synthetic(num, rate, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=seed)
 
 
-def calibrated_cost(model: str, a: argparse.Namespace, base_cost: str | None, instances: int, tmp: str) -> str:
+def calibrated_cost(
+    model: str, a: argparse.Namespace, base_cost: str | None, instances: int, tmp: str, alone: str | None = None
+) -> str:
     """Serve a calibration trace on `instances` instances with a step trace and fit the cost model
     on their steps; the path of the fitted model. The trace (seed 11, not the validation traces')
     runs each load level in turn, a third of the requests each, so the fit sees the batch shapes of
     light load and of an overloaded engine alike: fitted near capacity only, a linear model
-    extrapolates badly to 32-row decode steps. Fitted per instance count: with two engines on two
-    cores, the API process and the load generator take their share from both, and that is the step
-    cost the simulator has to know."""
+    extrapolates badly to 32-row decode steps. One instance fits the steps of an engine alone on
+    this machine; several (`alone`: the one-instance fit) fit how much their steps slow each other
+    down on its two cores (`calibrate_co_run`), the steps themselves staying `alone`'s."""
     from dataclasses import replace
 
-    from tandem.sim.calibrate import calibrate, load_base
-    from tandem.sim.cost import save_cost
+    from tandem.sim.calibrate import calibrate, calibrate_co_run, load_base
+    from tandem.sim.cost import FittedCost, load_cost, save_cost
     from tandem.sim.trace import Trace, save_trace
 
     rates = [float(x) * instances for x in a.rates.split(",")]
@@ -214,25 +217,35 @@ def calibrated_cost(model: str, a: argparse.Namespace, base_cost: str | None, in
         # The next level starts once this one's backlog has had time to drain.
         start = requests[-1].arrival_s + CALIBRATION_GAP_S
     path = str(Path(tmp) / f"calibration-{instances}.jsonl")
-    steps = str(Path(tmp) / f"calibration-steps-{instances}.jsonl")
+    steps = str(Path(a.step_trace_dir or tmp) / f"calibration-steps-{instances}.jsonl")
+    Path(steps).parent.mkdir(parents=True, exist_ok=True)
+    Path(steps).unlink(missing_ok=True)
     save_trace(Trace(requests, hash_block_tokens=16, name="calibration"), path)
     levels = ", ".join(f"{r:g}" for r in rates)
     print(f"\n== calibration run: {instances} instance(s), {per} requests at each of {levels} req/s (seed 11)",
           flush=True)
     real(model, path, instances, len(requests), a.pin, steps)
-    fitted = calibrate([steps], load_base(base_cost))
+    if instances == 1:
+        fitted = calibrate([steps], load_base(base_cost))
+    else:
+        one = load_cost(alone) if alone else None
+        if not isinstance(one, FittedCost):
+            raise ValueError("several instances calibrate on a fitted one-instance model")
+        fitted = calibrate_co_run([steps], one)
     out = str(Path(a.step_trace_dir or tmp) / f"calibrated-cost-{instances}.json")
     save_cost(fitted, out)
     err = fitted.fit_error
     coef = ", ".join(f"{k} {v:.3g}" for k, v in fitted.coefficients.items())
     print(f"  fitted on {fitted.meta.get('steps_fitted')} served steps: {coef}"
-          + (f"; held-out error mean {err.mape:.1f}%, P90 {err.p90:.1f}%" if err else ""), flush=True)
+          + (f"; held-out error mean {err.mape:.1f}%, P90 {err.p90:.1f}%" if err else "")
+          + f"; loop gap {fitted.loop_gap_s * 1e3:.2f} ms, ingress {fitted.ingress_s * 1e3:.2f} ms,"
+          f" delivery {fitted.delivery_s * 1e3:.2f} ms, co-run penalty {fitted.co_run_penalty:.3f}", flush=True)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     from tandem.sim.cli import DEFAULT_COST
-    from tandem.sim.cost import load_cost
+    from tandem.sim.cost import SERVING_FIELDS, load_cost
     from tandem.sim.trace import save_trace
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -241,9 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=120)
     p.add_argument("--cost", default=None, help="step-time model (default: the shipped fit)")
     p.add_argument("--pin", action="store_true", help="one instance: engine on CPU 0, API process and client on 1")
+    p.add_argument("--repeats", type=int, default=3, help="real runs per load level (the mean is compared)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--result-json", default=None)
     p.add_argument("--step-trace-dir", default=None, help="keep both sides' step traces here")
+    p.add_argument(
+        "--alone-cost",
+        default=None,
+        help="with --calibrate and several instances: the one-instance calibrated model they build on "
+        "(calibrated-cost-1.json of an earlier run's --step-trace-dir; default: calibrate one instance first)",
+    )
     p.add_argument(
         "--calibrate",
         action="store_true",
@@ -252,17 +272,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     if a.quick:
-        a.instances, a.rates, a.num_requests = "1", "2,8", 40
+        a.instances, a.rates, a.num_requests, a.repeats = "1", "2,8", 40, 1
     model = default_model_path()
     rows = []
     base_cost = a.cost
     costs_used = {}
+    alone = a.alone_cost  # the one-instance calibration, which several instances build on
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(x) for x in a.instances.split(",")]:
             if a.calibrate:
-                a.cost = calibrated_cost(model, a, base_cost, n, tmp)
+                if n > 1 and alone is None:
+                    alone = calibrated_cost(model, a, base_cost, 1, tmp)
+                a.cost = calibrated_cost(model, a, base_cost, n, tmp, alone)
+                if n == 1:
+                    alone = a.cost
             cost_used = load_cost(a.cost or str(DEFAULT_COST)).to_dict()
-            keys = ("name", "coefficients", "fit_error", "delivery_s", "meta")
+            keys = ("name", "coefficients", "fit_error", *SERVING_FIELDS, "meta")
             costs_used[n] = {k: cost_used[k] for k in keys if k in cost_used}
             for rate in [float(x) for x in a.rates.split(",")]:
                 trace = workload(a.num_requests, rate * n, seed=7)
@@ -271,19 +296,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n== {n} instance(s), {rate * n:g} req/s", flush=True)
                 keep = Path(a.step_trace_dir or tmp)
                 keep.mkdir(parents=True, exist_ok=True)
-                sim_steps, real_steps = str(keep / f"sim-{n}-{rate:g}.jsonl"), str(keep / f"real-{n}-{rate:g}.jsonl")
-                for old in (sim_steps, real_steps):
+                sim_steps = str(keep / f"sim-{n}-{rate:g}.jsonl")
+                real_steps = [str(keep / f"real-{n}-{rate:g}-{r}.jsonl") for r in range(a.repeats)]
+                for old in (sim_steps, *real_steps):
                     Path(old).unlink(missing_ok=True)
                 sim = simulated(path, n, a.cost, sim_steps)
-                got = real(model, path, n, a.num_requests, a.pin, real_steps)
+                runs = [real(model, path, n, a.num_requests, a.pin, steps) for steps in real_steps]
+                got = {k: sum(run[k] for run in runs) / len(runs) for k in runs[0]}
+                # How far the real runs of one trace fall from their own mean: the floor under any error.
+                spread = {k: max(abs(run[k] - got[k]) / got[k] for run in runs) for k in METRIC_KEYS if got[k]}
                 err = {k: (sim[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
-                steps = {"real": step_view(real_steps, a.cost), "simulated": step_view(sim_steps, a.cost)}
+                steps = {"real": step_view(real_steps[0], a.cost), "simulated": step_view(sim_steps, a.cost)}
                 own = in_sample(path, n, real_steps, a.cost, tmp)
                 own_err = {k: (own[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
-                rows.append({"instances": n, "rate": rate * n, "real": got, "simulated": sim, "error": err,
-                             "steps": steps, "simulated_in_sample": own, "error_in_sample": own_err})
+                rows.append({"instances": n, "rate": rate * n, "real": got, "real_runs": runs, "real_spread": spread,
+                             "simulated": sim, "error": err, "steps": steps, "simulated_in_sample": own,
+                             "error_in_sample": own_err})
                 for key, title in METRICS:
-                    print(f"  {title:<14} real {got[key]:9.1f}  sim {sim[key]:9.1f}  error {err[key]:+7.1%}", flush=True)
+                    print(f"  {title:<14} real {got[key]:9.1f} (runs within {spread.get(key, 0):5.1%})  sim {sim[key]:9.1f}"
+                          f"  error {err[key]:+7.1%}", flush=True)
                 print(f"  server's view: TTFT {got['ttft_server_mean']:.1f} ms = queue {got['queue_mean']:.1f}"
                       f" + prefill {got['prefill_mean']:.1f}", flush=True)
                 print(f"  engine steps real {got['engine_steps']:.0f} in {got['engine_busy_s']:.1f} s,"

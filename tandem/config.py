@@ -49,6 +49,10 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
 # 1.2-1.3 s against 1.7-2.5 s. oneDNN's bfloat16 GEMM runs ~2.0 TFLOP/s at 512 rows and ~1.5 at
 # 2048, and smaller chunks let the decodes in flight go on between them.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# Requests the OpenAI server accepts beyond those producing output (`--max-waiting-requests`); past
+# it new ones get 503 "overloaded" at once instead of a wait no client would sit through. The
+# simulator's front end refuses at the same bound.
+DEFAULT_MAX_WAITING_REQUESTS = 512
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 

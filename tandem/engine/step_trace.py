@@ -9,6 +9,7 @@ is complete up to the last step even if the engine is killed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import asdict
@@ -45,3 +46,18 @@ def read_step_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def line_shape(line: dict[str, Any]) -> StepShape:
     """The planned shape a trace line recorded (fields a line lacks take StepShape's defaults)."""
     return StepShape(**{k: line[k] for k in StepShape.__slots__ if k in line})
+
+
+# Time between two consecutive steps of one engine shorter than this is the busy loop's own work;
+# longer, the engine was idle.
+BUSY_GAP_S = 0.05
+
+
+def loop_gaps(lines: list[dict[str, Any]]) -> list[float]:
+    """Seconds between each step's end and the same engine's next step's start, where the engine
+    stayed busy (under BUSY_GAP_S): the loop's work outside the timed steps."""
+    gaps: list[float] = []
+    for pid in {line["pid"] for line in lines}:
+        own = sorted((line for line in lines if line["pid"] == pid), key=lambda line: line["start"])
+        gaps += [g for a, b in itertools.pairwise(own) if (g := b["start"] - a["start"] - a["seconds"]) < BUSY_GAP_S]
+    return gaps

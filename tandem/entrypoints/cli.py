@@ -8,7 +8,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, KV_CACHE_DTYPES, QUANTIZATION_CHOICES
+from tandem.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_CHOICES,
+)
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
 from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -288,7 +293,7 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument(
         "--max-waiting-requests",
         type=int,
-        default=512,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
         help="accepted requests not yet producing output, beyond which new ones get 503",
     )
     g.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY)")
@@ -461,11 +466,12 @@ def _bench_profile(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from tandem.sim.calibrate import calibrate, load_base
+    from tandem.sim.calibrate import calibrate, calibrate_co_run, load_base
     from tandem.sim.cost import save_cost
     from tandem.sim.profile import describe
 
-    model = calibrate(args.from_step_trace, load_base(args.base))
+    base = load_base(args.base)
+    model = calibrate_co_run(args.from_step_trace, base) if args.co_run else calibrate(args.from_step_trace, base)
     print(describe(model))
     if args.out:
         save_cost(model, args.out)
@@ -520,6 +526,12 @@ def add_bench_parser(sub: Any) -> None:
         default=None,
         help="with --from-step-trace: the cost model whose transfer and delivery costs to keep "
         "(default: the shipped one)",
+    )
+    prof.add_argument(
+        "--co-run",
+        action="store_true",
+        help="with --from-step-trace of several engines on one host: keep --base's step costs and fit how "
+        "much their steps slow each other down (the co-run penalty) and the loop gap",
     )
     prof.set_defaults(func=_bench_profile)
 

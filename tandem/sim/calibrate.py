@@ -5,8 +5,9 @@ The profiler times steps of an engine alone on the machine, shape after shape; a
 steps come in the mixes real traffic makes, beside the processes serving it (the API process, the
 clients), and can cost more than the grid's steps of the same shapes (docs/simulator.md has the
 comparison). Fitting the same features on the served steps keeps what a serving engine pays, and any
-recorded deployment can calibrate the simulator. Transfers and the front end's delivery share are
-taken from a base model (a profile), since a step trace does not time them.
+recorded deployment can calibrate the simulator. The engine loop's gap between busy steps is read
+from the same trace; transfers and the front end's ingress and delivery times are taken from a base
+model (a profile), since a step trace does not time them.
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ def load_base(path: str | os.PathLike[str] | None) -> FittedCost:
 def calibrate(
     paths: Sequence[str | os.PathLike[str]], base: FittedCost, name: str | None = None, seed: int = 0
 ) -> FittedCost:
-    """Fit `base`'s kind of model on the traced steps; transfers and delivery come from `base`."""
+    """Fit `base`'s kind of model on the traced steps, and the loop gap between them; transfers,
+    ingress and delivery come from `base`."""
+    from tandem.engine.step_trace import loop_gaps, read_step_trace
+
     points = steps_of(paths)
+    gaps = [g for path in paths for g in loop_gaps(read_step_trace(path))]
     if len(points) < 8:
         raise ValueError(f"a step trace of {len(points)} steps is too short to fit a cost model (8 at least)")
     if len(points) > MAX_FIT_STEPS:
@@ -80,7 +85,76 @@ def calibrate(
         transfer_per_block_s=base.transfer_per_block_s,
         transfer_fit_error=base.transfer_fit_error,
         delivery_s=base.delivery_s,
+        ingress_s=base.ingress_s,
+        loop_gap_s=sum(gaps) / len(gaps) if gaps else base.loop_gap_s,
         meta=meta,
     )
     error = FitError.of([model.step_seconds(s) for s, _ in test], [t for _, t in test], len(train))
     return replace(model, fit_error=error)
+
+
+def co_run_penalty(lines: Sequence[dict[str, Any]], model: FittedCost) -> float:
+    """The penalty p for which `model` (fitted on an engine alone) accounts for the steps of several
+    engines sharing one host: while k engines are in a step, each advances at 1 / (1 + p (k - 1)) of
+    its own speed, so a step's work (the model's seconds for its shape) is the sum over the parts of
+    its span of their length at that rate. Solved for the traced steps' total work (bisection: the
+    total falls as p grows). 0 if the trace has one engine or none of its steps overlap."""
+    from tandem.engine.step_trace import line_shape
+
+    spans = [(float(line["start"]), float(line["start"]) + float(line["seconds"]), line["pid"]) for line in lines]
+    if len({pid for _, _, pid in spans}) < 2:
+        return 0.0
+    # Concurrency over time: +1 at each start, -1 at each end.
+    edges = sorted([(a, 1) for a, _, _ in spans] + [(b, -1) for _, b, _ in spans])
+    times, levels, k = [], [], 0
+    for t, d in edges:
+        k += d
+        times.append(t)
+        levels.append(k)
+    work = sum(model.step_seconds(line_shape(line)) for line in lines)
+
+    def covered(p: float) -> float:
+        """Sum over steps of their span weighted by the rate at each moment."""
+        import bisect
+
+        total = 0.0
+        for a, b, _ in spans:
+            i = bisect.bisect_right(times, a) - 1
+            t = a
+            while t < b:
+                k_here = max(1, levels[i]) if i >= 0 else 1
+                nxt = times[i + 1] if i + 1 < len(times) else b
+                end = min(b, nxt)
+                total += (end - t) / (1.0 + p * (k_here - 1))
+                t = end
+                i += 1
+        return total
+
+    if covered(0.0) <= work:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while covered(hi) > work and hi < 64:
+        hi *= 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if covered(mid) > work else (lo, mid)
+    return (lo + hi) / 2
+
+
+def calibrate_co_run(paths: Sequence[str | os.PathLike[str]], model: FittedCost) -> FittedCost:
+    """`model` (steps of one engine alone on its host) with the co-run penalty and the loop gap of a
+    served trace of several engines on one host."""
+    from tandem.engine.step_trace import loop_gaps, read_step_trace
+
+    lines = [line for path in paths for line in read_step_trace(path)]
+    if len(lines) < 8:
+        raise ValueError(f"a step trace of {len(lines)} steps is too short to fit a co-run penalty (8 at least)")
+    gaps = loop_gaps(lines)
+    penalty = co_run_penalty(lines, model)
+    meta = {**model.meta, "co_run_traces": [os.path.basename(str(p)) for p in paths]}
+    return replace(
+        model,
+        co_run_penalty=penalty,
+        loop_gap_s=sum(gaps) / len(gaps) if gaps else model.loop_gap_s,
+        meta=meta,
+    )

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.cluster.config import DISPATCH_POLICIES
-from tandem.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from tandem.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_WAITING_REQUESTS
 
 # The step-time model used when --cost is not given: fitted on this project's machine.
 DEFAULT_COST = Path(__file__).parent / "costs" / "default-amd-epyc-fp32-1thread.json"
@@ -35,6 +35,20 @@ def add_simulate_parser(sub: Any) -> None:
     c.add_argument("--decode-instances", type=int, default=0, help="disaggregation: decode instances")
     c.add_argument(
         "--pd-min-prompt-tokens", type=int, default=0, help="shorter prompts prefill on the decode instance"
+    )
+    c.add_argument(
+        "--instances-per-host",
+        type=int,
+        default=1,
+        help="instances sharing one machine (CPU instances): their steps slow each other down by the "
+        "cost model's co-run penalty",
+    )
+    c.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        help="the front end refuses new requests (503, counted as failed) while this many have no token "
+        "yet, as `tandem serve` does; 0: never",
     )
     c.add_argument("--migration-triggers", default="", help="imbalance,priority")
     c.add_argument(
@@ -96,6 +110,8 @@ def build(args: argparse.Namespace) -> Any:
             hash_block_tokens=args.block_size,
             seed=args.seed,
         )
+    if args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be 0 (no bound) or more, got {args.max_waiting_requests}")
     if args.rate_scale != 1.0:
         trace = scale_rate(trace, args.rate_scale)
     disaggregated = args.prefill_instances > 0 or args.decode_instances > 0
@@ -119,7 +135,16 @@ def build(args: argparse.Namespace) -> Any:
         scheduling=SchedulingConfig(policy=args.scheduling_policy),
     )
     record = bool(getattr(args, "step_trace", None))
-    return ClusterSim(trace, load_cost(args.cost), spec, cluster, vocab_size=args.vocab_size, record_steps=record)
+    return ClusterSim(
+        trace,
+        load_cost(args.cost),
+        spec,
+        cluster,
+        vocab_size=args.vocab_size,
+        record_steps=record,
+        instances_per_host=args.instances_per_host,
+        max_waiting_requests=args.max_waiting_requests or None,
+    )
 
 
 def write_step_trace(sim: Any, path: str) -> None:

@@ -52,7 +52,22 @@ class CostModel(Protocol):
     def delivery_seconds(self) -> float:
         """From the end of the step that made a token to the client reading it: the engine's output
         message, the API process's detokenizing and SSE chunk, the HTTP hop (and the request's own
-        way in, before the API process takes it). 0 when not measured."""
+        way in, before the API process takes it), as the client sees it. 0 when not measured."""
+        ...
+
+    def ingress_seconds(self) -> float:
+        """From a request's arrival at the API process to the engine having it (parsing, the
+        processor, the message to the engine process). 0 when not measured."""
+        ...
+
+    def loop_gap_seconds(self) -> float:
+        """The engine loop's own time between two busy steps (sending outputs, taking in new
+        requests, statistics), which the step times leave out. 0 when not measured."""
+        ...
+
+    def co_run_slowdown(self, running: int) -> float:
+        """How much longer a step takes while `running` instances (itself included) run steps on
+        one host, sharing its cores, caches and memory bandwidth (CPU instances). 1.0 alone."""
         ...
 
 
@@ -196,8 +211,30 @@ class FitError:
         )
 
 
+class ServingTimes:
+    """The `CostModel` answers both kinds of model give from their serving fields (SERVING_FIELDS)."""
+
+    __slots__ = ()
+    delivery_s: float
+    ingress_s: float
+    loop_gap_s: float
+    co_run_penalty: float
+
+    def delivery_seconds(self) -> float:
+        return self.delivery_s
+
+    def ingress_seconds(self) -> float:
+        return self.ingress_s
+
+    def loop_gap_seconds(self) -> float:
+        return self.loop_gap_s
+
+    def co_run_slowdown(self, running: int) -> float:
+        return 1.0 + self.co_run_penalty * max(0, running - 1)
+
+
 @dataclass(frozen=True, slots=True)
-class FittedCost:
+class FittedCost(ServingTimes):
     """t = sum of coefficient * feature (FEATURES), fitted on timed steps of one model on one machine;
     transfers t = transfer_t0_s + transfer_per_block_s * blocks, fitted on timed KV transfers."""
 
@@ -207,8 +244,15 @@ class FittedCost:
     transfer_per_block_s: float = 0.0
     fit_error: FitError | None = None  # of step times on held-out shapes
     transfer_fit_error: FitError | None = None
-    # `delivery_seconds`, timed through a real server (`tandem.sim.profile.time_delivery`).
+    # The front end and the engine loop (`delivery_seconds`, `ingress_seconds`, `loop_gap_seconds`),
+    # timed through a real server at light load (`tandem.sim.profile.time_front_end`) or, for the
+    # loop gap, on a served step trace (`tandem.sim.calibrate`). Serving figures, not the steps'.
     delivery_s: float = 0.0
+    ingress_s: float = 0.0
+    loop_gap_s: float = 0.0
+    # Each other instance running a step on the same host makes a step this much longer (fitted on
+    # a served trace of several engines on one machine, `tandem.sim.calibrate.calibrate_co_run`).
+    co_run_penalty: float = 0.0
     # Free-form provenance: what was measured where and when (model, threads, dtype, machine, note,
     # the measurements themselves); kept through save and load, never read by the model.
     meta: Mapping[str, Any] = field(default_factory=dict)
@@ -234,16 +278,13 @@ class FittedCost:
     def transfer_seconds(self, num_blocks: int) -> float:
         return self.transfer_t0_s + self.transfer_per_block_s * num_blocks if num_blocks > 0 else 0.0
 
-    def delivery_seconds(self) -> float:
-        return self.delivery_s
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": FITTED,
             "name": self.name,
             "coefficients": dict(self.coefficients),
             "transfer": {"t0_s": self.transfer_t0_s, "per_block_s": self.transfer_per_block_s},
-            "delivery_s": self.delivery_s,
+            **serving_dict(self),
             "fit_error": None if self.fit_error is None else asdict(self.fit_error),
             "transfer_fit_error": None
             if self.transfer_fit_error is None
@@ -253,7 +294,7 @@ class FittedCost:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> FittedCost:
-        own = {"kind", "name", "coefficients", "transfer", "fit_error", "transfer_fit_error", "delivery_s"}
+        own = {"kind", "name", "coefficients", "transfer", "fit_error", "transfer_fit_error", *SERVING_FIELDS}
         transfer = d.get("transfer") or {}
         return FittedCost(
             name=str(d["name"]),
@@ -262,7 +303,7 @@ class FittedCost:
             transfer_per_block_s=float(transfer.get("per_block_s", 0.0)),
             fit_error=FitError(**d["fit_error"]) if d.get("fit_error") else None,
             transfer_fit_error=FitError(**d["transfer_fit_error"]) if d.get("transfer_fit_error") else None,
-            delivery_s=float(d.get("delivery_s", 0.0)),
+            **serving_of(d),
             meta={k: v for k, v in d.items() if k not in own},
         )
 
@@ -331,7 +372,7 @@ class Hardware:
 
 
 @dataclass(frozen=True, slots=True)
-class RooflineCost:
+class RooflineCost(ServingTimes):
     """step = overhead + max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth), where the bytes are
     every weight read once per step plus each request's KV read once (and the new tokens' KV written),
     and the FLOPs are 2 per weight per token plus attention's 4 * hidden per (query, key) pair per
@@ -342,7 +383,11 @@ class RooflineCost:
     hardware: Hardware
     block_size: int = 16  # tokens per KV block, for transfer sizes
     note: str = ""
-    delivery_s: float = 0.0  # `delivery_seconds`: the front end's share, not a GPU figure
+    # The front end and the engine loop (see FittedCost): measured on a CPU host, not GPU figures.
+    delivery_s: float = 0.0
+    ingress_s: float = 0.0
+    loop_gap_s: float = 0.0
+    co_run_penalty: float = 0.0  # GPUs are not shared between instances: 0 unless stated
 
     def flops(self, shape: StepShape) -> float:
         m = self.model
@@ -378,16 +423,13 @@ class RooflineCost:
         size = num_blocks * self.block_size * self.model.kv_bytes_per_token
         return hw.transfer_latency_s + size / hw.interconnect_bandwidth
 
-    def delivery_seconds(self) -> float:
-        return self.delivery_s
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": ROOFLINE,
             "name": self.name,
             "note": self.note,
             "block_size": self.block_size,
-            "delivery_s": self.delivery_s,
+            **serving_dict(self),
             "model": asdict(self.model),
             "hardware": asdict(self.hardware),
         }
@@ -400,8 +442,21 @@ class RooflineCost:
             hardware=Hardware(**_known(Hardware, d["hardware"])),
             block_size=int(d.get("block_size", 16)),
             note=str(d.get("note", "")),
-            delivery_s=float(d.get("delivery_s", 0.0)),
+            **serving_of(d),
         )
+
+
+# What a model says about serving besides the steps: the front end, the engine loop, co-located instances.
+SERVING_FIELDS = ("delivery_s", "ingress_s", "loop_gap_s", "co_run_penalty")
+
+
+def serving_dict(model: FittedCost | RooflineCost) -> dict[str, float]:
+    return {name: getattr(model, name) for name in SERVING_FIELDS}
+
+
+def serving_of(d: Mapping[str, Any]) -> dict[str, float]:
+    """The serving fields of a stored model (0 where a file predates them)."""
+    return {name: float(d.get(name, 0.0)) for name in SERVING_FIELDS}
 
 
 def _known(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:

@@ -55,18 +55,25 @@ class SimInstance:
             clock=lambda: self._clock[0],
         )
         self.plan: SchedulerOutput | None = None  # the step under way
-        self.busy_s = 0.0
+        self.in_loop_gap = False  # between a step's end and the next plan (the cost model's loop gap)
+        self.busy_s = 0.0  # seconds in working steps, as they lasted (longer on a shared host)
         self.num_steps = 0
         # (start, seconds, shape, waiting after planning) per working step, as the engine's
         # step trace records them (tandem/engine/step_trace.py); None unless asked for.
         self.steps: list[tuple[float, float, StepShape, int]] | None = [] if record_steps else None
+        self._started: tuple[float, StepShape, int] | None = None  # the working step under way
+
+    @property
+    def has_work(self) -> bool:
+        """Requests on it that are not finished (running, waiting or paused)."""
+        return self.scheduler.has_unfinished()
 
     @property
     def busy(self) -> bool:
-        return self.plan is not None
+        return self.plan is not None or self.in_loop_gap
 
     def start_step(self) -> float | None:
-        """Plan the next step; its duration, or None if there is nothing to do."""
+        """Plan the next step; its duration alone on its host, or None if there is nothing to do."""
         if self.plan is not None or not self.scheduler.has_unfinished():
             return None
         plan = self.scheduler.schedule()
@@ -77,17 +84,20 @@ class SimInstance:
             return self.cost.step_seconds(shape_of(plan))
         self.plan = plan
         shape = shape_of(plan)
-        seconds = self.cost.step_seconds(shape)
-        self.busy_s += seconds
-        if self.steps is not None:
-            self.steps.append((self._clock[0], seconds, shape, self.scheduler.num_waiting))
-        return seconds
+        self._started = (self._clock[0], shape, self.scheduler.num_waiting)
+        return self.cost.step_seconds(shape)
 
     def finish_step(self) -> list[Request]:
         """End the step under way; the requests that gained a token."""
         plan, self.plan = self.plan, None
         if plan is None or plan.is_empty:
             return []
+        if self._started is not None:
+            start, shape, waiting = self._started
+            self._started = None
+            self.busy_s += self._clock[0] - start
+            if self.steps is not None:
+                self.steps.append((start, self._clock[0] - start, shape, waiting))
         self.num_steps += 1
         out = RunnerOutput()
         for req, n in zip(plan.requests, plan.num_tokens):

@@ -451,8 +451,8 @@ def profile_model(
     DEFAULT_GRID), fit a FittedCost and its transfer cost, write it to `out_path` if given.
 
     `temperature` is the requests' (1.0, the API's default: sampling costs a little more than greedy);
-    `threads` the engine's torch threads; `delivery` also times the front end's share through a
-    real server (`time_delivery`, about half a minute more)."""
+    `threads` the engine's torch threads; `delivery` also times the front end and the engine loop
+    through a real server at light load (`time_front_end`, about a minute more)."""
     say = progress or (lambda _: None)
     start = time.perf_counter()
     label = "custom" if grid is not None else "quick" if quick else "default"
@@ -501,11 +501,15 @@ def profile_model(
         },
         "transfers": [[n, t] for n, t in transfers],
     }
-    delivery_s = 0.0
+    front: dict[str, float] = {}
     if delivery:
-        delivery_s, samples = time_delivery(model_path, threads, dtype)
-        meta["delivery_samples_s"] = [round(v, 5) for v in samples]
-        say(f"front end's share: {delivery_s * 1e3:.1f} ms (median of {len(samples)} requests)")
+        timed = time_front_end(model_path, threads, dtype)
+        front = {k: timed[k] for k in ("delivery_s", "ingress_s", "loop_gap_s")}
+        meta["front_end"] = {k: round(v, 6) if isinstance(v, float) else v for k, v in timed.items()}
+        say(
+            f"front end: ingress {front['ingress_s'] * 1e3:.2f} ms, delivery {front['delivery_s'] * 1e3:.2f} ms,"
+            f" engine loop gap {front['loop_gap_s'] * 1e3:.2f} ms per step"
+        )
     name = f"{_model_name(model_path)}-{meta['dtype']}-{threads}thread"
     model = fit_cost(
         name,
@@ -514,7 +518,9 @@ def profile_model(
         transfer_t0_s=t0,
         transfer_per_block_s=per_block,
         transfer_fit_error=transfer_error,
-        delivery_s=delivery_s,
+        delivery_s=front.get("delivery_s", 0.0),
+        ingress_s=front.get("ingress_s", 0.0),
+        loop_gap_s=front.get("loop_gap_s", 0.0),
         meta=meta,
     )
     if out_path is not None:
@@ -522,57 +528,74 @@ def profile_model(
     return model
 
 
-def time_delivery(
-    model_path: str, threads: int = 1, dtype: str = "auto", requests: int = 20, seed: int = 0
-) -> tuple[float, list[float]]:
-    """The front end's share of a streamed request, through a real `tandem serve` of the model.
+def time_front_end(
+    model_path: str, threads: int = 1, dtype: str = "auto", requests: int = 40, rate: float = 1.0, seed: int = 0
+) -> dict[str, Any]:
+    """The front end's and the engine loop's times, through a real `tandem serve` of the model at
+    light load, with the load generator `tandem bench serve` uses (its HTTP client is part of what
+    a client sees).
 
-    Sends `requests` streaming completions one at a time (32 random prompt token ids, 4 tokens) and
-    takes, for each, the client's time to first token minus the server's own (its histogram: from
-    the API process taking the request in to the engine's step that made the token), read from
-    /metrics before and after. What is left is the HTTP hop both ways, the request's parsing, and
-    the first token's way out (output message, detokenizing, SSE chunk, the client's read): the
-    cost model's `delivery_s`. Returns (the median, every request's value), in seconds."""
-    import json as _json
-    import random as _random
-    import urllib.request
+    Replays `requests` streaming completions (Poisson arrivals at `rate` per second, prompts of
+    32-512 token ids, 16-64 output tokens) and reads the server's histograms and step trace:
+    `delivery_s` is the client's mean time to first token minus the server's (the HTTP hop both
+    ways, parsing, the first token's way out); `ingress_s` the server's mean queueing time (from
+    the API process taking a request in to its first step: at this load the engine is mostly idle,
+    so it is the way in, not a queue); `loop_gap_s` the mean time between busy steps. Returns them
+    with the raw figures."""
+    import argparse
+    import io
 
+    from tandem.engine.step_trace import loop_gaps, read_step_trace
+    from tandem.loadgen.serve import add_serve_bench_args, run_bench
     from tandem.loadgen.server_process import ServerProcess
+    from tandem.sim.trace import save_trace, synthetic
 
-    rng = _random.Random(seed)
-    args = ["--num-threads", str(threads), "--dtype", dtype, "--served-model-name", "m"]
-    key = "tandem:time_to_first_token_seconds_sum"
-    values: list[float] = []
-    with ServerProcess(model_path, *args, startup_timeout=600) as server:
-        for i in range(requests + 1):  # the first one warms up and is not counted
-            body = {
-                "model": "m",
-                "prompt": [rng.randrange(10, 1000) for _ in range(32)],
-                "max_tokens": 4,
-                "stream": True,
-                "ignore_eos": True,
-                "temperature": 0,
-            }
-            request = urllib.request.Request(
-                server.url + "/v1/completions",
-                data=_json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            before = server.metrics().get(key, 0.0)
-            start = time.perf_counter()
-            first = None
-            with urllib.request.urlopen(request, timeout=60) as resp:
-                for raw in resp:  # server-sent events, a line at a time as they arrive
-                    line = raw.decode().strip()
-                    if first is None and line.startswith("data:") and line[5:].strip() != "[DONE]":
-                        choices = _json.loads(line[5:]).get("choices") or [{}]
-                        if choices[0].get("text"):
-                            first = time.perf_counter() - start
-            server_ttft = server.metrics().get(key, 0.0) - before
-            if i and first is not None:
-                values.append(first - server_ttft)
-        server.stop()
-    return statistics.median(values), values
+    trace = synthetic(requests, rate, prompt_len=(32, 512), output_len=(16, 64), seed=seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_path, steps_path = os.path.join(tmp, "trace.jsonl"), os.path.join(tmp, "steps.jsonl")
+        save_trace(trace, trace_path)
+        args = ["--num-threads", str(threads), "--dtype", dtype, "--served-model-name", "m"]
+        with ServerProcess(model_path, *args, "--step-trace", steps_path, startup_timeout=600) as server:
+
+            def replay(num: int) -> dict[str, Any]:
+                p = argparse.ArgumentParser()
+                add_serve_bench_args(p)
+                bench = p.parse_args(
+                    ["--base-url", server.url, "--model", "m", "--tokenizer", model_path, "--dataset", "trace",
+                     "--dataset-path", trace_path, "--num-prompts", str(num), "--ignore-eos",
+                     "--disable-tqdm", "--num-warmups", "0"]
+                )
+                with contextlib.redirect_stdout(io.StringIO()):
+                    return dict(run_bench(bench)["runs"][0])
+
+            # A warm-up replay first: the server's histograms and step trace are read from after it,
+            # so its first (slower) requests count on neither side.
+            replay(2)
+            before, since = server.metrics(), time.monotonic()
+            run = replay(requests)
+            after = server.metrics()
+            server.stop()
+        gaps = loop_gaps([line for line in read_step_trace(steps_path) if line["start"] >= since])
+
+    def mean_of(name: str) -> float:
+        count = after.get(f"tandem:{name}_seconds_count", 0.0) - before.get(f"tandem:{name}_seconds_count", 0.0)
+        if not count:
+            raise RuntimeError(f"the server reported no {name} (no request finished?)")
+        total = after[f"tandem:{name}_seconds_sum"] - before.get(f"tandem:{name}_seconds_sum", 0.0)
+        return total / count
+
+    client_ttft = run["ttft_ms"]["mean"] / 1e3
+    server_ttft = mean_of("time_to_first_token")
+    return {
+        "delivery_s": max(0.0, client_ttft - server_ttft),
+        "ingress_s": mean_of("request_queue_time"),
+        "loop_gap_s": statistics.fmean(gaps) if gaps else 0.0,
+        "client_ttft_s": client_ttft,
+        "server_ttft_s": server_ttft,
+        "requests": requests,
+        "rate": rate,
+        "loop_gaps": len(gaps),
+    }
 
 
 def _shape_row(shape: StepShape) -> list[int]:
@@ -631,6 +654,14 @@ def describe(model: FittedCost) -> str:
     if model.transfer_fit_error is not None:
         e = model.transfer_fit_error
         lines.append(f"  transfer fit error: mean {e.mape:.1f}%, P90 {e.p90:.1f}%")
-    if model.delivery_s:
-        lines.append(f"  front end's share: {model.delivery_s * 1e3:.2f} ms per streamed token (delivery)")
+    if model.delivery_s or model.ingress_s or model.loop_gap_s:
+        lines.append(
+            f"  front end: a request reaches the engine {model.ingress_s * 1e3:.2f} ms after it arrives,"
+            f" a token its client {model.delivery_s * 1e3:.2f} ms after its step;"
+            f" the engine loop spends {model.loop_gap_s * 1e3:.2f} ms between steps"
+        )
+    if model.co_run_penalty:
+        lines.append(
+            f"  co-run penalty: each other instance running on the host makes a step {model.co_run_penalty:.0%} longer"
+        )
     return "\n".join(lines)

@@ -45,6 +45,7 @@ def summary(result: SimResult, slo: dict[str, float] | None = None) -> dict[str,
         kv_usage_max=max(usage, default=0.0),
         busy_fraction_mean=statistics.fmean(result.busy_fraction) if result.busy_fraction else 0.0,
         steps=result.steps,
+        refused=result.refused,
     )
     return run
 
@@ -52,6 +53,7 @@ def summary(result: SimResult, slo: dict[str, float] | None = None) -> dict[str,
 def format_summary(run: dict[str, Any]) -> str:
     sim = {
         "instances": run["num_instances"],
+        "refused (overloaded)": run["refused"],
         "preemptions": run["preemptions"],
         "migrations": run["migrations"],
         "migrations abandoned": run["migrations_aborted"],

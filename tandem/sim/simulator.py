@@ -10,9 +10,15 @@ transfer time for the request's blocks: a live migration keeps the request decod
 while its full blocks are copied, then pauses it for the transfer of the rest; a hand-off's blocks
 streamed during the prefill, so only the last one is on the critical path.
 
-A token reaches its client the cost model's `delivery_seconds` after the step that made it (the
-front end's share: the output message, detokenizing, the SSE chunk, the HTTP hop); the front end is
-not a queue of its own (its CPU is not shared with the engines here).
+The front end and the engine loop take the cost model's times, measured on a served engine: the
+front end takes a request in as it arrives (refusing it past `max_waiting_requests`, placing it)
+and its engine has it `ingress_seconds` later (the API process, the message to the engine); a token
+reaches its client `delivery_seconds` after the step that made it (the output message, the SSE
+chunk, the HTTP hop, the client's read); after each step the engine loop spends
+`loop_gap_seconds` before planning the next. The front end is not a queue of its own. Instances
+that share a host (`instances_per_host`: CPU instances on one machine) run their steps slower while
+others run theirs (`tandem.sim.host`); the front end then runs on the first host, and its ingress
+and delivery times stretch as a step would with that host's active instances.
 
 Simplifications, stated: requests ignore EOS (they run to their output length) and sample a fixed
 token; n = 1; a move whose destination has no free seat or blocks is abandoned (the request stays).
@@ -29,10 +35,12 @@ from typing import Any
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.dispatch import Dispatcher
 from tandem.cluster.rebalance import Rebalancer, RequestView
+from tandem.config import DEFAULT_MAX_WAITING_REQUESTS
 from tandem.core.request import Request, RequestStatus
 from tandem.engine.messages import EngineCoreRequest, Stats
 from tandem.sampling_params import SamplingParams
 from tandem.sim.cost import CostModel
+from tandem.sim.host import Host
 from tandem.sim.instance import InstanceSpec, SimInstance
 from tandem.sim.trace import Trace
 
@@ -43,7 +51,7 @@ MAX_REPORTED_PREFIX_HASHES = 16384
 # KV usage is sampled this often for the report's timeline.
 USAGE_SAMPLE_S = 1.0
 
-ARRIVAL, STEP, REPORT, REBALANCE, MOVED, SAMPLE = range(6)
+ARRIVAL, STEP, REPORT, REBALANCE, MOVED, SAMPLE, PLAN, ADMIT = range(8)
 
 
 @dataclass(slots=True)
@@ -81,6 +89,7 @@ class SimResult:
     usage_timeline: list[tuple[float, list[float]]]
     busy_fraction: list[float]
     steps: int
+    refused: int = 0  # by the front end's bound on waiting requests
 
 
 class ClusterSim:
@@ -93,7 +102,11 @@ class ClusterSim:
         vocab_size: int = 32000,
         progress: Callable[[float], None] | None = None,
         record_steps: bool = False,
+        instances_per_host: int = 1,
+        max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     ) -> None:
+        """`max_waiting_requests`: the front end's bound on accepted requests with no token yet,
+        past which it refuses new ones (the server's `--max-waiting-requests`); None: unbounded."""
         self.trace = trace
         self.cost = cost
         self.spec = spec
@@ -103,6 +116,20 @@ class ClusterSim:
         self.clock = [0.0]
         n = cluster.num_instances
         self.instances = [SimInstance(i, spec, cost, self.clock, record_steps) for i in range(n)]
+        if instances_per_host < 1:
+            raise ValueError(f"instances_per_host must be at least 1, got {instances_per_host}")
+        # Hosts only where instances share one and the cost model says sharing costs something.
+        shared = instances_per_host > 1 and cost.co_run_slowdown(2) > 1.0
+        self.host_of: list[Host | None] = [None] * n
+        if shared:
+            for first in range(0, n, instances_per_host):
+                host = Host(cost.co_run_slowdown)
+                for i in range(first, min(n, first + instances_per_host)):
+                    self.host_of[i] = host
+        # The instances whose host the front end shares (none unless hosts are shared).
+        self._front_end_host = [i for i in range(n) if shared and self.host_of[i] is self.host_of[0]]
+        # Bumped whenever an instance's step end moves (a host's load changed): older events are stale.
+        self._step_version = [0] * n
         self.dispatcher = Dispatcher(cluster, [spec.num_blocks] * n, spec.block_size)
         self.rebalancer = Rebalancer(cluster)
         self.prefill = set(range(cluster.prefill_instances))
@@ -117,6 +144,9 @@ class ClusterSim:
         self.moving: dict[str, Move] = {}
         self.handoff_to: dict[str, int] = {}
         self.migrations = self.migrations_aborted = self.handoffs = 0
+        self.max_waiting_requests = max_waiting_requests
+        self.not_started = 0  # accepted requests whose first token is not out yet
+        self.refused = 0
         self.usage_timeline: list[tuple[float, list[float]]] = []
         self._last_prefix_report = [-1.0] * n
         self._prefix_versions = [-1] * n
@@ -143,7 +173,15 @@ class ClusterSim:
             if kind == ARRIVAL:
                 done += self._arrive(payload)
             elif kind == STEP:
-                done += self._step_done(payload)
+                index, version = payload
+                if version == self._step_version[index]:
+                    done += self._step_done(index)
+            elif kind == ADMIT:
+                done += self._admit(*payload)
+            elif kind == PLAN:
+                inst = self.instances[payload]
+                inst.in_loop_gap = False
+                self._kick(inst)
             elif kind == REPORT:
                 self._report()
                 self._at(t + REPORT_INTERVAL_S, REPORT)
@@ -170,6 +208,7 @@ class ClusterSim:
             usage_timeline=self.usage_timeline,
             busy_fraction=[inst.busy_s / duration if duration else 0.0 for inst in self.instances],
             steps=sum(inst.num_steps for inst in self.instances),
+            refused=self.refused,
         )
 
     def _kick(self, inst: SimInstance) -> None:
@@ -177,8 +216,18 @@ class ClusterSim:
         if inst.busy:
             return
         seconds = inst.start_step()
-        if seconds is not None:
-            self._at(self.clock[0] + seconds, STEP, inst.index)
+        if seconds is None:
+            return
+        host = self.host_of[inst.index]
+        if host is None:
+            self._end_step_at(inst.index, self.clock[0] + seconds)
+            return
+        for i, end in host.start(inst.index, seconds, self.clock[0]).items():
+            self._end_step_at(i, end)
+
+    def _end_step_at(self, index: int, t: float) -> None:
+        self._step_version[index] += 1
+        self._at(t, STEP, (index, self._step_version[index]))
 
     # -- arrivals and dispatch --------------------------------------------------------------
 
@@ -191,23 +240,44 @@ class ClusterSim:
         core_req = EngineCoreRequest(rid, prompt, params, tr.output_len, tr.arrival_s, tr.priority, tr.tenant)
         record = RequestRecord(index, tr.arrival_s, tr.prompt_len, tr.output_len)
         self.records.append(record)
+        if self.max_waiting_requests is not None and self.not_started + 1 > self.max_waiting_requests:
+            self.refused += 1  # the front end's 503 "overloaded": over at once, counted as failed
+            return 1
         instance, handoff = self._place(core_req)
+        self.dispatcher.routed(core_req, instance)
+        self.not_started += 1
+        record.instance = instance
+        self._seqs[rid] = index
+        ingress = self.cost.ingress_seconds() * self._front_end_slowdown()
+        self._at(self.clock[0] + ingress, ADMIT, (core_req, instance, handoff))
+        return 0
+
+    def _admit(self, core_req: EngineCoreRequest, instance: int, handoff: int | None) -> int:
+        """The request reaches its engine; 1 if it can never run there (it is then over), else 0."""
+        rid = core_req.request_id
         req = self._request(core_req)
         try:
             self.instances[instance].add(req)
         except ValueError:  # can never run (too long for the instances): counted as failed
-            record.finish_s = None
+            self.records[self._seqs.pop(rid)].finish_s = None
+            self.dispatcher.release(rid)
+            self.not_started -= 1
             return 1
         self.requests[rid] = req
         self.core_reqs[rid] = core_req
         self.where[rid] = instance
-        self._seqs[rid] = index
-        record.instance = instance
-        self.dispatcher.routed(core_req, instance)
         if handoff is not None:
             self.handoff_to[rid] = handoff
         self._kick(self.instances[instance])
         return 0
+
+    def _front_end_slowdown(self) -> float:
+        """How much longer the front end's work takes now: on a shared host, as a step would with
+        the host's active instances (1 on a host of its own)."""
+        if not self._front_end_host:
+            return 1.0
+        active = sum(1 for i in self._front_end_host if self.instances[i].has_work)
+        return self.cost.co_run_slowdown(max(1, active))
 
     def _place(self, req: EngineCoreRequest) -> tuple[int, int | None]:
         """As the front end places a request (`AsyncEngineClient._place`)."""
@@ -239,7 +309,11 @@ class ClusterSim:
     def _step_done(self, index: int) -> int:
         inst = self.instances[index]
         now = self.clock[0]
-        seen = now + self.cost.delivery_seconds()  # when the client has this step's tokens
+        host = self.host_of[index]
+        if host is not None:
+            for i, end in host.finish(index, now).items():
+                self._end_step_at(i, end)
+        seen = now + self.cost.delivery_seconds() * self._front_end_slowdown()  # the client has them
         finished = 0
         for req in inst.finish_step():
             record = self.records[self._seqs[req.request_id]]
@@ -248,13 +322,19 @@ class ClusterSim:
                 record.token_times.append(seen)
             if record.first_token_s is None and record.token_times:
                 record.first_token_s = record.token_times[0]
+                self.not_started -= 1
             if req.is_finished:
                 record.finish_s = seen
                 finished += 1
                 self._forget(req.request_id)
             elif req.request_id in self.handoff_to and req.num_output_tokens >= 1:
                 self._start_move(req.request_id, self.handoff_to.pop(req.request_id), handoff=True)
-        self._kick(inst)
+        gap = self.cost.loop_gap_seconds()
+        if gap > 0:  # the loop sends outputs and takes in requests before it plans again
+            inst.in_loop_gap = True
+            self._at(now + gap, PLAN, index)
+        else:
+            self._kick(inst)
         return finished
 
     def _forget(self, rid: str) -> None:

@@ -3,6 +3,8 @@ work the requests did."""
 
 from __future__ import annotations
 
+import pytest
+
 from tandem import LLM, SamplingParams
 from tandem.engine.step_trace import read_step_trace
 
@@ -31,3 +33,20 @@ def test_step_trace_records_every_step_and_its_shape(model_factory, tmp_path):
         prompts[:1], params, use_tqdm=False
     )
     assert len(read_step_trace(path)) > len(lines)
+
+
+def test_loop_gaps_are_each_engines_busy_gaps_only():
+    """Gaps are taken per engine process (two engines' steps interleave in one file) and only
+    where the engine stayed busy: a pause longer than BUSY_GAP_S is idleness, not loop work."""
+    from tandem.engine.step_trace import BUSY_GAP_S, loop_gaps
+
+    def line(pid: int, start: float, seconds: float) -> dict:
+        return {"pid": pid, "start": start, "seconds": seconds}
+
+    lines = [
+        line(1, 0.000, 0.010), line(2, 0.001, 0.020), line(1, 0.011, 0.010),  # gap 1 ms (pid 1)
+        line(2, 0.023, 0.020),  # gap 2 ms (pid 2)
+        line(1, 0.021 + 2 * BUSY_GAP_S, 0.010),  # idle, not a gap
+    ]
+    assert sorted(loop_gaps(lines)) == [pytest.approx(0.001), pytest.approx(0.002)]
+    assert loop_gaps([]) == []

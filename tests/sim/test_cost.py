@@ -96,6 +96,8 @@ def test_fitted_cost_round_trips_through_json(tmp_path: Path):
         fit_error=FitError(3.0, 6.0, 9.0, 30, 10),
         transfer_fit_error=FitError(1.0, 2.0, 3.0, 5, 5),
         delivery_s=0.012,
+        ingress_s=0.002,
+        loop_gap_s=3e-4,
         meta={"note": "synthetic", "threads": 1},
     )
     path = tmp_path / "fitted.json"
@@ -111,12 +113,20 @@ def test_fitted_cost_round_trips_through_json(tmp_path: Path):
     )
     assert loaded.transfer_seconds(10) == pytest.approx(1e-4 + 10 * 2e-6)
     assert loaded.transfer_seconds(0) == 0.0
-    assert loaded.delivery_seconds() == 0.012
+    assert (loaded.delivery_seconds(), loaded.ingress_seconds(), loaded.loop_gap_seconds()) == (0.012, 0.002, 3e-4)
     assert isinstance(loaded, CostModel)
+    # A file written before the ingress and loop-gap times existed loads with them at 0.
+    old = json.loads(path.read_text())
+    del old["ingress_s"], old["loop_gap_s"]
+    path.write_text(json.dumps(old))
+    older = load_cost(path)
+    assert (older.ingress_seconds(), older.loop_gap_seconds(), older.delivery_seconds()) == (0.0, 0.0, 0.012)
 
 
 def test_roofline_cost_round_trips_through_json(tmp_path: Path):
-    model = RooflineCost("r", LLAMA3_8B, IDEAL_H200, block_size=32, note="spec numbers", delivery_s=0.004)
+    model = RooflineCost(
+        "r", LLAMA3_8B, IDEAL_H200, block_size=32, note="spec numbers", delivery_s=0.004, loop_gap_s=1e-4
+    )
     path = tmp_path / "roofline.json"
     save_cost(model, path)
     loaded = load_cost(path)
@@ -346,18 +356,26 @@ def test_calibrate_fits_the_traced_steps_and_keeps_the_base_transfer_and_deliver
 
     path = tmp_path / "steps.jsonl"
     trace = StepTrace(path)
+    start = 0.0
     for i in range(300):
         prefill = (i * 37) % 400 if i % 3 == 0 else 0
         rows = 1 + i % 12
         shape = StepShape(prefill, rows, 100 * rows + prefill, rows + (prefill > 0))
-        trace.record(float(i), 0.008 + 3e-4 * shape.tokens, shape, 0)
+        seconds = 0.008 + 3e-4 * shape.tokens
+        trace.record(start, seconds, shape, 0)
+        # The loop's gap: 0.4 ms after most steps, 1 s of idleness (not a gap) after every 50th.
+        start += seconds + (1.0 if i % 50 == 49 else 4e-4)
     trace.close()
-    base = FittedCost("base", {"const": 0.1}, transfer_t0_s=0.002, transfer_per_block_s=1e-4, delivery_s=0.004)
+    base = FittedCost(
+        "base", {"const": 0.1}, transfer_t0_s=0.002, transfer_per_block_s=1e-4, delivery_s=0.004, ingress_s=0.001
+    )
     fitted = calibrate([path], base)
     assert fitted.coefficients["const"] == pytest.approx(0.008, rel=0.05)
     assert fitted.coefficients["tokens"] == pytest.approx(3e-4, rel=0.05)
     assert fitted.fit_error is not None and fitted.fit_error.mape < 2.0
     assert (fitted.transfer_t0_s, fitted.transfer_per_block_s, fitted.delivery_s) == (0.002, 1e-4, 0.004)
+    assert fitted.ingress_s == 0.001
+    assert fitted.loop_gap_s == pytest.approx(4e-4, abs=1e-5)
     assert fitted.meta["source"] == "step trace"
     few = tmp_path / "few.jsonl"
     short = StepTrace(few)
@@ -365,3 +383,19 @@ def test_calibrate_fits_the_traced_steps_and_keeps_the_base_transfer_and_deliver
     short.close()
     with pytest.raises(ValueError, match="too short"):
         calibrate([few], base)
+
+
+def test_front_end_times_through_a_real_server():
+    """`time_front_end` serves the default model and replays a few requests with the benchmark's
+    client: the client sees more than the server's own time to first token, a request takes some
+    time to reach the engine, and the engine loop spends some time between busy steps; all of it
+    milliseconds, not seconds."""
+    from tandem.entrypoints.llm import default_model_path
+    from tandem.sim.profile import time_front_end
+
+    got = time_front_end(default_model_path(), requests=6, rate=6.0)
+    assert got["client_ttft_s"] > got["server_ttft_s"] > 0
+    assert got["delivery_s"] == pytest.approx(got["client_ttft_s"] - got["server_ttft_s"])
+    for key in ("delivery_s", "ingress_s", "loop_gap_s"):
+        assert 0 < got[key] < 0.5, (key, got)
+    assert got["loop_gaps"] > 0

@@ -22,6 +22,9 @@ class LinearToy:
 
     name: str = "toy"
     delivery: float = 0.0
+    ingress: float = 0.0
+    loop_gap: float = 0.0
+    penalty: float = 0.0
 
     def step_seconds(self, shape: StepShape) -> float:
         return 0.005 + 1e-4 * shape.prefill_tokens + 2e-4 * shape.decode_rows
@@ -31,6 +34,15 @@ class LinearToy:
 
     def delivery_seconds(self) -> float:
         return self.delivery
+
+    def ingress_seconds(self) -> float:
+        return self.ingress
+
+    def loop_gap_seconds(self) -> float:
+        return self.loop_gap
+
+    def co_run_slowdown(self, running: int) -> float:
+        return 1.0 + self.penalty * (running - 1)
 
 
 SPEC = InstanceSpec(
@@ -139,6 +151,112 @@ def test_delivery_time_shifts_what_clients_see_and_nothing_else():
         assert b.first_token_s == pytest.approx(a.first_token_s + 0.025)
         assert b.finish_s == pytest.approx(a.finish_s + 0.025)
         assert b.token_times == pytest.approx([t + 0.025 for t in a.token_times])
+
+
+def test_ingress_and_loop_gap_delay_the_engine_as_served():
+    """A request reaches its engine `ingress_seconds` after it arrives, and each step is followed by
+    the loop's gap: requests alone on an instance see their first token later by exactly the ingress
+    (their step starts as they reach the idle engine), and each next token one step plus one gap
+    after the last; the steps' busy time is unchanged."""
+    trace = Trace([TraceRequest(arrival_s=float(i), prompt_len=64, output_len=5) for i in range(4)])
+    args = (SPEC, ClusterConfig(num_instances=1))
+    plain = ClusterSim(trace, LinearToy(), *args).run()
+    slow = ClusterSim(trace, LinearToy(ingress=0.003, loop_gap=0.002), *args).run()
+    assert plain.steps == slow.steps and slow.busy_fraction[0] * slow.duration_s == pytest.approx(
+        plain.busy_fraction[0] * plain.duration_s
+    )
+    decode_step = 0.005 + 2e-4
+    for a, b in zip(plain.records, slow.records, strict=True):
+        assert b.first_token_s == pytest.approx(a.first_token_s + 0.003)
+        gaps = [y - x for x, y in zip(b.token_times, b.token_times[1:])]
+        assert gaps == pytest.approx([decode_step + 0.002] * 4)
+
+
+def test_a_shared_host_slows_steps_by_the_co_run_penalty_and_the_fit_recovers_it(tmp_path):
+    """Instances on one host run their steps slower while others run theirs: every request still
+    completes, the steps' busy time grows, instances on hosts of their own are untouched; and the
+    penalty fitted back from the simulated step trace (as from an engine's) is the one simulated."""
+    from tandem.engine.step_trace import read_step_trace
+    from tandem.sim.calibrate import co_run_penalty
+    from tandem.sim.cli import write_step_trace
+    from tandem.sim.cost import FittedCost
+
+    trace = synthetic(120, 40.0, prompt_len=(16, 300), output_len=(4, 60), seed=5)
+    cost = FittedCost("lin", {"const": 0.005, "tokens": 1e-4}, co_run_penalty=0.5)
+    cluster = ClusterConfig(num_instances=4, dispatch_policy="least_load")
+    apart = ClusterSim(trace, cost, SPEC, cluster).run()
+    shared_sim = ClusterSim(trace, cost, SPEC, cluster, record_steps=True, instances_per_host=2)
+    shared = shared_sim.run()
+    for result in (apart, shared):
+        assert all(len(r.token_times) == r.output_len for r in result.records)
+    busy = lambda r: sum(f * r.duration_s for f in r.busy_fraction)
+    assert busy(shared) > 1.1 * busy(apart)
+    assert summary(shared)["itl_ms"]["mean"] > summary(apart)["itl_ms"]["mean"]
+    # Without a penalty a shared host changes nothing.
+    free = FittedCost("lin", {"const": 0.005, "tokens": 1e-4})
+    plain = ClusterSim(trace, free, SPEC, cluster).run()
+    hosted = ClusterSim(trace, free, SPEC, cluster, instances_per_host=2).run()
+    assert [r.token_times for r in plain.records] == [r.token_times for r in hosted.records]
+    # Hosts hold instances 0-1 and 2-3: fitted per host, each recovers the penalty.
+    path = tmp_path / "steps.jsonl"
+    write_step_trace(shared_sim, str(path))
+    lines = read_step_trace(path)
+    for host in ({0, 1}, {2, 3}):
+        fitted = co_run_penalty([line for line in lines if line["pid"] in host], cost)
+        assert fitted == pytest.approx(0.5, rel=0.02)
+    with pytest.raises(ValueError, match="instances_per_host"):
+        ClusterSim(trace, cost, SPEC, cluster, instances_per_host=0)
+
+
+def test_front_end_on_a_shared_host_slows_with_its_active_instances():
+    """On a shared host the front end's ingress and delivery stretch by the host's slowdown at the
+    moment: two requests arriving together at idle instances enter their engines the plain ingress
+    later (nothing runs yet), and with both instances active their first tokens reach the client
+    2x the delivery after their first step (penalty 1.0); on hosts of their own, 1x."""
+    trace = Trace([TraceRequest(arrival_s=0.0, prompt_len=64, output_len=3) for _ in range(2)])
+    cluster = ClusterConfig(num_instances=2, dispatch_policy="round_robin")
+    cost = LinearToy(delivery=0.01, ingress=0.004, penalty=1.0)
+    for per_host, factor in ((1, 1.0), (2, 2.0)):
+        sim = ClusterSim(trace, cost, SPEC, cluster, record_steps=True, instances_per_host=per_host)
+        result = sim.run()
+        for rec in result.records:
+            start, seconds, _, _ = sim.instances[rec.instance].steps[0]
+            assert start == pytest.approx(0.004)
+            assert rec.first_token_s == pytest.approx(start + seconds + 0.01 * factor)
+
+
+def test_front_end_refuses_past_its_waiting_bound_as_the_server_does():
+    """With more requests waiting for their first token than `max_waiting_requests`, the front end
+    refuses new ones at once (the server's 503 "overloaded"): counted as failed, never dispatched,
+    every accepted one still runs to its length; unbounded, all complete."""
+    burst = Trace([TraceRequest(arrival_s=0.001 * i, prompt_len=200, output_len=8) for i in range(300)])
+    spec = (SPEC, ClusterConfig(num_instances=2, dispatch_policy="least_load"))
+    bounded = ClusterSim(burst, LinearToy(), *spec, max_waiting_requests=50).run()
+    run = summary(bounded)
+    assert bounded.refused == run["failed"] > 0 and run["completed"] == 300 - bounded.refused
+    assert run["refused"] == bounded.refused
+    # Refused ones are those that arrived while 50 accepted ones had no token yet: never the first 50.
+    done = [r for r in bounded.records if r.finish_s is not None]
+    assert all(len(r.token_times) == r.output_len for r in done)
+    assert all(r.finish_s is not None for r in bounded.records[:50])
+    free = ClusterSim(burst, LinearToy(), *spec, max_waiting_requests=None).run()
+    assert free.refused == 0 and summary(free)["completed"] == 300
+
+
+def test_host_shares_its_speed_between_running_steps():
+    """Two steps of 10 s alone on a host that halves the speed of each while both run: started
+    together they both end at 20 s; started 5 s apart, the first ends at 15 s (5 s alone, 10 s
+    shared), the second at 20 s (10 s shared, then 5 s alone)."""
+    from tandem.sim.host import Host
+
+    host = Host(lambda k: float(k))
+    assert host.start(0, 10.0, 0.0) == {0: 10.0}
+    assert host.start(1, 10.0, 0.0) == {0: 20.0, 1: 20.0}
+    assert host.finish(0, 20.0) == {1: 20.0}
+    assert host.finish(1, 20.0) == {} and host.num_running == 0
+    host.start(0, 10.0, 0.0)
+    assert host.start(1, 10.0, 5.0) == {0: 15.0, 1: 25.0}
+    assert host.finish(0, 15.0) == {1: pytest.approx(20.0)}
 
 
 def test_step_trace_holds_every_working_step(tmp_path):
