@@ -5,6 +5,12 @@ Each layer's weights are distinct tensors (a whole model's worth), cycled throug
 figures include reading the weights from memory as a decode step does, not from cache.
 
     python benchmarks/gemm_paths.py --rows 1,8,32,128 --json results/gemm_paths.json
+
+`--per-shape ROWS` instead times each layer shape alone at prompt-sized row counts (bound by
+compute, not by reading weights), bfloat16 on AMX: Tandem's tile kernel against oneDNN's packed
+GEMM, interleaved, in TFLOP/s (what a layer holding one copy of its weight gives up, per shape).
+
+    python benchmarks/gemm_paths.py --per-shape 128,256,512,1024 --json results/gemm_shapes.json
 """
 
 from __future__ import annotations
@@ -118,6 +124,44 @@ def time_path(prepared: list, fn: Callable, x_by_in: dict[int, torch.Tensor], re
 _shapes: list[tuple[int, int]] = []
 
 
+SHAPE_NAMES = ["qkv", "o", "gate_up", "down"]
+
+
+def per_shape(rows_list: list[int], reps: int) -> list[dict]:
+    """bfloat16 tile kernel vs oneDNN per layer shape (median of `reps` interleaved pairs)."""
+    import statistics
+
+    from tandem.model.linear import PackedLinear, amx_tiles_available
+
+    if not amx_tiles_available():
+        raise SystemExit("--per-shape needs AMX (the tile kernel)")
+    out = []
+    for rows in rows_list:
+        for (k, n), name in zip(LAYER_SHAPES, SHAPE_NAMES):
+            layer = PackedLinear((torch.randn(n, k) * 0.02).to(torch.bfloat16), None)
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            tiles = lambda: torch.ops.tandem.gemm_amx_bf16(x, layer.tiles, n, None)  # noqa: B023
+            onednn = lambda: torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")  # noqa: B023
+            times: dict[str, list[float]] = {"tiles": [], "onednn": []}
+            with torch.inference_mode():
+                for f in (tiles, onednn, tiles, onednn):
+                    f()
+                for _ in range(reps):
+                    for key, f in (("tiles", tiles), ("onednn", onednn)):
+                        t0 = time.perf_counter()
+                        f()
+                        times[key].append(time.perf_counter() - t0)
+            flops = 2 * rows * k * n
+            row = {"rows": rows, "shape": name, "in": k, "out": n}
+            for key, ts in times.items():
+                row[f"{key}_tflops"] = flops / statistics.median(ts) / 1e12
+            row["tiles_over_onednn_time"] = row["onednn_tflops"] / row["tiles_tflops"]
+            out.append(row)
+            print(f"rows {rows:5d}  {name:8s} tiles {row['tiles_tflops']:5.2f} TFLOP/s  oneDNN "
+                  f"{row['onednn_tflops']:5.2f} TFLOP/s  tiles' time / oneDNN's {row['tiles_over_onednn_time']:.2f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,32,128")
@@ -125,10 +169,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--per-shape", default=None, metavar="ROWS", help="bf16 tiles vs oneDNN per layer shape")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.per_shape:
+        shapes = per_shape([int(r) for r in args.per_shape.split(",")], max(args.reps, 15))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "per_shape": shapes}, indent=2))
+        return
     _shapes[:] = LAYER_SHAPES * args.layers
     weights = [torch.randn(o, i) * 0.02 for i, o in _shapes]
     total_bytes = sum(w.numel() for w in weights) * 4

@@ -6,16 +6,19 @@ into its blocked layout (`mkldnn._linear_pointwise`) is up to 1.9x faster in flo
 bfloat16 from 8 rows on (benchmarks/gemm_paths.py, results in docs/benchmarks-kernels.md). A
 product of a few rows is bound by reading the weight from memory, and there a kernel that streams
 the weight once, in the order it is stored, is best: on CPUs with AMX, Tandem's tile kernel
-(`gemm_amx_bf16`, its own weight layout) for 1-64 bfloat16 rows, 1.2-1.3x oneDNN from 8 rows on;
+(`gemm_amx_bf16`, its own weight layout) for 1-64 bfloat16 rows, 1.2-1.3x oneDNN from 8 rows on
+(every row count for layers no wider out than in, where oneDNN is slow at prompt sizes too);
 on AVX-512 CPUs MKL's sgemv for one or two float32 rows (the same call transformers makes, so a
 single stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16
 float32 rows and, without AMX, 1-4 bfloat16 rows; on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv
 streams at half the memory bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers
-keep two forms of the weight where a few-row path exists: oneDNN's and the plain or tiled one.
+keep two forms of the weight where a few-row path exists: oneDNN's and the plain or tiled one, as
+long as two copies fit (`SECOND_COPY_MAX_MEMORY_FRACTION`); else one (the tiles on AMX).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import cache
 from typing import TypeVar
@@ -25,10 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem import kernels
+from tandem.config import SECOND_COPY_MAX_MEMORY_FRACTION
 from tandem.cpu import cpu_flags
 from tandem.model.direct_call import DirectCall
 
 M = TypeVar("M", bound=nn.Module)
+logger = logging.getLogger(__name__)
 
 # float32 rows that MKL's sgemv takes on AVX-512 CPUs (bit-identical to transformers' own F.linear);
 # on AVX2-only CPUs it runs at half the memory bandwidth there and Tandem's kernel takes them.
@@ -41,6 +46,13 @@ _KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
 # bfloat16 rows up to which the AMX tile kernel runs: above, a product is bound by compute and
 # oneDNN's blocking ties or wins (benchmarks/gemm_paths.py: even at 64-128 and 512 rows, 0.88x at 256).
 _AMX_MAX_ROWS = 64
+# ... except for layers whose output is no wider than their input (o_proj, down_proj): there
+# oneDNN's blocking is slow at prompt sizes and the tile kernel runs every row count, so those
+# layers need no oneDNN copy (benchmarks/gemm_paths.py --per-shape, 415M shapes: at 512 rows the
+# tiles take 0.60x oneDNN's time on o_proj and 0.95x on down_proj, at 1024 rows 0.55-0.66x; on the
+# wider qkv and gate_up 1.08-1.09x at 512).
+# Row limit of a path that takes every row count.
+_ANY_ROWS = 1 << 62
 # Batch-size hint oneDNN tunes the reordered layout for: mid-size decode batches.
 _PACK_HINT_ROWS = 8
 
@@ -68,18 +80,24 @@ def amx_tiles_available() -> bool:
 
 
 class PackedLinear(DirectCall, nn.Module):
-    """A linear layer whose weight is also held in oneDNN's reordered layout (CPU only)."""
+    """A linear layer whose weight is held in oneDNN's reordered layout (CPU only), and, with
+    `second_copy`, also in the form a few-row path reads (AMX tiles for bfloat16, else the plain
+    weight). Without it the layer holds one copy: the tiles alone on AMX (every row count runs on
+    them), oneDNN's layout alone elsewhere."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, second_copy: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dtype = weight.dtype
         w = weight.detach().contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
-        # bfloat16 on AMX: the weight in tiles too, for decode-sized batches.
+        # bfloat16 on AMX: the weight in tiles, for decode-sized batches; for every row count where
+        # the layer holds one copy or its output is no wider than its input (see _AMX_MAX_ROWS).
         self.tiles = torch.ops.tandem.amx_pack(w) if w.dtype == torch.bfloat16 and amx_tiles_available() else None
-        self.tiles_max_rows = _AMX_MAX_ROWS if self.tiles is not None else 0
+        tiles_only = self.tiles is not None and (not second_copy or self.out_features <= self.in_features)
+        self.tiles_max_rows = 0 if self.tiles is None else _ANY_ROWS if tiles_only else _AMX_MAX_ROWS
+        self.packed = None if tiles_only else torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
         # Else the plain weight, where a few-row path exists for this dtype.
-        if self.tiles is not None:
+        if self.tiles is not None or not second_copy:
             few = 0
         elif kernels.has(_KERNEL[w.dtype]):
             few = _KERNEL_MAX_ROWS[w.dtype]
@@ -95,7 +113,7 @@ class PackedLinear(DirectCall, nn.Module):
             return y.reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
         tiles = self.tiles
-        if tiles is not None and rows <= _AMX_MAX_ROWS and x.dtype == torch.bfloat16:
+        if tiles is not None and rows <= self.tiles_max_rows and x.dtype == torch.bfloat16:
             return torch.ops.tandem.gemm_amx_bf16(x, tiles, self.out_features, self.bias)
         plain = self.plain  # None exactly when plain_max_rows is 0
         if plain is not None and rows <= self.plain_max_rows:
@@ -132,11 +150,11 @@ def warm_row_counts(model: nn.Module, rows: range) -> None:
     step of the default model took 15 ms instead of 6), which the speculation gate then measured."""
     seen = set()
     for m in model.modules():
-        if isinstance(m, PackedLinear) and (m.in_features, m.out_features, m.packed.dtype) not in seen:
-            seen.add((m.in_features, m.out_features, m.packed.dtype))
+        if isinstance(m, PackedLinear) and m.packed is not None and (m.in_features, m.out_features, m.dtype) not in seen:
+            seen.add((m.in_features, m.out_features, m.dtype))
             for r in rows:
                 if r > max(m.plain_max_rows, m.tiles_max_rows):
-                    m(torch.zeros(r, m.in_features, dtype=m.packed.dtype))
+                    m(torch.zeros(r, m.in_features, dtype=m.dtype))
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -170,8 +188,37 @@ def replace_linears(model: M, make: LinearFactory) -> M:
     return model
 
 
-def pack_linears(model: M) -> M:
-    """Swap float32/bfloat16 linear layers (tied LM head included) of a CPU model for `PackedLinear`."""
+def pack_linears(model: M, second_copy: bool | None = None) -> M:
+    """Swap float32/bfloat16 linear layers (tied LM head included) of a CPU model for `PackedLinear`.
+
+    `second_copy` (None: decided by `keeps_second_copy` from the weights' size and the memory
+    available now) lets each layer hold a second form of its weight for the few-row path."""
     if not onednn_available():
         return model
-    return replace_linears(model, lambda w, b: PackedLinear(w, b) if _packable(w) else None)
+    if second_copy is None:
+        weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and _packable(m.weight)]
+        second_copy = keeps_second_copy(sum(w.numel() * w.element_size() for w in weights), available_memory())
+        if not second_copy:
+            logger.info("linear weights held once (no second form for the few-row path): memory is short")
+    two = second_copy
+    return replace_linears(model, lambda w, b: PackedLinear(w, b, two) if _packable(w) else None)
+
+
+def keeps_second_copy(weight_bytes: int, available_bytes: int | None) -> bool:
+    """Whether the linear layers' second copy (SECOND_COPY_MAX_MEMORY_FRACTION) fits: always where
+    the available memory is unknown."""
+    if available_bytes is None:
+        return True
+    return weight_bytes <= SECOND_COPY_MAX_MEMORY_FRACTION * available_bytes
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (Linux /proc/meminfo), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

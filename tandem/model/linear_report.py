@@ -65,7 +65,9 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
         extra = m.qweight.numel() if library is not None else 0
         return path, _tensor_bytes(m.qweight, m.scale, m.row_sum, m.bias) + extra
     if isinstance(m, PackedLinear):
-        dtype = str(m.packed.dtype).removeprefix("torch.")
+        dtype = str(m.dtype).removeprefix("torch.")
+        if m.packed is None:
+            return f"AMX tiles {dtype}, every row count (one copy)", _tensor_bytes(m.tiles, m.bias)
         few = f" + plain weight for <= {m.plain_max_rows} rows" if m.plain is not None else ""
         if m.tiles is not None:
             few = f" + AMX tiles for <= {m.tiles_max_rows} rows"

@@ -92,6 +92,34 @@ def test_layers_take_the_tile_path_and_agree_with_their_other_paths():
         torch.testing.assert_close(q(xr), ref, rtol=1e-5, atol=1e-5 * _largest(ref))
 
 
+def test_a_layer_held_once_runs_every_row_count_on_its_tiles():
+    """Without the second copy a bfloat16 layer on AMX keeps the tiles alone (no oneDNN layout, no
+    plain weight) and runs prompt-sized products on them too, agreeing with the two-copy layer."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    bias = torch.randn(96, generator=g).to(torch.bfloat16)
+    once, twice = PackedLinear(w, bias, second_copy=False), PackedLinear(w, bias)
+    assert once.packed is None and once.plain is None and once.tiles is not None
+    assert twice.packed is not None and twice.tiles is not None
+    for rows in (1, 64, 65, 300):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        tiles = torch.ops.tandem.gemm_amx_bf16(x, once.tiles, 96, bias)
+        assert torch.equal(once(x), tiles)
+        torch.testing.assert_close(once(x).float(), twice(x).float(), rtol=1e-2, atol=2e-2)
+
+
+def test_layers_no_wider_out_than_in_run_every_row_count_on_tiles():
+    """o_proj- and down_proj-like layers (out <= in) hold their tiles alone even with a second copy
+    allowed and run prompt-sized products on them; wider layers keep oneDNN's copy for those."""
+    g = torch.Generator().manual_seed(2)
+    narrow = PackedLinear(torch.randn(64, 96, generator=g).to(torch.bfloat16), None)
+    wide = PackedLinear(torch.randn(96, 64, generator=g).to(torch.bfloat16), None)
+    assert narrow.packed is None and narrow.tiles is not None
+    assert wide.packed is not None and wide.tiles_max_rows == 64
+    x = torch.randn(300, 96, generator=g).to(torch.bfloat16)
+    assert torch.equal(narrow(x), torch.ops.tandem.gemm_amx_bf16(x, narrow.tiles, 64, None))
+
+
 def test_bad_inputs_raise_clear_errors():
     w = torch.randn(40, 64).to(torch.bfloat16)
     packed = torch.ops.tandem.amx_pack(w)

@@ -104,6 +104,30 @@ def test_kernels_reject_bad_input():
             )
 
 
+def test_second_copy_only_while_it_fits_in_memory():
+    """Layers hold a second form of their weights only while all linear weights take at most
+    SECOND_COPY_MAX_MEMORY_FRACTION of the available memory (always when that is unknown); held
+    once, a float32 layer keeps oneDNN's layout alone and gives its products."""
+    from tandem.config import SECOND_COPY_MAX_MEMORY_FRACTION
+
+    avail = 24 << 30
+    assert linear.keeps_second_copy(int(SECOND_COPY_MAX_MEMORY_FRACTION * avail), avail)
+    assert not linear.keeps_second_copy(int(SECOND_COPY_MAX_MEMORY_FRACTION * avail) + 1, avail)
+    assert linear.keeps_second_copy(1 << 40, None)
+    assert (linear.available_memory() or 1) > 0
+    if onednn_available():
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 16, generator=g)
+        once = PackedLinear(w, None, second_copy=False)
+        assert once.plain is None and once.plain_max_rows == 0 and once.packed is not None
+        for rows in (1, 3, 40):
+            x = torch.randn(rows, 16, generator=g)
+            torch.testing.assert_close(once(x), x @ w.T, rtol=1e-5, atol=1e-5)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Linear(24, 8))
+        linear.pack_linears(model, second_copy=False)
+        assert all(isinstance(m, PackedLinear) and m.plain is None and m.tiles is None for m in model)
+
+
 def test_env_switch_disables_kernels(monkeypatch):
     monkeypatch.setenv(kernels.ENV_SWITCH, "0")
     assert not kernels.load() and not kernels.has("gemv_bf16")
