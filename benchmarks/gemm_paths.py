@@ -138,10 +138,12 @@ def per_shape(rows_list: list[int], reps: int) -> list[dict]:
     out = []
     for rows in rows_list:
         for (k, n), name in zip(LAYER_SHAPES, SHAPE_NAMES):
-            layer = PackedLinear((torch.randn(n, k) * 0.02).to(torch.bfloat16), None)
+            w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+            layer = PackedLinear(w, None)  # the tiles as the model lays them out
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)  # oneDNN's copy, whatever the layer keeps
             x = torch.randn(rows, k).to(torch.bfloat16)
             tiles = lambda: torch.ops.tandem.gemm_amx_bf16(x, layer.tiles, n, None)  # noqa: B023
-            onednn = lambda: torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")  # noqa: B023
+            onednn = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: B023
             times: dict[str, list[float]] = {"tiles": [], "onednn": []}
             with torch.inference_mode():
                 for f in (tiles, onednn, tiles, onednn):
