@@ -12,6 +12,7 @@ model (a profile), since a step trace does not time them.
 
 from __future__ import annotations
 
+import bisect
 import os
 import random
 from collections.abc import Sequence
@@ -115,8 +116,6 @@ def co_run_penalty(lines: Sequence[dict[str, Any]], model: FittedCost) -> float:
 
     def covered(p: float) -> float:
         """Sum over steps of their span weighted by the rate at each moment."""
-        import bisect
-
         total = 0.0
         for a, b, _ in spans:
             i = bisect.bisect_right(times, a) - 1

@@ -383,7 +383,7 @@ class RooflineCost(ServingTimes):
     hardware: Hardware
     block_size: int = 16  # tokens per KV block, for transfer sizes
     note: str = ""
-    # The front end and the engine loop (see FittedCost): measured on a CPU host, not GPU figures.
+    # The front end and the engine loop (see FittedCost): a CPU host's figures, not the GPU's.
     delivery_s: float = 0.0
     ingress_s: float = 0.0
     loop_gap_s: float = 0.0
