@@ -29,11 +29,27 @@ MAX_FIT_STEPS = 2000
 HELD_OUT_FRACTION = 0.25
 
 
-def steps_of(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[StepShape, float]]:
-    """(shape, seconds) of every step in the trace files."""
-    from tandem.engine.step_trace import line_shape, read_step_trace
+def read_traces(paths: Sequence[str | os.PathLike[str]]) -> list[list[dict[str, Any]]]:
+    """The lines of each step trace file."""
+    from tandem.engine.step_trace import read_step_trace
 
-    return [(line_shape(line), float(line["seconds"])) for path in paths for line in read_step_trace(path)]
+    return [read_step_trace(path) for path in paths]
+
+
+def steps_of(traces: Sequence[Sequence[dict[str, Any]]]) -> list[tuple[StepShape, float]]:
+    """(shape, seconds) of every step in the traces."""
+    from tandem.engine.step_trace import line_shape
+
+    return [(line_shape(line), float(line["seconds"])) for lines in traces for line in lines]
+
+
+def mean_loop_gap(traces: Sequence[Sequence[dict[str, Any]]], default: float) -> float:
+    """The engine loop's mean gap between busy steps over the traces (each file on its own), or
+    `default` where they have none."""
+    from tandem.engine.step_trace import loop_gaps
+
+    gaps = [g for lines in traces for g in loop_gaps(list(lines))]
+    return sum(gaps) / len(gaps) if gaps else default
 
 
 def load_base(path: str | os.PathLike[str] | None) -> FittedCost:
@@ -52,10 +68,8 @@ def calibrate(
 ) -> FittedCost:
     """Fit `base`'s kind of model on the traced steps, and the loop gap between them; transfers,
     ingress and delivery come from `base`."""
-    from tandem.engine.step_trace import loop_gaps, read_step_trace
-
-    points = steps_of(paths)
-    gaps = [g for path in paths for g in loop_gaps(read_step_trace(path))]
+    traces = read_traces(paths)
+    points = steps_of(traces)
     if len(points) < 8:
         raise ValueError(f"a step trace of {len(points)} steps is too short to fit a cost model (8 at least)")
     if len(points) > MAX_FIT_STEPS:
@@ -87,7 +101,7 @@ def calibrate(
         transfer_fit_error=base.transfer_fit_error,
         delivery_s=base.delivery_s,
         ingress_s=base.ingress_s,
-        loop_gap_s=sum(gaps) / len(gaps) if gaps else base.loop_gap_s,
+        loop_gap_s=mean_loop_gap(traces, base.loop_gap_s),
         meta=meta,
     )
     error = FitError.of([model.step_seconds(s) for s, _ in test], [t for _, t in test], len(train))
@@ -143,17 +157,14 @@ def co_run_penalty(lines: Sequence[dict[str, Any]], model: FittedCost) -> float:
 def calibrate_co_run(paths: Sequence[str | os.PathLike[str]], model: FittedCost) -> FittedCost:
     """`model` (steps of one engine alone on its host) with the co-run penalty and the loop gap of a
     served trace of several engines on one host."""
-    from tandem.engine.step_trace import loop_gaps, read_step_trace
-
-    lines = [line for path in paths for line in read_step_trace(path)]
+    traces = read_traces(paths)
+    lines = [line for trace in traces for line in trace]
     if len(lines) < 8:
         raise ValueError(f"a step trace of {len(lines)} steps is too short to fit a co-run penalty (8 at least)")
-    gaps = loop_gaps(lines)
-    penalty = co_run_penalty(lines, model)
     meta = {**model.meta, "co_run_traces": [os.path.basename(str(p)) for p in paths]}
     return replace(
         model,
-        co_run_penalty=penalty,
-        loop_gap_s=sum(gaps) / len(gaps) if gaps else model.loop_gap_s,
+        co_run_penalty=co_run_penalty(lines, model),
+        loop_gap_s=mean_loop_gap(traces, model.loop_gap_s),
         meta=meta,
     )
