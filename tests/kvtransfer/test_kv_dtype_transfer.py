@@ -14,6 +14,9 @@ from tandem.engine.messages import EngineCoreRequest
 from tandem.kvtransfer.transport import _as_buffer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+# A request that outlives any transfer's answer: 24 tokens could all be decoded on the source before
+# a loaded machine delivered the destination's refusal, and the move then ended as "the request ended".
+LONG = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
 PROMPTS = [list(range(5, 5 + 37)), list(range(60, 60 + 21))]
 
 
@@ -31,9 +34,9 @@ def config(model_dir, kv_cache_dtype: str = "int8", **kw) -> EngineConfig:
     return EngineConfig(**base)
 
 
-def reference(cfg: EngineConfig, prompt: list[int]) -> list[int]:
+def reference(cfg: EngineConfig, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
     llm = LLM(cfg.model, kv_cache_dtype=cfg.kv_cache_dtype, num_kv_blocks=96, num_threads=1, block_size=4)
-    return list(llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+    return list(llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
@@ -88,7 +91,7 @@ def test_other_format_is_refused(llama_dir, tmp_path, source, dest) -> None:
     try:
         cluster.nodes[1].plane.close()
         cluster.nodes[1] = Node(config(llama_dir, dest), f"ipc://{tmp_path}/kv1-{dest}")
-        cluster.add(EngineCoreRequest("r0", PROMPTS[0], GREEDY, GREEDY.max_tokens, 0.0), 0)
+        cluster.add(EngineCoreRequest("r0", PROMPTS[0], LONG, LONG.max_tokens, 0.0), 0)
         for _ in range(8):
             cluster.tick()
         assert cluster.migrate("r0", 1)
@@ -100,4 +103,4 @@ def test_other_format_is_refused(llama_dir, tmp_path, source, dest) -> None:
             node.check_idle()
     finally:
         cluster.close()
-    assert cluster.requests["r0"].tokens[0] == reference(cfg, PROMPTS[0])
+    assert cluster.requests["r0"].tokens[0] == reference(cfg, PROMPTS[0], LONG)
