@@ -84,7 +84,8 @@ def test_prompt_logprobs_across_a_move(llama_dir, tmp_path, tick):
     in order, no gap, equal to one engine's."""
     cfg = config(llama_dir, max_num_batched_tokens=8)
     prompt = PROMPTS[0]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    # 64 tokens: the request outlives the live move on a loaded machine (with 4 it could finish first).
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, prompt_logprobs=2)
     cluster = run(cfg, tmp_path, [(prompt, params)], {tick: [(0, 1)]})
     assert cluster.migrated == (tick == 2) and cluster.recomputed == (tick == 0)
     got: list = []
