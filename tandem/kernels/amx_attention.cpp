@@ -9,7 +9,9 @@
 //   probabilities rounded to bfloat16 in place become the left operand of P . V directly.
 // A prompt chunk's hundreds of query tiles share one layout of its context, which makes this a
 // flash-attention-like product at tile speed; the whole score row of a tile is held (16 x context
-// floats), so no running rescaling is needed.
+// floats), so no running rescaling is needed. A request with at most kDirectTiles query tiles per
+// KV head (decodes, verifications) skips the layout and reads keys and values where they lie in
+// the cache (attend_direct): a decode step's attention reads each context once, not three times.
 
 #include <torch/library.h>
 
@@ -21,10 +23,13 @@
 namespace {
 
 constexpr int64_t kT = 16;  // tile rows and 32-bit columns
+// Up to this many query tiles per (request, KV head) read the context from the cache each time
+// rather than laying it out once.
+constexpr int64_t kDirectTiles = 4;
 
-// All six tiles 16 rows of 64 bytes. Scores: 0 = S^T, 1 = a key tile, 2-5 = the queries' blocks of
-// 32 head elements. Values: 0 = a block of 32 probabilities per query, 1 = a value tile, 2-5 = the
-// output's blocks of 16 head elements.
+// All six tiles 16 rows of 64 bytes. Scores: 0 = S^T (attend_direct: S), 1 = a key tile, 2-5 = the
+// queries' blocks of 32 head elements. Values: 0 = a block of 32 probabilities per query, 1 = a
+// value tile, 2-5 = the output's blocks of 16 head elements.
 void configure_attention_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 6; ++t) cfg.set(t, kT, 64);
@@ -196,6 +201,152 @@ void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, co
   }
 }
 
+// A tile of 16 query vectors in the right operand's pair layout: per 32 head elements a tile whose
+// row r holds, for each query c, its elements 2r and 2r + 1 (padding queries zero).
+void pack_queries(const uint16_t* const* qrows, int64_t nc, int64_t D, uint32_t* out) {
+  for (int64_t blk = 0; blk < D / 32; ++blk) {
+    __m512i r[16];
+    for (int64_t c = 0; c < kT; ++c) r[c] = c < nc ? _mm512_loadu_si512(qrows[c] + blk * 32) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int64_t i = 0; i < kT; ++i) _mm512_store_si512(out + (blk * kT + i) * kT, r[i]);
+  }
+}
+
+// Where position p of a request's context sits in one head's cache rows (table: its block table).
+inline int64_t cache_row(const int64_t* table, int64_t p, int64_t BS, int64_t KVH, int64_t g, int64_t D) {
+  return ((table[p / BS] * BS + p % BS) * KVH + g) * D;
+}
+
+// One tile of at most 16 query vectors against a context read straight from the paged cache, for
+// a request whose queries fill one tile per KV head (decodes, short verifications): laying its
+// context out first (pack_context) would cost more than the one tile it serves. Keys are the left
+// operand as they lie in the cache (16 positions of a block, one row apart): S = K . Q^T puts a
+// position's scores for all queries in one row, so the softmax runs down the positions with a
+// query per lane. Values are laid out in pairs of positions 32 at a time in a buffer that stays in
+// L1. Needs blocks of a multiple of 16 positions.
+void attend_direct(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t BS, int64_t KVH, int64_t g,
+                   int64_t D, const uint16_t* const* qrows, const int64_t* hi, int64_t nc, float scale,
+                   std::vector<float>& scores, uint16_t* const* orows) {
+  int64_t span = 0;
+  for (int64_t c = 0; c < nc; ++c) span = std::max(span, hi[c] + 1);
+  const int64_t kblocks = (span + kT - 1) / kT, vblocks = (span + 2 * kT - 1) / (2 * kT);
+  const int64_t dk = D / 32, dv = D / 16, ld = KVH * D * 2;  // ld: bytes between positions
+  scores.resize(vblocks * 2 * kT * kT);
+  float* s = scores.data();
+  alignas(64) uint32_t qt[4 * kT * kT];
+  pack_queries(qrows, nc, D, qt);
+  _tile_loadd(2, qt, 64);
+  _tile_loadd(3, qt + kT * kT, 64);
+  if (dk == 4) {
+    _tile_loadd(4, qt + 2 * kT * kT, 64);
+    _tile_loadd(5, qt + 3 * kT * kT, 64);
+  }
+  for (int64_t pb = 0; pb < kblocks; ++pb) {
+    const uint16_t* krow = kc + cache_row(table, pb * kT, BS, KVH, g, D);
+    if (pb + 2 < kblocks) {
+      const int64_t row = cache_row(table, (pb + 2) * kT, BS, KVH, g, D);
+      const char* next = reinterpret_cast<const char*>(kc + row);
+      const char* next_v = reinterpret_cast<const char*>(vc + row);
+      for (int64_t i = 0; i < kT; ++i)
+        for (int64_t b = 0; b < D * 2; b += 64) {
+          _mm_prefetch(next + i * ld + b, _MM_HINT_T0);
+          _mm_prefetch(next_v + i * ld + b, _MM_HINT_T1);
+        }
+    }
+    _tile_zero(0);
+    _tile_loadd(1, krow, ld);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, krow + 32, ld);
+    _tile_dpbf16ps(0, 1, 3);
+    if (dk == 4) {
+      _tile_loadd(1, krow + 64, ld);
+      _tile_dpbf16ps(0, 1, 4);
+      _tile_loadd(1, krow + 96, ld);
+      _tile_dpbf16ps(0, 1, 5);
+    }
+    _tile_stored(0, s + pb * kT * kT, 64);
+  }
+  // Lane c sees positions 0..hi[c]; padding lanes none. Scores outside are never read unmasked.
+  alignas(64) int32_t last[kT];
+  for (int64_t c = 0; c < kT; ++c) last[c] = c < nc ? static_cast<int32_t>(hi[c]) : -1;
+  const __m512i lastv = _mm512_load_si512(last);
+  auto seen = [&](int64_t p) { return _mm512_cmpge_epi32_mask(lastv, _mm512_set1_epi32(static_cast<int32_t>(p))); };
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t p = 0; p < span; ++p) mx = _mm512_mask_max_ps(mx, seen(p), mx, _mm512_loadu_ps(s + p * kT));
+  mx = _mm512_mask_mov_ps(mx, _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm512_setzero_ps());
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t p = 0; p < vblocks * 2 * kT; ++p) {
+    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + p * kT), mx), sc);
+    const __m512 e = _mm512_maskz_mov_ps(seen(p), tandem_kernels::exp_clamped16(x));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_storeu_ps(s + p * kT, e);
+  }
+  alignas(64) float inv[kT];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+  // P . V, 4 output tiles (64 head elements) at a time; P as bfloat16 rows of 32 positions a query.
+  __m512i lo_idx, hi_idx;
+  {
+    alignas(64) uint16_t lo[32], hi_[32];
+    for (int j = 0; j < 32; ++j) {
+      lo[j] = static_cast<uint16_t>((j % 2) * 32 + j / 2);
+      hi_[j] = static_cast<uint16_t>((j % 2) * 32 + 16 + j / 2);
+    }
+    lo_idx = _mm512_load_si512(lo);
+    hi_idx = _mm512_load_si512(hi_);
+  }
+  alignas(64) uint16_t pt[kT * 2 * kT];
+  alignas(64) uint32_t vt[4 * kT * kT];
+  alignas(64) float o[kT * 64];
+  for (int64_t d0 = 0; d0 < dv; d0 += 4) {
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t pb = 0; pb < vblocks; ++pb) {
+      __m512i r[16], r2[16];
+      for (int64_t i = 0; i < kT; ++i) {
+        r[i] = _mm512_loadu_si512(s + (pb * 2 * kT + i) * kT);
+        r2[i] = _mm512_loadu_si512(s + (pb * 2 * kT + kT + i) * kT);
+      }
+      transpose16(r);
+      transpose16(r2);
+      for (int64_t c = 0; c < kT; ++c)
+        _mm512_store_si512(pt + c * 2 * kT, (__m512i)_mm512_cvtne2ps_pbh((__m512)r2[c], (__m512)r[c]));
+      for (int64_t i = 0; i < kT; ++i) {
+        const int64_t p0 = pb * 2 * kT + 2 * i;  // p0 and p0 + 1 share a block
+        const uint16_t* a = p0 < span ? vc + cache_row(table, p0, BS, KVH, g, D) + d0 * 16 : nullptr;
+        for (int64_t h = 0; h < 2; ++h) {  // 32 head elements: two value tiles
+          const __m512i x = a ? _mm512_loadu_si512(a + h * 32) : _mm512_setzero_si512();
+          const __m512i y = a && p0 + 1 < span ? _mm512_loadu_si512(a + KVH * D + h * 32) : _mm512_setzero_si512();
+          _mm512_store_si512(vt + ((2 * h) * kT + i) * kT, _mm512_permutex2var_epi16(x, lo_idx, y));
+          _mm512_store_si512(vt + ((2 * h + 1) * kT + i) * kT, _mm512_permutex2var_epi16(x, hi_idx, y));
+        }
+      }
+      _tile_loadd(0, pt, 64);
+      _tile_loadd(1, vt, 64);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(1, vt + kT * kT, 64);
+      _tile_dpbf16ps(3, 0, 1);
+      _tile_loadd(1, vt + 2 * kT * kT, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(1, vt + 3 * kT * kT, 64);
+      _tile_dpbf16ps(5, 0, 1);
+    }
+    _tile_stored(2, o, 256);
+    _tile_stored(3, o + 16, 256);
+    _tile_stored(4, o + 32, 256);
+    _tile_stored(5, o + 48, 256);
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m512 iv = _mm512_set1_ps(inv[c]);
+      for (int64_t t = 0; t < 4; ++t) {
+        const __m512 r = _mm512_mul_ps(_mm512_load_ps(o + c * 64 + t * 16), iv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orows[c] + (d0 + t) * 16), (__m256i)_mm512_cvtneps_pbh(r));
+      }
+    }
+  }
+}
+
 // q [T, H, D], k and v [T, KVH, D], kv_cache [2, blocks, block_size, KVH, D], all bfloat16; the
 // layout paged_attention takes (cpu_ops.cpp), checked alike. Returns the output [T, H, D].
 at::Tensor paged_attention_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
@@ -225,12 +376,16 @@ at::Tensor paged_attention_amx(const at::Tensor& q, const at::Tensor& k, const a
       std::memcpy(kc + (slots[t] * KVH + g) * D, row_of(t, k, g), D * 2);
       std::memcpy(vc + (slots[t] * KVH + g) * D, row_of(t, v, g), D * 2);
     }
-  // Each (request, KV head) laid out once, in parallel.
+  // Requests with one query tile per KV head read the cache directly; the others' contexts are
+  // laid out once per (request, KV head), in parallel.
+  const bool blocks_fit = BS % kT == 0;
+  auto direct = [&](int64_t b) { return blocks_fit && (qsl[b + 1] - qsl[b]) * group <= kDirectTiles * kT; };
   std::vector<PackedContext> packed(B * KVH);
   at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
     std::vector<const uint16_t*> krows, vrows;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / KVH, g = i % KVH, span = sl[b];
+      if (direct(b)) continue;
       krows.resize(span);
       vrows.resize(span);
       for (int64_t pos = 0; pos < span; ++pos) {
@@ -266,7 +421,10 @@ at::Tensor paged_attention_amx(const at::Tensor& q, const at::Tensor& k, const a
         orows[c] = op_ + (tok * H + head) * D;
         hi[c] = sl[b] - nq + i;
       }
-      attend_tile(qrows, hi, nc, packed[b * KVH + g], D, scale, scores, probs, orows);
+      if (direct(b))
+        attend_direct(kc, vc, tables + b * max_blocks, BS, KVH, g, D, qrows, hi, nc, scale, scores, orows);
+      else
+        attend_tile(qrows, hi, nc, packed[b * KVH + g], D, scale, scores, probs, orows);
     }
     _tile_release();
   });

@@ -29,7 +29,7 @@ from tandem.core.request import Request
 from tandem.core.step_io import DraftPass
 from tandem.model.loader import load_model
 from tandem.worker.batch import SampleRow, build_batch
-from tandem.worker.sampler import Sampler, SamplingBatch
+from tandem.worker.sampler import Sampler, SamplingBatch, row_argmax
 
 
 class DraftHost(Protocol):
@@ -143,7 +143,7 @@ class Drafter:
                 hidden = hidden[torch.from_numpy(ends - 1)]
             logits = self.model.compute_logits(hidden)
             if plain:
-                for r, t in zip(active, logits.argmax(dim=-1).tolist()):
+                for r, t in zip(active, row_argmax(logits).tolist()):
                     tokens[r.request_id].append(t)
                 seconds = time.perf_counter() - start
                 passes.append(DraftPass(n, seconds, catch_up_tokens=behind, missed_tokens=missed))
@@ -152,7 +152,7 @@ class Drafter:
             sb = host.sampling_batch([SampleRow(r, tokens[r.request_id]) for r in active])
             sb.generators = [self._generator(r) for r in active]
             dist = host.sampler.distribution(logits, sb)
-            picked = dist.argmax(dim=-1) if sb.all_greedy else host.sampler.draw(dist, sb)
+            picked = row_argmax(dist) if sb.all_greedy else host.sampler.draw(dist, sb)
             for i, (r, t) in enumerate(zip(active, picked.tolist())):
                 tokens[r.request_id].append(t)
                 probs[r.request_id].append(dist[i])
