@@ -33,7 +33,7 @@ constexpr int64_t kDirectTiles = 4;
 void configure_attention_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 6; ++t) cfg.set(t, kT, 64);
-  _tile_loadconfig(&cfg);
+  cfg.load();
 }
 
 // 16 x 16 32-bit transpose in registers: rows r[0..15] become columns.

@@ -43,7 +43,7 @@ void configure_tiles(int r0, int r1) {
     for (int t : {2, 3, 5}) set(t, r1);
   set(6, kTileRows);
   set(7, kTileRows);
-  _tile_loadconfig(&cfg);
+  cfg.load();
 }
 
 struct Bf16Tiles {

@@ -173,6 +173,12 @@ struct alignas(64) TileConfig {
     rows[tile] = static_cast<uint8_t>(n_rows);
     colsb[tile] = static_cast<uint16_t>(bytes_per_row);
   }
+  // GCC's ldtilecfg builtin does not tell the optimizer it reads the operand: without the barrier
+  // the stores above can be dropped and the instruction faults on whatever the stack held.
+  void load() const {
+    asm volatile("" : : "r"(this) : "memory");
+    _tile_loadconfig(this);
+  }
 };
 #endif
 
