@@ -36,6 +36,7 @@ from typing import Any
 from tandem.entrypoints.llm import default_model_path
 from tandem.loadgen.serve import add_serve_bench_args, run_bench
 from tandem.loadgen.server_process import ServerProcess
+from tandem.sim.profile import process_cpu_seconds
 
 METRICS = (
     ("output_throughput", "output tok/s"),
@@ -54,12 +55,6 @@ def figures(run: dict[str, Any]) -> dict[str, float]:
         "ttft_p99": run["ttft_ms"]["p99"],
         "itl_mean": run["itl_ms"]["mean"],
     }
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # Seconds between the calibration trace's load levels (an overloaded level's backlog drains first).
@@ -112,15 +107,15 @@ def real(model: str, trace: str, instances: int, num: int, pin: bool = False,
             os.sched_setaffinity(engine, {0})
             os.sched_setaffinity(server.proc.pid, {1})
             os.sched_setaffinity(0, {1})
-        cpu0 = {"api": cpu_seconds(server.proc.pid), "engine": cpu_seconds(engine) if engine else 0.0,
-                "client": cpu_seconds(os.getpid())}
+        cpu0 = {"api": process_cpu_seconds(server.proc.pid), "engine": process_cpu_seconds(engine) if engine else 0.0,
+                "client": process_cpu_seconds(os.getpid())}
         p = argparse.ArgumentParser()
         add_serve_bench_args(p)
         argv = ["--base-url", server.url, "--model", "m", "--tokenizer", model, "--dataset", "trace"]
         argv += ["--dataset-path", trace, "--num-prompts", str(num), "--ignore-eos", "--disable-tqdm"]
         bench = p.parse_args([*argv, "--num-warmups", "0"])
         run = run_bench(bench)["runs"][0]
-        cpu = {f"{k}_cpu_s": cpu_seconds(pid) - cpu0[k] for k, pid in
+        cpu = {f"{k}_cpu_s": process_cpu_seconds(pid) - cpu0[k] for k, pid in
                (("api", server.proc.pid), ("client", os.getpid()), ("engine", engine)) if pid}
         view = engine_view(server.metrics())
         server.stop()

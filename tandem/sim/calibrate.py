@@ -102,6 +102,8 @@ def calibrate(
         delivery_s=base.delivery_s,
         ingress_s=base.ingress_s,
         loop_gap_s=mean_loop_gap(traces, base.loop_gap_s),
+        front_end_message_s=base.front_end_message_s,
+        front_end_token_s=base.front_end_token_s,
         meta=meta,
     )
     error = FitError.of([model.step_seconds(s) for s, _ in test], [t for _, t in test], len(train))

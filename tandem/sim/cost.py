@@ -70,6 +70,12 @@ class CostModel(Protocol):
         one host, sharing its cores, caches and memory bandwidth (CPU instances). 1.0 alone."""
         ...
 
+    def front_end_seconds(self, tokens: int) -> float:
+        """CPU seconds the front end (API process and client) spends on one engine output message
+        carrying `tokens` tokens; the messages queue for it one at a time (`tandem.sim.frontend`).
+        0 when not measured: then every token takes `delivery_seconds` alone."""
+        ...
+
 
 # -- the fitted model -----------------------------------------------------------------------------
 
@@ -219,6 +225,8 @@ class ServingTimes:
     ingress_s: float
     loop_gap_s: float
     co_run_penalty: float
+    front_end_message_s: float
+    front_end_token_s: float
 
     def delivery_seconds(self) -> float:
         return self.delivery_s
@@ -231,6 +239,9 @@ class ServingTimes:
 
     def co_run_slowdown(self, running: int) -> float:
         return 1.0 + self.co_run_penalty * max(0, running - 1)
+
+    def front_end_seconds(self, tokens: int) -> float:
+        return self.front_end_message_s + self.front_end_token_s * tokens if tokens > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +264,10 @@ class FittedCost(ServingTimes):
     # Each other instance running a step on the same host makes a step this much longer (fitted on
     # a served trace of several engines on one machine, `tandem.sim.calibrate.calibrate_co_run`).
     co_run_penalty: float = 0.0
+    # The front end's CPU per engine output message and per token in it (API process and client,
+    # from their CPU time at two loads: `time_front_end`).
+    front_end_message_s: float = 0.0
+    front_end_token_s: float = 0.0
     # Free-form provenance: what was measured where and when (model, threads, dtype, machine, note,
     # the measurements themselves); kept through save and load, never read by the model.
     meta: Mapping[str, Any] = field(default_factory=dict)
@@ -388,6 +403,8 @@ class RooflineCost(ServingTimes):
     ingress_s: float = 0.0
     loop_gap_s: float = 0.0
     co_run_penalty: float = 0.0  # GPUs are not shared between instances: 0 unless stated
+    front_end_message_s: float = 0.0
+    front_end_token_s: float = 0.0
 
     def flops(self, shape: StepShape) -> float:
         m = self.model
@@ -447,7 +464,9 @@ class RooflineCost(ServingTimes):
 
 
 # What a model says about serving besides the steps: the front end, the engine loop, co-located instances.
-SERVING_FIELDS = ("delivery_s", "ingress_s", "loop_gap_s", "co_run_penalty")
+SERVING_FIELDS = (
+    "delivery_s", "ingress_s", "loop_gap_s", "co_run_penalty", "front_end_message_s", "front_end_token_s"
+)
 
 
 def serving_dict(model: FittedCost | RooflineCost) -> dict[str, float]:

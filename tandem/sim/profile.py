@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.step_shape import StepShape, shape_of
@@ -504,11 +505,12 @@ def profile_model(
     front: dict[str, float] = {}
     if delivery:
         timed = time_front_end(model_path, threads, dtype)
-        front = {k: timed[k] for k in ("delivery_s", "ingress_s", "loop_gap_s")}
+        front = {k: timed[k] for k in ("delivery_s", "ingress_s", "loop_gap_s", "front_end_message_s", "front_end_token_s")}
         meta["front_end"] = {k: round(v, 6) if isinstance(v, float) else v for k, v in timed.items()}
         say(
             f"front end: ingress {front['ingress_s'] * 1e3:.2f} ms, delivery {front['delivery_s'] * 1e3:.2f} ms,"
-            f" engine loop gap {front['loop_gap_s'] * 1e3:.2f} ms per step"
+            f" engine loop gap {front['loop_gap_s'] * 1e3:.2f} ms per step; front-end CPU"
+            f" {front['front_end_message_s'] * 1e3:.3f} ms a message + {front['front_end_token_s'] * 1e6:.0f} us a token"
         )
     name = f"{_model_name(model_path)}-{meta['dtype']}-{threads}thread"
     model = fit_cost(
@@ -521,6 +523,8 @@ def profile_model(
         delivery_s=front.get("delivery_s", 0.0),
         ingress_s=front.get("ingress_s", 0.0),
         loop_gap_s=front.get("loop_gap_s", 0.0),
+        front_end_message_s=front.get("front_end_message_s", 0.0),
+        front_end_token_s=front.get("front_end_token_s", 0.0),
         meta=meta,
     )
     if out_path is not None:
@@ -528,19 +532,44 @@ def profile_model(
     return model
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def split_front_end_cpu(light: tuple[int, int, float], busy: tuple[int, int, float]) -> tuple[float, float]:
+    """Seconds per output message and per token from the front end's CPU at two loads, each given as
+    (messages, tokens, CPU seconds): at light load nearly every message carries one token, under
+    load many, which tells the two apart. A split the figures cannot carry (a negative part, or
+    loads too alike) puts it all on the one that fits."""
+    (m1, t1, c1), (m2, t2, c2) = light, busy
+    det = m1 * t2 - m2 * t1
+    if abs(det) > 1e-9 * max(1.0, m1 * t2):
+        per_message, per_token = (c1 * t2 - c2 * t1) / det, (m1 * c2 - m2 * c1) / det
+        if per_message >= 0 and per_token >= 0:
+            return per_message, per_token
+    if t1 + t2 > 0 and (m1 + m2 == 0 or (c1 + c2) / (t1 + t2) > 0):
+        return 0.0, (c1 + c2) / (t1 + t2)
+    return 0.0, 0.0
+
+
 def time_front_end(
-    model_path: str, threads: int = 1, dtype: str = "auto", requests: int = 40, rate: float = 1.0, seed: int = 0
+    model_path: str, threads: int = 1, dtype: str = "auto", requests: int = 40, rate: float = 1.0, seed: int = 0,
+    busy_rate: float = 30.0,
 ) -> dict[str, Any]:
-    """The front end's and the engine loop's times, through a real `tandem serve` of the model at
-    light load, with the load generator `tandem bench serve` uses (its HTTP client is part of what
-    a client sees).
+    """The front end's and the engine loop's times, through a real `tandem serve` of the model, with
+    the load generator `tandem bench serve` uses (its HTTP client is part of what a client sees).
 
     Replays `requests` streaming completions (Poisson arrivals at `rate` per second, prompts of
     32-512 token ids, 16-64 output tokens) and reads the server's histograms and step trace:
     `delivery_s` is the client's mean time to first token minus the server's (the HTTP hop both
     ways, parsing, the first token's way out); `ingress_s` the server's mean queueing time (from
     the API process taking a request in to its first step: at this load the engine is mostly idle,
-    so it is the way in, not a queue); `loop_gap_s` the mean time between busy steps. Returns them
+    so it is the way in, not a queue); `loop_gap_s` the mean time between busy steps. Then as many
+    requests again at `busy_rate`, where each step's output message carries many tokens: the CPU
+    time of the API process and of the client at the two loads, against the steps (one output
+    message each) and tokens, gives `front_end_message_s` and `front_end_token_s`. Returns them
     with the raw figures."""
     import argparse
     import io
@@ -550,32 +579,48 @@ def time_front_end(
     from tandem.loadgen.server_process import ServerProcess
     from tandem.sim.trace import save_trace, synthetic
 
-    trace = synthetic(requests, rate, prompt_len=(32, 512), output_len=(16, 64), seed=seed)
+    traces = {
+        "light": synthetic(requests, rate, prompt_len=(32, 512), output_len=(16, 64), seed=seed),
+        "busy": synthetic(requests, busy_rate, prompt_len=(32, 512), output_len=(16, 64), seed=seed + 1),
+    }
+    phases: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trace_path, steps_path = os.path.join(tmp, "trace.jsonl"), os.path.join(tmp, "steps.jsonl")
-        save_trace(trace, trace_path)
+        steps_path = os.path.join(tmp, "steps.jsonl")
+        paths = {name: os.path.join(tmp, f"{name}.jsonl") for name in traces}
+        for name, trace in traces.items():
+            save_trace(trace, paths[name])
         args = ["--num-threads", str(threads), "--dtype", dtype, "--served-model-name", "m"]
         with ServerProcess(model_path, *args, "--step-trace", steps_path, startup_timeout=600) as server:
 
-            def replay(num: int) -> dict[str, Any]:
+            def replay(name: str, num: int) -> dict[str, Any]:
                 p = argparse.ArgumentParser()
                 add_serve_bench_args(p)
                 bench = p.parse_args(
                     ["--base-url", server.url, "--model", "m", "--tokenizer", model_path, "--dataset", "trace",
-                     "--dataset-path", trace_path, "--num-prompts", str(num), "--ignore-eos",
+                     "--dataset-path", paths[name], "--num-prompts", str(num), "--ignore-eos",
                      "--disable-tqdm", "--num-warmups", "0"]
                 )
                 with contextlib.redirect_stdout(io.StringIO()):
                     return dict(run_bench(bench)["runs"][0])
 
+            def cpu() -> float:
+                return process_cpu_seconds(server.proc.pid) + process_cpu_seconds(os.getpid())
+
             # A warm-up replay first: the server's histograms and step trace are read from after it,
             # so its first (slower) requests count on neither side.
-            replay(2)
-            before, since = server.metrics(), time.monotonic()
-            run = replay(requests)
-            after = server.metrics()
+            replay("light", 2)
+            before = server.metrics()
+            for name in traces:
+                since, cpu0 = time.monotonic(), cpu()
+                run = replay(name, requests)
+                phases[name] = {"run": run, "since": since, "until": time.monotonic(), "cpu_s": cpu() - cpu0}
+                if name == "light":
+                    after = server.metrics()
             server.stop()
-        gaps = loop_gaps([line for line in read_step_trace(steps_path) if line["start"] >= since])
+        lines = read_step_trace(steps_path)
+    for phase in phases.values():
+        phase["lines"] = [line for line in lines if phase["since"] <= line["start"] < phase["until"]]
+    gaps = loop_gaps(phases["light"]["lines"])
 
     def mean_of(name: str) -> float:
         count = after.get(f"tandem:{name}_seconds_count", 0.0) - before.get(f"tandem:{name}_seconds_count", 0.0)
@@ -584,17 +629,26 @@ def time_front_end(
         total = after[f"tandem:{name}_seconds_sum"] - before.get(f"tandem:{name}_seconds_sum", 0.0)
         return total / count
 
-    client_ttft = run["ttft_ms"]["mean"] / 1e3
+    def load(name: str) -> tuple[int, int, float]:
+        phase = phases[name]
+        return len(phase["lines"]), int(phase["run"]["total_output_tokens"]), float(phase["cpu_s"])
+
+    per_message, per_token = split_front_end_cpu(load("light"), load("busy"))
+    client_ttft = phases["light"]["run"]["ttft_ms"]["mean"] / 1e3
     server_ttft = mean_of("time_to_first_token")
     return {
         "delivery_s": max(0.0, client_ttft - server_ttft),
         "ingress_s": mean_of("request_queue_time"),
         "loop_gap_s": statistics.fmean(gaps) if gaps else 0.0,
+        "front_end_message_s": per_message,
+        "front_end_token_s": per_token,
         "client_ttft_s": client_ttft,
         "server_ttft_s": server_ttft,
         "requests": requests,
         "rate": rate,
+        "busy_rate": busy_rate,
         "loop_gaps": len(gaps),
+        **{f"{name}_messages_tokens_cpu_s": list(load(name)) for name in phases},
     }
 
 
@@ -659,6 +713,11 @@ def describe(model: FittedCost) -> str:
             f"  front end: a request reaches the engine {model.ingress_s * 1e3:.2f} ms after it arrives,"
             f" a token its client {model.delivery_s * 1e3:.2f} ms after its step;"
             f" the engine loop spends {model.loop_gap_s * 1e3:.2f} ms between steps"
+        )
+    if model.front_end_message_s or model.front_end_token_s:
+        lines.append(
+            f"  front-end CPU: {model.front_end_message_s * 1e3:.3f} ms per output message"
+            f" + {model.front_end_token_s * 1e6:.0f} us per token, messages queued one at a time"
         )
     if model.co_run_penalty:
         lines.append(

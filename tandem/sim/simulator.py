@@ -14,8 +14,10 @@ The front end and the engine loop take the cost model's times, measured on a ser
 front end takes a request in as it arrives (refusing it past `max_waiting_requests`, placing it)
 and its engine has it `ingress_seconds` later (the API process, the message to the engine); a token
 reaches its client `delivery_seconds` after the step that made it (the output message, the SSE
-chunk, the HTTP hop, the client's read); after each step the engine loop spends
-`loop_gap_seconds` before planning the next. The front end is not a queue of its own. Instances
+chunk, the HTTP hop, the client's read) when the front end is idle; with the cost model's front-end
+CPU figures the steps' output messages queue for the front end one at a time and a token waits for
+the tokens before it (`tandem.sim.frontend`). After each step the engine loop spends
+`loop_gap_seconds` before planning the next. Instances
 that share a host (`instances_per_host`: CPU instances on one machine) run their steps slower while
 others run theirs (`tandem.sim.host`); the front end then runs on the first host, and its ingress
 and delivery times stretch as a step would with that host's active instances.
@@ -40,6 +42,7 @@ from tandem.core.request import Request, RequestStatus
 from tandem.engine.messages import EngineCoreRequest, Stats
 from tandem.sampling_params import SamplingParams
 from tandem.sim.cost import CostModel
+from tandem.sim.frontend import FrontEnd
 from tandem.sim.host import Host
 from tandem.sim.instance import InstanceSpec, SimInstance
 from tandem.sim.trace import Trace
@@ -128,6 +131,7 @@ class ClusterSim:
                     self.host_of[i] = host
         # The instances whose host the front end shares (none unless hosts are shared).
         self._front_end_host = [i for i in range(n) if shared and self.host_of[i] is self.host_of[0]]
+        self.front_end = FrontEnd(cost)
         # Bumped whenever an instance's step end moves (a host's load changed): older events are stale.
         self._step_version = [0] * n
         self.dispatcher = Dispatcher(cluster, [spec.num_blocks] * n, spec.block_size)
@@ -313,18 +317,20 @@ class ClusterSim:
         if host is not None:
             for i, end in host.finish(index, now).items():
                 self._end_step_at(i, end)
-        seen = now + self.cost.delivery_seconds() * self._front_end_slowdown()  # the client has them
+        done = [(req, self.records[self._seqs[req.request_id]]) for req in inst.finish_step()]
+        news = [req.num_output_tokens - len(record.token_times) for req, record in done]
+        # The step's output message through the front end: when the client has each new token.
+        seen = self.front_end.deliver(now, sum(news), self._front_end_slowdown())
         finished = 0
-        for req in inst.finish_step():
-            record = self.records[self._seqs[req.request_id]]
-            new = req.num_output_tokens - len(record.token_times)
-            for _ in range(new):
-                record.token_times.append(seen)
+        at = 0
+        for (req, record), new in zip(done, news):
+            record.token_times.extend(seen[at : at + new])
+            at += new
             if record.first_token_s is None and record.token_times:
                 record.first_token_s = record.token_times[0]
                 self.not_started -= 1
             if req.is_finished:
-                record.finish_s = seen
+                record.finish_s = seen[at - 1] if new > 0 else now + self.cost.delivery_seconds()
                 finished += 1
                 self._forget(req.request_id)
             elif req.request_id in self.handoff_to and req.num_output_tokens >= 1:

@@ -10,6 +10,7 @@ import pytest
 
 from tandem.cluster.config import ClusterConfig
 from tandem.sim.cost import StepShape
+from tandem.sim.frontend import FrontEnd
 from tandem.sim.instance import InstanceSpec
 from tandem.sim.report import summary
 from tandem.sim.simulator import ClusterSim
@@ -25,6 +26,8 @@ class LinearToy:
     ingress: float = 0.0
     loop_gap: float = 0.0
     penalty: float = 0.0
+    front_end_message: float = 0.0
+    front_end_token: float = 0.0
 
     def step_seconds(self, shape: StepShape) -> float:
         return 0.005 + 1e-4 * shape.prefill_tokens + 2e-4 * shape.decode_rows
@@ -43,6 +46,9 @@ class LinearToy:
 
     def co_run_slowdown(self, running: int) -> float:
         return 1.0 + self.penalty * (running - 1)
+
+    def front_end_seconds(self, tokens: int) -> float:
+        return self.front_end_message + self.front_end_token * tokens if tokens > 0 else 0.0
 
 
 SPEC = InstanceSpec(
@@ -151,6 +157,45 @@ def test_delivery_time_shifts_what_clients_see_and_nothing_else():
         assert b.first_token_s == pytest.approx(a.first_token_s + 0.025)
         assert b.finish_s == pytest.approx(a.finish_s + 0.025)
         assert b.token_times == pytest.approx([t + 0.025 for t in a.token_times])
+
+
+def test_front_end_queue_takes_messages_one_at_a_time():
+    """A message's tokens leave one per-token cost apart after its per-message cost; a message that
+    arrives while the front end is busy waits; a one-token message at an idle front end takes the
+    measured delivery, whatever the split."""
+    cost = LinearToy(delivery=0.005, front_end_message=0.001, front_end_token=0.0002)
+    fe = FrontEnd(cost)
+    assert fe.deliver(0.0, 1) == pytest.approx([0.005])
+    hop = 0.005 - 0.0012
+    first = fe.deliver(1.0, 3)
+    assert first == pytest.approx([1.0 + 0.001 + 0.0002 * j + hop for j in (1, 2, 3)])
+    busy_until = 1.0 + 0.001 + 0.0006
+    second = fe.deliver(1.0005, 2)  # arrives while the first is worked on
+    assert second == pytest.approx([busy_until + 0.001 + 0.0002 * j + hop for j in (1, 2)])
+    assert fe.deliver(5.0, 2, slowdown=2.0) == pytest.approx([5.0 + 2 * (0.001 + 0.0002 * j + hop) for j in (1, 2)])
+    assert fe.deliver(6.0, 0) == []
+    plain = FrontEnd(LinearToy(delivery=0.005))  # no front-end figures: a fixed delivery
+    assert plain.deliver(0.0, 4) == [0.005] * 4 and plain.deliver(0.0, 4) == [0.005] * 4
+
+
+def test_front_end_queue_grows_with_the_load_and_leaves_the_engine_alone():
+    """The same delivery at light load either way; under load the front end's queue adds to what
+    clients see (TTFT, E2E) but not to the engine's steps."""
+    def run(rate: float, **fe: float) -> tuple[dict, int]:
+        trace = synthetic(150, rate, prompt_len=(16, 200), output_len=(8, 40), seed=4)
+        sim = ClusterSim(trace, LinearToy(delivery=0.005, **fe), SPEC, ClusterConfig(num_instances=1))
+        result = sim.run()
+        for rec in result.records:
+            assert len(rec.token_times) == rec.output_len
+            assert rec.token_times == sorted(rec.token_times) and rec.finish_s == rec.token_times[-1]
+        return summary(result), result.steps
+
+    queued = {"front_end_message": 0.0004, "front_end_token": 0.0002}
+    light, light_q = run(0.5)[0], run(0.5, **queued)[0]
+    assert light_q["ttft_ms"]["mean"] == pytest.approx(light["ttft_ms"]["mean"], rel=0.02)
+    (busy, steps), (busy_q, steps_q) = run(200.0), run(200.0, **queued)
+    assert steps == steps_q
+    assert busy_q["ttft_ms"]["mean"] > busy["ttft_ms"]["mean"] + 1.0
 
 
 def test_ingress_and_loop_gap_delay_the_engine_as_served():
