@@ -21,7 +21,7 @@ from datetime import date
 from typing import Any
 
 from tandem.core.step_shape import StepShape
-from tandem.sim.cost import FitError, FittedCost, fit_cost
+from tandem.sim.cost import FRONT_END_FIELDS, FitError, FittedCost, fit_cost
 
 # Steps kept for the fit (an even sample of longer traces): forward feature selection refits the
 # model per fold and candidate, and a few thousand steps already pin every coefficient.
@@ -102,8 +102,7 @@ def calibrate(
         delivery_s=base.delivery_s,
         ingress_s=base.ingress_s,
         loop_gap_s=mean_loop_gap(traces, base.loop_gap_s),
-        front_end_message_s=base.front_end_message_s,
-        front_end_token_s=base.front_end_token_s,
+        **{name: getattr(base, name) for name in FRONT_END_FIELDS},
         meta=meta,
     )
     error = FitError.of([model.step_seconds(s) for s, _ in test], [t for _, t in test], len(train))

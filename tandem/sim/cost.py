@@ -36,6 +36,21 @@ FITTED = "fitted"
 ROOFLINE = "roofline"
 
 
+@dataclass(frozen=True, slots=True)
+class FrontEndCpu:
+    """The front end's two stages, the API process and the client reading the stream: seconds of
+    CPU per engine output message and per token it carries."""
+
+    api_message_s: float = 0.0
+    api_token_s: float = 0.0
+    client_message_s: float = 0.0
+    client_token_s: float = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return any((self.api_message_s, self.api_token_s, self.client_message_s, self.client_token_s))
+
+
 @runtime_checkable
 class CostModel(Protocol):
     """Seconds of engine work, for the simulator's clock."""
@@ -70,10 +85,10 @@ class CostModel(Protocol):
         one host, sharing its cores, caches and memory bandwidth (CPU instances). 1.0 alone."""
         ...
 
-    def front_end_seconds(self, tokens: int) -> float:
-        """CPU seconds the front end (API process and client) spends on one engine output message
-        carrying `tokens` tokens; the messages queue for it one at a time (`tandem.sim.frontend`).
-        0 when not measured: then every token takes `delivery_seconds` alone."""
+    def front_end_cpu(self) -> FrontEndCpu:
+        """CPU seconds the API process and the client spend per engine output message and per
+        token in it; the simulator queues the messages for them (`tandem.sim.frontend`). Zeros when
+        not measured: then every token takes `delivery_seconds` alone."""
         ...
 
 
@@ -225,8 +240,10 @@ class ServingTimes:
     ingress_s: float
     loop_gap_s: float
     co_run_penalty: float
-    front_end_message_s: float
-    front_end_token_s: float
+    api_message_s: float
+    api_token_s: float
+    client_message_s: float
+    client_token_s: float
 
     def delivery_seconds(self) -> float:
         return self.delivery_s
@@ -240,8 +257,8 @@ class ServingTimes:
     def co_run_slowdown(self, running: int) -> float:
         return 1.0 + self.co_run_penalty * max(0, running - 1)
 
-    def front_end_seconds(self, tokens: int) -> float:
-        return self.front_end_message_s + self.front_end_token_s * tokens if tokens > 0 else 0.0
+    def front_end_cpu(self) -> FrontEndCpu:
+        return FrontEndCpu(self.api_message_s, self.api_token_s, self.client_message_s, self.client_token_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,10 +281,12 @@ class FittedCost(ServingTimes):
     # Each other instance running a step on the same host makes a step this much longer (fitted on
     # a served trace of several engines on one machine, `tandem.sim.calibrate.calibrate_co_run`).
     co_run_penalty: float = 0.0
-    # The front end's CPU per engine output message and per token in it (API process and client,
-    # from their CPU time at two loads: `time_front_end`).
-    front_end_message_s: float = 0.0
-    front_end_token_s: float = 0.0
+    # The front end's CPU per engine output message and per token in it, for the API process and
+    # for the client (from their CPU time at two loads: `time_front_end`).
+    api_message_s: float = 0.0
+    api_token_s: float = 0.0
+    client_message_s: float = 0.0
+    client_token_s: float = 0.0
     # Free-form provenance: what was measured where and when (model, threads, dtype, machine, note,
     # the measurements themselves); kept through save and load, never read by the model.
     meta: Mapping[str, Any] = field(default_factory=dict)
@@ -403,8 +422,10 @@ class RooflineCost(ServingTimes):
     ingress_s: float = 0.0
     loop_gap_s: float = 0.0
     co_run_penalty: float = 0.0  # GPUs are not shared between instances: 0 unless stated
-    front_end_message_s: float = 0.0
-    front_end_token_s: float = 0.0
+    api_message_s: float = 0.0
+    api_token_s: float = 0.0
+    client_message_s: float = 0.0
+    client_token_s: float = 0.0
 
     def flops(self, shape: StepShape) -> float:
         m = self.model
@@ -464,9 +485,8 @@ class RooflineCost(ServingTimes):
 
 
 # What a model says about serving besides the steps: the front end, the engine loop, co-located instances.
-SERVING_FIELDS = (
-    "delivery_s", "ingress_s", "loop_gap_s", "co_run_penalty", "front_end_message_s", "front_end_token_s"
-)
+FRONT_END_FIELDS = ("api_message_s", "api_token_s", "client_message_s", "client_token_s")
+SERVING_FIELDS = ("delivery_s", "ingress_s", "loop_gap_s", "co_run_penalty", *FRONT_END_FIELDS)
 
 
 def serving_dict(model: FittedCost | RooflineCost) -> dict[str, float]:

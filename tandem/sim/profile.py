@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.step_shape import StepShape, shape_of
-from tandem.sim.cost import FittedCost, fit_cost, fit_transfer, save_cost
+from tandem.sim.cost import FRONT_END_FIELDS, FittedCost, fit_cost, fit_transfer, save_cost
 
 if TYPE_CHECKING:
     from tandem.engine.core import EngineCore
@@ -505,14 +505,16 @@ def profile_model(
     front: dict[str, float] = {}
     if delivery:
         timed = time_front_end(model_path, threads, dtype)
-        front = {k: timed[k] for k in ("delivery_s", "ingress_s", "loop_gap_s", "front_end_message_s", "front_end_token_s")}
+        front = {k: timed[k] for k in ("delivery_s", "ingress_s", "loop_gap_s", *FRONT_END_FIELDS)}
         meta["front_end"] = {k: round(v, 6) if isinstance(v, float) else v for k, v in timed.items()}
         say(
             f"front end: ingress {front['ingress_s'] * 1e3:.2f} ms, delivery {front['delivery_s'] * 1e3:.2f} ms,"
-            f" engine loop gap {front['loop_gap_s'] * 1e3:.2f} ms per step; front-end CPU"
-            f" {front['front_end_message_s'] * 1e3:.3f} ms a message + {front['front_end_token_s'] * 1e6:.0f} us a token"
+            f" engine loop gap {front['loop_gap_s'] * 1e3:.2f} ms per step; CPU per output message + per token:"
+            f" API process {front['api_message_s'] * 1e3:.3f} ms + {front['api_token_s'] * 1e6:.0f} us,"
+            f" client {front['client_message_s'] * 1e3:.3f} ms + {front['client_token_s'] * 1e6:.0f} us"
         )
     name = f"{_model_name(model_path)}-{meta['dtype']}-{threads}thread"
+    serving: dict[str, Any] = {k: front.get(k, 0.0) for k in ("delivery_s", "ingress_s", "loop_gap_s", *FRONT_END_FIELDS)}
     model = fit_cost(
         name,
         [(p.shape, p.seconds) for p in train],
@@ -520,12 +522,8 @@ def profile_model(
         transfer_t0_s=t0,
         transfer_per_block_s=per_block,
         transfer_fit_error=transfer_error,
-        delivery_s=front.get("delivery_s", 0.0),
-        ingress_s=front.get("ingress_s", 0.0),
-        loop_gap_s=front.get("loop_gap_s", 0.0),
-        front_end_message_s=front.get("front_end_message_s", 0.0),
-        front_end_token_s=front.get("front_end_token_s", 0.0),
         meta=meta,
+        **serving,
     )
     if out_path is not None:
         save_cost(model, out_path)
@@ -556,7 +554,7 @@ def split_front_end_cpu(light: tuple[int, int, float], busy: tuple[int, int, flo
 
 def time_front_end(
     model_path: str, threads: int = 1, dtype: str = "auto", requests: int = 40, rate: float = 1.0, seed: int = 0,
-    busy_rate: float = 30.0,
+    busy_rate: float = 100.0,
 ) -> dict[str, Any]:
     """The front end's and the engine loop's times, through a real `tandem serve` of the model, with
     the load generator `tandem bench serve` uses (its HTTP client is part of what a client sees).
@@ -569,8 +567,8 @@ def time_front_end(
     so it is the way in, not a queue); `loop_gap_s` the mean time between busy steps. Then as many
     requests again at `busy_rate`, where each step's output message carries many tokens: the CPU
     time of the API process and of the client at the two loads, against the steps (one output
-    message each) and tokens, gives `front_end_message_s` and `front_end_token_s`. Returns them
-    with the raw figures."""
+    message each) and tokens, gives each one's seconds per message and per token (`api_message_s`,
+    `api_token_s`, `client_message_s`, `client_token_s`). Returns them with the raw figures."""
     import argparse
     import io
 
@@ -603,8 +601,8 @@ def time_front_end(
                 with contextlib.redirect_stdout(io.StringIO()):
                     return dict(run_bench(bench)["runs"][0])
 
-            def cpu() -> float:
-                return process_cpu_seconds(server.proc.pid) + process_cpu_seconds(os.getpid())
+            def cpu() -> tuple[float, float]:
+                return process_cpu_seconds(server.proc.pid), process_cpu_seconds(os.getpid())
 
             # A warm-up replay first: the server's histograms and step trace are read from after it,
             # so its first (slower) requests count on neither side.
@@ -613,7 +611,9 @@ def time_front_end(
             for name in traces:
                 since, cpu0 = time.monotonic(), cpu()
                 run = replay(name, requests)
-                phases[name] = {"run": run, "since": since, "until": time.monotonic(), "cpu_s": cpu() - cpu0}
+                cpu1 = cpu()
+                phases[name] = {"run": run, "since": since, "until": time.monotonic(),
+                                "api_cpu_s": cpu1[0] - cpu0[0], "client_cpu_s": cpu1[1] - cpu0[1]}
                 if name == "light":
                     after = server.metrics()
             server.stop()
@@ -629,26 +629,26 @@ def time_front_end(
         total = after[f"tandem:{name}_seconds_sum"] - before.get(f"tandem:{name}_seconds_sum", 0.0)
         return total / count
 
-    def load(name: str) -> tuple[int, int, float]:
+    def load(name: str, process: str) -> tuple[int, int, float]:
         phase = phases[name]
-        return len(phase["lines"]), int(phase["run"]["total_output_tokens"]), float(phase["cpu_s"])
+        return len(phase["lines"]), int(phase["run"]["total_output_tokens"]), float(phase[f"{process}_cpu_s"])
 
-    per_message, per_token = split_front_end_cpu(load("light"), load("busy"))
+    split = {p: split_front_end_cpu(load("light", p), load("busy", p)) for p in ("api", "client")}
     client_ttft = phases["light"]["run"]["ttft_ms"]["mean"] / 1e3
     server_ttft = mean_of("time_to_first_token")
     return {
         "delivery_s": max(0.0, client_ttft - server_ttft),
         "ingress_s": mean_of("request_queue_time"),
         "loop_gap_s": statistics.fmean(gaps) if gaps else 0.0,
-        "front_end_message_s": per_message,
-        "front_end_token_s": per_token,
+        **{f"{p}_message_s": split[p][0] for p in split},
+        **{f"{p}_token_s": split[p][1] for p in split},
         "client_ttft_s": client_ttft,
         "server_ttft_s": server_ttft,
         "requests": requests,
         "rate": rate,
         "busy_rate": busy_rate,
         "loop_gaps": len(gaps),
-        **{f"{name}_messages_tokens_cpu_s": list(load(name)) for name in phases},
+        **{f"{name}_{p}_messages_tokens_cpu_s": list(load(name, p)) for name in phases for p in split},
     }
 
 
@@ -714,10 +714,12 @@ def describe(model: FittedCost) -> str:
             f" a token its client {model.delivery_s * 1e3:.2f} ms after its step;"
             f" the engine loop spends {model.loop_gap_s * 1e3:.2f} ms between steps"
         )
-    if model.front_end_message_s or model.front_end_token_s:
+    cpu = model.front_end_cpu()
+    if cpu.measured:
         lines.append(
-            f"  front-end CPU: {model.front_end_message_s * 1e3:.3f} ms per output message"
-            f" + {model.front_end_token_s * 1e6:.0f} us per token, messages queued one at a time"
+            f"  front-end CPU per output message + per token: API process {cpu.api_message_s * 1e3:.3f} ms"
+            f" + {cpu.api_token_s * 1e6:.0f} us, client {cpu.client_message_s * 1e3:.3f} ms"
+            f" + {cpu.client_token_s * 1e6:.0f} us (queued: tandem.sim.frontend)"
         )
     if model.co_run_penalty:
         lines.append(

@@ -21,6 +21,7 @@ from tandem.sim.cost import (
     CostModel,
     FitError,
     FittedCost,
+    FrontEndCpu,
     Hardware,
     ModelShape,
     RooflineCost,
@@ -98,8 +99,9 @@ def test_fitted_cost_round_trips_through_json(tmp_path: Path):
         delivery_s=0.012,
         ingress_s=0.002,
         loop_gap_s=3e-4,
-        front_end_message_s=3e-4,
-        front_end_token_s=2e-4,
+        api_message_s=3e-4,
+        api_token_s=8e-5,
+        client_token_s=1.2e-4,
         meta={"note": "synthetic", "threads": 1},
     )
     path = tmp_path / "fitted.json"
@@ -117,14 +119,14 @@ def test_fitted_cost_round_trips_through_json(tmp_path: Path):
     assert loaded.transfer_seconds(0) == 0.0
     assert (loaded.delivery_seconds(), loaded.ingress_seconds(), loaded.loop_gap_seconds()) == (0.012, 0.002, 3e-4)
     assert isinstance(loaded, CostModel)
-    assert loaded.front_end_seconds(10) == pytest.approx(3e-4 + 10 * 2e-4) and loaded.front_end_seconds(0) == 0.0
+    assert loaded.front_end_cpu() == FrontEndCpu(3e-4, 8e-5, 0.0, 1.2e-4)
     # A file written before the ingress, loop-gap and front-end times existed loads with them at 0.
     old = json.loads(path.read_text())
-    del old["ingress_s"], old["loop_gap_s"], old["front_end_message_s"], old["front_end_token_s"]
+    del old["ingress_s"], old["loop_gap_s"], old["api_message_s"], old["api_token_s"], old["client_token_s"]
     path.write_text(json.dumps(old))
     older = load_cost(path)
     assert (older.ingress_seconds(), older.loop_gap_seconds(), older.delivery_seconds()) == (0.0, 0.0, 0.012)
-    assert older.front_end_seconds(10) == 0.0
+    assert not older.front_end_cpu().measured
 
 
 def test_roofline_cost_round_trips_through_json(tmp_path: Path):
@@ -372,7 +374,7 @@ def test_calibrate_fits_the_traced_steps_and_keeps_the_base_transfer_and_deliver
     trace.close()
     base = FittedCost(
         "base", {"const": 0.1}, transfer_t0_s=0.002, transfer_per_block_s=1e-4, delivery_s=0.004, ingress_s=0.001,
-        front_end_message_s=3e-4, front_end_token_s=2e-4,
+        api_message_s=3e-4, api_token_s=8e-5, client_message_s=1e-5, client_token_s=1.2e-4,
     )
     fitted = calibrate([path], base)
     assert fitted.coefficients["const"] == pytest.approx(0.008, rel=0.05)
@@ -380,7 +382,7 @@ def test_calibrate_fits_the_traced_steps_and_keeps_the_base_transfer_and_deliver
     assert fitted.fit_error is not None and fitted.fit_error.mape < 2.0
     assert (fitted.transfer_t0_s, fitted.transfer_per_block_s, fitted.delivery_s) == (0.002, 1e-4, 0.004)
     assert fitted.ingress_s == 0.001
-    assert (fitted.front_end_message_s, fitted.front_end_token_s) == (3e-4, 2e-4)
+    assert fitted.front_end_cpu() == base.front_end_cpu()
     assert fitted.loop_gap_s == pytest.approx(4e-4, abs=1e-5)
     assert fitted.meta["source"] == "step trace"
     few = tmp_path / "few.jsonl"
@@ -420,6 +422,7 @@ def test_front_end_times_through_a_real_server():
         assert 0 < got[key] < 0.5, (key, got)
     assert got["loop_gaps"] > 0
     # The front end's CPU at the two loads (coarse at six requests: clock ticks of 10 ms).
-    assert 0 < got["front_end_message_s"] + got["front_end_token_s"] < 0.01, got
-    messages, tokens, cpu_s = got["busy_messages_tokens_cpu_s"]
-    assert messages > 0 and tokens > 0 and cpu_s > 0
+    for process in ("api", "client"):
+        assert 0 < got[f"{process}_message_s"] + got[f"{process}_token_s"] < 0.01, got
+        messages, tokens, cpu_s = got[f"busy_{process}_messages_tokens_cpu_s"]
+        assert messages > 0 and tokens > 0 and cpu_s > 0

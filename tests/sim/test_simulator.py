@@ -9,12 +9,14 @@ from dataclasses import dataclass
 import pytest
 
 from tandem.cluster.config import ClusterConfig
-from tandem.sim.cost import StepShape
+from tandem.sim.cost import FrontEndCpu, StepShape
 from tandem.sim.frontend import FrontEnd
 from tandem.sim.instance import InstanceSpec
 from tandem.sim.report import summary
 from tandem.sim.simulator import ClusterSim
 from tandem.sim.trace import Trace, TraceRequest, synthetic
+
+NO_FRONT_END = FrontEndCpu()
 
 
 @dataclass
@@ -26,8 +28,7 @@ class LinearToy:
     ingress: float = 0.0
     loop_gap: float = 0.0
     penalty: float = 0.0
-    front_end_message: float = 0.0
-    front_end_token: float = 0.0
+    front_end: FrontEndCpu = NO_FRONT_END
 
     def step_seconds(self, shape: StepShape) -> float:
         return 0.005 + 1e-4 * shape.prefill_tokens + 2e-4 * shape.decode_rows
@@ -47,8 +48,8 @@ class LinearToy:
     def co_run_slowdown(self, running: int) -> float:
         return 1.0 + self.penalty * (running - 1)
 
-    def front_end_seconds(self, tokens: int) -> float:
-        return self.front_end_message + self.front_end_token * tokens if tokens > 0 else 0.0
+    def front_end_cpu(self) -> FrontEndCpu:
+        return self.front_end
 
 
 SPEC = InstanceSpec(
@@ -159,20 +160,22 @@ def test_delivery_time_shifts_what_clients_see_and_nothing_else():
         assert b.token_times == pytest.approx([t + 0.025 for t in a.token_times])
 
 
-def test_front_end_queue_takes_messages_one_at_a_time():
-    """A message's tokens leave one per-token cost apart after its per-message cost; a message that
-    arrives while the front end is busy waits; a one-token message at an idle front end takes the
-    measured delivery, whatever the split."""
-    cost = LinearToy(delivery=0.005, front_end_message=0.001, front_end_token=0.0002)
-    fe = FrontEnd(cost)
+def test_front_end_queues_take_messages_and_tokens_one_at_a_time():
+    """The API process works through a message (per-message CPU, then each token's), the client
+    through the tokens as they come out of it (its per-message CPU before a message's first);
+    messages that come while either is busy wait; a one-token message at an idle front end takes
+    the measured delivery, whatever the split."""
+    cpu = FrontEndCpu(api_message_s=0.001, api_token_s=0.0001, client_message_s=0.0005, client_token_s=0.0003)
+    fe = FrontEnd(LinearToy(delivery=0.005, front_end=cpu))
     assert fe.deliver(0.0, 1) == pytest.approx([0.005])
-    hop = 0.005 - 0.0012
+    hop = 0.005 - 0.0019
+    # API: tokens out at 1.0011, 1.0012, 1.0013; the client (slower) is the bottleneck after the first.
     first = fe.deliver(1.0, 3)
-    assert first == pytest.approx([1.0 + 0.001 + 0.0002 * j + hop for j in (1, 2, 3)])
-    busy_until = 1.0 + 0.001 + 0.0006
-    second = fe.deliver(1.0005, 2)  # arrives while the first is worked on
-    assert second == pytest.approx([busy_until + 0.001 + 0.0002 * j + hop for j in (1, 2)])
-    assert fe.deliver(5.0, 2, slowdown=2.0) == pytest.approx([5.0 + 2 * (0.001 + 0.0002 * j + hop) for j in (1, 2)])
+    assert first == pytest.approx([t + hop for t in (1.0019, 1.0022, 1.0025)])
+    # The next message comes while the API is free but the client is still busy with the first.
+    second = fe.deliver(1.0012, 2)
+    assert second == pytest.approx([t + hop for t in (1.0025 + 0.0008, 1.0025 + 0.0011)])
+    assert fe.deliver(5.0, 1, slowdown=2.0) == pytest.approx([5.0 + 2 * 0.005])
     assert fe.deliver(6.0, 0) == []
     plain = FrontEnd(LinearToy(delivery=0.005))  # no front-end figures: a fixed delivery
     assert plain.deliver(0.0, 4) == [0.005] * 4 and plain.deliver(0.0, 4) == [0.005] * 4
@@ -190,7 +193,7 @@ def test_front_end_queue_grows_with_the_load_and_leaves_the_engine_alone():
             assert rec.token_times == sorted(rec.token_times) and rec.finish_s == rec.token_times[-1]
         return summary(result), result.steps
 
-    queued = {"front_end_message": 0.0004, "front_end_token": 0.0002}
+    queued = {"front_end": FrontEndCpu(0.0003, 0.0001, 0.0, 0.00015)}
     light, light_q = run(0.5)[0], run(0.5, **queued)[0]
     assert light_q["ttft_ms"]["mean"] == pytest.approx(light["ttft_ms"]["mean"], rel=0.02)
     (busy, steps), (busy_q, steps_q) = run(200.0), run(200.0, **queued)
