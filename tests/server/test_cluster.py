@@ -27,21 +27,31 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 9, 11, 13], [21, 22, 23], [30, 31, 32, 33, 34], [40, 41], [50, 52, 54], [60, 61, 62, 63, 64]]
 BODY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
 MAX_TOKENS = 1000  # long enough to catch requests decoding on a fast machine
+# The drain must find its victim's requests still decoding after load reports up to 0.2 s old: on a
+# fast machine 1000 tokens of the tiny model take about half a second, so the module's checkpoint
+# holds 4096 positions and the drain's requests run 3000 tokens.
+DRAIN_TOKENS = 3000
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
-    args = ["--num-instances", "3", "--num-threads", "1", "--num-kv-blocks", "1024", "--max-num-seqs", "4"]
+def long_dir(model_factory):
+    return model_factory("llama", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def server(long_dir):
+    # 2560 blocks of 4: after the drain, two instances hold three of its requests each.
+    args = ["--num-instances", "3", "--num-threads", "1", "--num-kv-blocks", "2560", "--max-num-seqs", "4"]
     args += ["--served-model-name", "tiny", "--dispatch-policy", "least_load", "--block-size", "4"]
     args += ["--migration-triggers", "imbalance", "--cpus-per-instance", "0.5"]
-    with RemoteServer(llama_dir, *args, startup_timeout=300) as s:
+    with RemoteServer(long_dir, *args, startup_timeout=300) as s:
         yield s
         s.stop()  # drain: the instances' Ray actors go down with the server
 
 
 @pytest.fixture(scope="module")
-def offline(llama_dir):
-    return LLM(str(llama_dir), num_kv_blocks=256, num_threads=1, block_size=4)
+def offline(long_dir):
+    return LLM(str(long_dir), num_kv_blocks=1024, num_threads=1, block_size=4)
 
 
 def expected(offline, prompt, max_tokens):
@@ -94,15 +104,13 @@ def running(server) -> dict[int, float]:
 
 def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, offline):
     results: dict = {}
-    # 1000 tokens each (the tiny model holds 1024): a request decodes for a second or two on a fast
-    # machine, and the imbalance trigger moves some around meanwhile, so the instances seldom report
+    # The imbalance trigger moves some requests around meanwhile, so the instances seldom report
     # all six running at once. The drained instance is whichever runs the most requests once all
     # six are prefilled, as the instances' reports count prompt tokens (so every load report read
     # then was sent after its instance took its share: an older one can still show a request of the
-    # previous test), so the test does not depend on where the dispatcher put them (after the
-    # drain, three per instance fit in 1024 blocks of 4).
+    # previous test), so the test does not depend on where the dispatcher put them.
     prefilled = server.metrics()["tandem:prompt_tokens_total"] + sum(len(p) for p in PROMPTS)
-    threads = post_all(server, MAX_TOKENS, results)
+    threads = post_all(server, DRAIN_TOKENS, results)
     deadline = time.monotonic() + 60
     load = running(server)
     while time.monotonic() < deadline and not (
@@ -120,7 +128,7 @@ def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, off
         t.join(240)
     for i, prompt in enumerate(PROMPTS):
         assert results[i].status_code == 200, results[i].text
-        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, MAX_TOKENS), i
+        assert results[i].json()["choices"][0]["text"] == expected(offline, prompt, DRAIN_TOKENS), i
     m = server.metrics()
     outcomes = {k: v for k, v in m.items() if k.startswith("tandem:migrations_total")}
     dispatched = [m[f'tandem:instance_requests_dispatched{{instance="{i}"}}'] for i in (0, 1, 2)]
@@ -138,8 +146,8 @@ def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, off
 def test_killing_an_instance_mid_decode_costs_the_clients_nothing(server, offline):
     results: dict = {}
     # Long enough that the victim is still decoding when the (0.2 s old) load report says so: eighteen
-    # requests of 1000 tokens, three waves of up to four per instance (1024 blocks of 4 hold four;
-    # a wave of 1000 tokens takes well under a second of the tiny model in bfloat16 on AMX).
+    # requests of 1000 tokens, three waves of up to four per instance (`--max-num-seqs 4`; a wave of
+    # 1000 tokens takes well under a second of the tiny model in bfloat16 on AMX).
     prompts = PROMPTS * 3
     threads = post_all(server, 1000, results, prompts)
     deadline = time.monotonic() + 60
