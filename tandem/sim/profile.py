@@ -547,9 +547,7 @@ def split_front_end_cpu(light: tuple[int, int, float], busy: tuple[int, int, flo
         per_message, per_token = (c1 * t2 - c2 * t1) / det, (m1 * c2 - m2 * c1) / det
         if per_message >= 0 and per_token >= 0:
             return per_message, per_token
-    if t1 + t2 > 0 and (m1 + m2 == 0 or (c1 + c2) / (t1 + t2) > 0):
-        return 0.0, (c1 + c2) / (t1 + t2)
-    return 0.0, 0.0
+    return 0.0, (c1 + c2) / (t1 + t2) if t1 + t2 > 0 else 0.0
 
 
 def time_front_end(
