@@ -30,8 +30,9 @@ class FrontEnd:
 
     def deliver(self, now: float, tokens: int, slowdown: float = 1.0) -> list[float]:
         """When each of the `tokens` tokens of a message arriving at `now` reaches its client, in
-        the message's order; `slowdown` stretches the front end's work (a host shared with busy
-        instances)."""
+        the message's order; `slowdown` stretches the front end's CPU work (a host shared with busy
+        instances), not the hop, which is mostly waiting. Without CPU figures the whole delivery
+        stretches."""
         if not self.cpu.measured:
             return [now + self.cost.delivery_seconds() * slowdown] * tokens
         if tokens <= 0:
@@ -48,5 +49,4 @@ class FrontEnd:
             first = False
             times.append(client)
         self.api_free_at, self.client_free_at = api, client
-        hop = self.hop_s * slowdown
-        return [t + hop for t in times]
+        return [t + self.hop_s for t in times]
