@@ -101,6 +101,36 @@ void pack_context(const uint16_t* const* krows, const uint16_t* const* vrows, in
   }
 }
 
+// P . V into output tiles 2-5: tile 0 takes 16 queries' bfloat16 probabilities of 32 positions
+// (rows `ld` bytes apart), tile 1 in turn the four value tiles of those positions (1 KB apart).
+inline void multiply_values(const void* probs, int64_t ld, const uint32_t* vt) {
+  _tile_loadd(0, probs, ld);
+  _tile_loadd(1, vt, 64);
+  _tile_dpbf16ps(2, 0, 1);
+  _tile_loadd(1, vt + kT * kT, 64);
+  _tile_dpbf16ps(3, 0, 1);
+  _tile_loadd(1, vt + 2 * kT * kT, 64);
+  _tile_dpbf16ps(4, 0, 1);
+  _tile_loadd(1, vt + 3 * kT * kT, 64);
+  _tile_dpbf16ps(5, 0, 1);
+}
+
+// Output tiles 2-5 (head elements d0 * 16 onwards) as bfloat16 rows, each query's scaled by its 1 / sum.
+inline void store_output(const float* inv, int64_t nc, int64_t d0, uint16_t* const* orows) {
+  alignas(64) float o[kT * 64];
+  _tile_stored(2, o, 256);
+  _tile_stored(3, o + 16, 256);
+  _tile_stored(4, o + 32, 256);
+  _tile_stored(5, o + 48, 256);
+  for (int64_t c = 0; c < nc; ++c) {
+    const __m512 iv = _mm512_set1_ps(inv[c]);
+    for (int64_t t = 0; t < 4; ++t) {
+      const __m512 r = _mm512_mul_ps(_mm512_load_ps(o + c * 64 + t * 16), iv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orows[c] + (d0 + t) * 16), (__m256i)_mm512_cvtneps_pbh(r));
+    }
+  }
+}
+
 // One tile of 16 query vectors (qrows[c]: query vector c, null for padding) against a packed
 // context; hi[c]: the last position query c sees (causal). Writes the normalized output rows.
 void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, const PackedContext& ctx, int64_t D,
@@ -169,35 +199,14 @@ void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, co
   }
   for (int64_t c = nc; c < kT; ++c) std::fill(probs.begin() + c * ldp, probs.begin() + c * ldp + width, 0);
   // P . V, 4 output tiles (64 head elements) at a time.
-  alignas(64) float o[kT * 64];
   for (int64_t d0 = 0; d0 < dv; d0 += 4) {
     _tile_zero(2);
     _tile_zero(3);
     _tile_zero(4);
     _tile_zero(5);
-    for (int64_t pb = 0; pb < vblocks; ++pb) {
-      const uint32_t* vt = ctx.values.data() + (pb * dv + d0) * kT * kT;
-      _tile_loadd(0, probs.data() + pb * 2 * kT, ldp * 2);
-      _tile_loadd(1, vt, 64);
-      _tile_dpbf16ps(2, 0, 1);
-      _tile_loadd(1, vt + kT * kT, 64);
-      _tile_dpbf16ps(3, 0, 1);
-      _tile_loadd(1, vt + 2 * kT * kT, 64);
-      _tile_dpbf16ps(4, 0, 1);
-      _tile_loadd(1, vt + 3 * kT * kT, 64);
-      _tile_dpbf16ps(5, 0, 1);
-    }
-    _tile_stored(2, o, 256);
-    _tile_stored(3, o + 16, 256);
-    _tile_stored(4, o + 32, 256);
-    _tile_stored(5, o + 48, 256);
-    for (int64_t c = 0; c < nc; ++c) {
-      const __m512 iv = _mm512_set1_ps(inv[c]);
-      for (int64_t t = 0; t < 4; ++t) {
-        const __m512 r = _mm512_mul_ps(_mm512_load_ps(o + c * 64 + t * 16), iv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orows[c] + (d0 + t) * 16), (__m256i)_mm512_cvtneps_pbh(r));
-      }
-    }
+    for (int64_t pb = 0; pb < vblocks; ++pb)
+      multiply_values(probs.data() + pb * 2 * kT, ldp * 2, ctx.values.data() + (pb * dv + d0) * kT * kT);
+    store_output(inv, nc, d0, orows);
   }
 }
 
@@ -297,7 +306,6 @@ void attend_direct(const uint16_t* kc, const uint16_t* vc, const int64_t* table,
   }
   alignas(64) uint16_t pt[kT * 2 * kT];
   alignas(64) uint32_t vt[4 * kT * kT];
-  alignas(64) float o[kT * 64];
   for (int64_t d0 = 0; d0 < dv; d0 += 4) {
     _tile_zero(2);
     _tile_zero(3);
@@ -323,27 +331,9 @@ void attend_direct(const uint16_t* kc, const uint16_t* vc, const int64_t* table,
           _mm512_store_si512(vt + ((2 * h + 1) * kT + i) * kT, _mm512_permutex2var_epi16(x, hi_idx, y));
         }
       }
-      _tile_loadd(0, pt, 64);
-      _tile_loadd(1, vt, 64);
-      _tile_dpbf16ps(2, 0, 1);
-      _tile_loadd(1, vt + kT * kT, 64);
-      _tile_dpbf16ps(3, 0, 1);
-      _tile_loadd(1, vt + 2 * kT * kT, 64);
-      _tile_dpbf16ps(4, 0, 1);
-      _tile_loadd(1, vt + 3 * kT * kT, 64);
-      _tile_dpbf16ps(5, 0, 1);
+      multiply_values(pt, 64, vt);
     }
-    _tile_stored(2, o, 256);
-    _tile_stored(3, o + 16, 256);
-    _tile_stored(4, o + 32, 256);
-    _tile_stored(5, o + 48, 256);
-    for (int64_t c = 0; c < nc; ++c) {
-      const __m512 iv = _mm512_set1_ps(inv[c]);
-      for (int64_t t = 0; t < 4; ++t) {
-        const __m512 r = _mm512_mul_ps(_mm512_load_ps(o + c * 64 + t * 16), iv);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orows[c] + (d0 + t) * 16), (__m256i)_mm512_cvtneps_pbh(r));
-      }
-    }
+    store_output(inv, nc, d0, orows);
   }
 }
 

@@ -23,7 +23,7 @@ class FrontEnd:
         self.cpu = cost.front_end_cpu()
         c = self.cpu
         one_token = c.api_message_s + c.api_token_s + c.client_message_s + c.client_token_s
-        # What a one-token message at an idle front end leaves of the measured delivery.
+        # The delivery a one-token message at an idle front end takes, less its CPU work: the hop.
         self.hop_s = max(0.0, cost.delivery_seconds() - one_token)
         self.api_free_at = 0.0
         self.client_free_at = 0.0
