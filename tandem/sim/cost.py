@@ -48,7 +48,7 @@ class FrontEndCpu:
 
     @property
     def measured(self) -> bool:
-        return any((self.api_message_s, self.api_token_s, self.client_message_s, self.client_token_s))
+        return any(getattr(self, name) for name in FRONT_END_FIELDS)
 
 
 @runtime_checkable
@@ -258,7 +258,7 @@ class ServingTimes:
         return 1.0 + self.co_run_penalty * max(0, running - 1)
 
     def front_end_cpu(self) -> FrontEndCpu:
-        return FrontEndCpu(self.api_message_s, self.api_token_s, self.client_message_s, self.client_token_s)
+        return FrontEndCpu(**{name: getattr(self, name) for name in FRONT_END_FIELDS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,7 +485,7 @@ class RooflineCost(ServingTimes):
 
 
 # What a model says about serving besides the steps: the front end, the engine loop, co-located instances.
-FRONT_END_FIELDS = ("api_message_s", "api_token_s", "client_message_s", "client_token_s")
+FRONT_END_FIELDS = tuple(f.name for f in fields(FrontEndCpu))
 SERVING_FIELDS = ("delivery_s", "ingress_s", "loop_gap_s", "co_run_penalty", *FRONT_END_FIELDS)
 
 
