@@ -11,6 +11,12 @@ compute, not by reading weights), bfloat16 on AMX: Tandem's tile kernel against 
 GEMM, interleaved, in TFLOP/s (what a layer holding one copy of its weight gives up, per shape).
 
     python benchmarks/gemm_paths.py --per-shape 128,256,512,1024 --json results/gemm_shapes.json
+
+`--huge-pages ROWS` times Tandem's AMX tile kernels (bfloat16 and int8) over a whole model's layers
+with the tiles in ordinary 4 KB pages and in transparent huge pages (tandem/model/huge_pages.py),
+interleaved, best of `--reps` passes each (what the loader's move to huge pages is worth).
+
+    python benchmarks/gemm_paths.py --huge-pages 1,8,32,64 --json results/gemm_huge_pages.json
 """
 
 from __future__ import annotations
@@ -164,6 +170,59 @@ def per_shape(rows_list: list[int], reps: int) -> list[dict]:
     return out
 
 
+def page_sizes(rows_list: list[int], layers: int, reps: int) -> list[dict]:
+    """AMX tile kernels over `layers` layers' weights in 4 KB pages and in huge pages."""
+    from tandem import kernels
+    from tandem.model.huge_pages import huge_pages_available, to_huge_pages
+    from tandem.model.quant import Int8Linear
+
+    if not (kernels.has("gemm_amx_bf16") and torch.ops.tandem.amx_ready()):
+        raise SystemExit("--huge-pages needs AMX (the tile kernels)")
+    if not huge_pages_available():
+        raise SystemExit("--huge-pages: this kernel hands out no transparent huge pages")
+    shapes = LAYER_SHAPES * layers
+    bf16, int8 = [], []
+    for k, n in shapes:
+        w = torch.randn(n, k) * 0.02
+        bf16.append((torch.ops.tandem.amx_pack(w.to(torch.bfloat16)), n, k))
+        q = Int8Linear(w, None)
+        int8.append((torch.ops.tandem.amx_pack(q.qweight), q, k))
+    weights = {
+        "bf16": {"4k": bf16, "huge": [(to_huge_pages(t), n, k) for t, n, k in bf16]},
+        "int8": {"4k": int8, "huge": [(to_huge_pages(t), q, k) for t, q, k in int8]},
+    }
+    nbytes = {dtype: sum(t.numel() * t.element_size() for t, _, _ in w["4k"]) for dtype, w in weights.items()}
+
+    def one_pass(dtype: str, layers_: list, xs: dict[int, torch.Tensor]) -> float:
+        t0 = time.perf_counter()
+        for t, meta, k in layers_:
+            if dtype == "bf16":
+                torch.ops.tandem.gemm_amx_bf16(xs[k], t, meta, None)
+            else:
+                torch.ops.tandem.gemm_amx_w8a8(xs[k], t, meta.out_features, meta.scale, meta.row_sum, None)
+        return time.perf_counter() - t0
+
+    out = []
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k, _ in LAYER_SHAPES}
+        for dtype, by_pages in weights.items():
+            best = {pages: float("inf") for pages in by_pages}
+            with torch.inference_mode():
+                for _ in range(reps):
+                    for pages, layers_ in by_pages.items():
+                        best[pages] = min(best[pages], one_pass(dtype, layers_, xs))
+            row = {"rows": rows, "dtype": dtype, "bytes": nbytes[dtype]}
+            for pages, t in best.items():
+                row[f"{pages}_ms"] = t * 1e3
+                row[f"{pages}_gbps"] = nbytes[dtype] / t / 1e9
+            row["huge_over_4k_time"] = best["huge"] / best["4k"]
+            out.append(row)
+            print(f"rows {rows:3d} {dtype}  4 KB pages {row['4k_ms']:6.1f} ms ({row['4k_gbps']:4.1f} GB/s)  "
+                  f"huge pages {row['huge_ms']:6.1f} ms ({row['huge_gbps']:4.1f} GB/s)  "
+                  f"time ratio {row['huge_over_4k_time']:.2f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,32,128")
@@ -172,10 +231,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--per-shape", default=None, metavar="ROWS", help="bf16 tiles vs oneDNN per layer shape")
+    ap.add_argument("--huge-pages", default=None, metavar="ROWS", help="tile kernels: 4 KB vs huge pages")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.huge_pages:
+        rows = page_sizes([int(r) for r in args.huge_pages.split(",")], args.layers, max(args.reps, 7))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "huge_pages": rows}, indent=2))
+        return
     if args.per_shape:
         shapes = per_shape([int(r) for r in args.per_shape.split(",")], max(args.reps, 15))
         if args.json:

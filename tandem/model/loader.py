@@ -16,6 +16,7 @@ from tandem.model.direct_call import bind_submodules
 from tandem.model.experts import prepare_experts
 from tandem.model.fused_ops import use_fused_ops, wants_fused_ops
 from tandem.model.gemma import GemmaForCausalLM
+from tandem.model.huge_pages import huge_pages_available, move_weights_to_huge_pages
 from tandem.model.int4 import Int4Linear
 from tandem.model.interface import CausalLM, CausalLMClass
 from tandem.model.kv_quant import KVCacheFormat
@@ -126,6 +127,9 @@ def load_model(
     else:
         pack_linears(module)
     prepare_experts(module, at_load)
+    if device.type == "cpu" and huge_pages_available():
+        moved = move_weights_to_huge_pages(module)
+        logger.info("weights on transparent huge pages: %.0f MB", moved / 2**20)
     log_linear_paths(module, cfg, dtype)
     quantized = at_load is not None or cfg.quantization is not None
     fused = use_fused_ops(module) if wants_fused_ops(dtype, quantized) else []
