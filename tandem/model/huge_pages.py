@@ -1,4 +1,4 @@
-"""Model weights and the KV cache on transparent huge pages (Linux).
+"""Model weights on transparent huge pages (Linux).
 
 A decode step streams every weight once, hundreds of megabytes in 4 KB pages: a TLB miss every
 64 cache lines, walked twice over in a virtual machine (guest and host page tables), and the
@@ -8,12 +8,14 @@ the 2-core Sapphire Rapids VM (benchmarks/gemm_paths.py --huge-pages: every row 
 Most distributions set transparent huge pages to `madvise`: only memory asked for gets them, and
 PyTorch's allocator does not ask. So large tensors are copied into private anonymous mappings
 marked MADV_HUGEPAGE, aligned to 2 MB. Where the kernel says `never`, off Linux, or with
-`TANDEM_HUGE_PAGES=0`, nothing moves.
+`TANDEM_HUGE_PAGES=0`, nothing moves. The KV cache stays in ordinary pages: a 32-stream decode
+step reads ~75 MB of it and ran no faster in huge pages, while touching them costs start-up time
+on a VM (the host backs each fresh 2 MB page on first touch, ~1 s a GB).
 """
 
 from __future__ import annotations
 
-import logging
+import ctypes
 import mmap
 import os
 from pathlib import Path
@@ -21,10 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
-
 HUGE_PAGE_BYTES = 2 << 20
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# Moved tensors between two hand-backs of freed memory: each old copy returns to the system soon
+# after its new one is made, so loading peaks at about one model, not two.
+_TRIM_EVERY = 8
 
 
 def huge_pages_available() -> bool:
@@ -40,8 +43,9 @@ def huge_pages_available() -> bool:
 
 
 def huge_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory starts on a 2 MB boundary of a mapping marked for
-    huge pages. The mapping lives as long as the tensor (the tensor holds the buffer)."""
+    """A CPU tensor whose memory starts on a 2 MB boundary of a fresh mapping marked for huge pages,
+    so zero-filled (by the kernel, page by page as it is first touched). The mapping lives as long
+    as the tensor (the tensor holds the buffer)."""
     numel = 1
     for n in shape:
         numel *= n
@@ -80,6 +84,7 @@ def move_weights_to_huge_pages(module: nn.Module, min_bytes: int = HUGE_PAGE_BYT
     moves once and stays shared; one already moved is not movable again (its storage is the larger
     mapping). Returns the bytes moved."""
     moved: dict[int, torch.Tensor] = {}
+    untrimmed = 0
 
     def move(t: torch.Tensor) -> torch.Tensor:
         key = t.data_ptr()
@@ -87,14 +92,37 @@ def move_weights_to_huge_pages(module: nn.Module, min_bytes: int = HUGE_PAGE_BYT
             moved[key] = to_huge_pages(t)
         return moved[key]
 
+    def trim(at_least: int) -> None:
+        nonlocal untrimmed
+        untrimmed += 1
+        if untrimmed >= at_least:
+            release_freed_memory()
+            untrimmed = 0
+
     for sub in module.modules():
-        for name, value in list(vars(sub).items()):
-            if name not in ("_parameters", "_buffers") and _movable(value, min_bytes):
-                setattr(sub, name, move(value))
+        attrs = vars(sub)
+        for name in [n for n, v in attrs.items() if n not in ("_parameters", "_buffers") and _movable(v, min_bytes)]:
+            setattr(sub, name, move(attrs[name]))
+            trim(_TRIM_EVERY)
         for param in sub._parameters.values():
             if param is not None and _movable(param, min_bytes):
                 param.data = move(param.data)
-        for name, buf in sub._buffers.items():
-            if buf is not None and _movable(buf, min_bytes):
-                sub._buffers[name] = move(buf)
+                trim(_TRIM_EVERY)
+        for name in [n for n, b in sub._buffers.items() if b is not None and _movable(b, min_bytes)]:
+            sub._buffers[name] = move(sub._buffers[name])  # type: ignore[arg-type]
+            trim(_TRIM_EVERY)
+    trim(1)
     return sum(t.numel() * t.element_size() for t in moved.values())
+
+
+def release_freed_memory() -> None:
+    """Hands memory the C allocator holds free back to the system (glibc's malloc_trim; nothing
+    elsewhere). The weights' old copies are freed in the middle of the heap, where glibc keeps them
+    resident: without this a moved model counts its weights twice in the process's memory."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -32,8 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.model.huge_pages import huge_empty, huge_pages_available
-
 # The names `kv_cache_dtype` accepts (vLLM's), and what each alias means.
 KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3")
@@ -92,8 +90,6 @@ class KVCacheFormat:
     ) -> torch.Tensor:
         """One layer's cache: `[2, num_blocks, block_size, kv_heads, row_size]`."""
         shape = (2, num_blocks, block_size, kv_heads, self.row_size(head_dim))
-        if torch.device(device).type == "cpu" and huge_pages_available():  # attention streams it too
-            return huge_empty(shape, self.storage_dtype).zero_()
         return torch.zeros(shape, dtype=self.storage_dtype, device=device)
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Weights and KV cache moved onto transparent huge pages keep their values, sharing and types."""
+"""Weights moved onto transparent huge pages keep their values, sharing and types."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from torch import nn
 
 from tandem.model import huge_pages
 from tandem.model.huge_pages import HUGE_PAGE_BYTES, huge_empty, move_weights_to_huge_pages, to_huge_pages
-from tandem.model.kv_quant import KVCacheFormat
 
 BIG = HUGE_PAGE_BYTES // 4 + 1  # float32 elements: just over one huge page
 
@@ -78,17 +77,6 @@ def test_move_does_not_change_a_linear_layers_output() -> None:
     assert torch.equal(lin(x), expected)
 
 
-def test_kv_cache_is_zeroed_on_huge_pages() -> None:
-    fmt = KVCacheFormat("auto", torch.bfloat16)
-    cache = fmt.allocate(64, 16, 8, 64, "cpu")
-    assert cache.shape == (2, 64, 16, 8, 64) and cache.dtype == torch.bfloat16
-    assert not cache.any()
-    if huge_pages.huge_pages_available():
-        assert on_huge_mapping(cache)
-
-
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_HUGE_PAGES", "0")
     assert not huge_pages.huge_pages_available()
-    cache = KVCacheFormat("auto", torch.float32).allocate(64, 16, 8, 64, "cpu")
-    assert not on_huge_mapping(cache) and not cache.any()
