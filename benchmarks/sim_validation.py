@@ -192,9 +192,11 @@ def calibrated_cost(
 ) -> str:
     """Serve a calibration trace on `instances` instances with a step trace and fit the cost model
     on their steps; the path of the fitted model. The trace (seed 11, not the validation traces')
-    runs each load level in turn, a third of the requests each, so the fit sees the batch shapes of
-    light load and of an overloaded engine alike: fitted near capacity only, a linear model
-    extrapolates badly to 32-row decode steps. One instance fits the steps of an engine alone on
+    runs each load level in turn, `--calibration-requests` at each (default: as many as a validation
+    run), so the fit sees the batch shapes of light load and of an overloaded engine alike: fitted
+    near capacity only, a linear model extrapolates badly to 32-row decode steps, and with a third
+    of the requests at each level the overloaded stretch was too short to hold the full-batch decode
+    steps that are most of an overloaded run's time. One instance fits the steps of an engine alone on
     this machine; several (`alone`: the one-instance fit) fit how much their steps slow each other
     down on its two cores (`calibrate_co_run`), the steps themselves staying `alone`'s."""
     from dataclasses import replace
@@ -204,7 +206,7 @@ def calibrated_cost(
     from tandem.sim.trace import Trace, save_trace
 
     rates = [float(x) * instances for x in a.rates.split(",")]
-    per = max(1, a.num_requests // len(rates))
+    per = max(1, a.calibration_requests or a.num_requests)
     requests, start = [], 0.0
     for i, rate in enumerate(rates):
         part = workload(per, rate, seed=11 + i)
@@ -264,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="first serve a separate calibration trace (another seed, the middle rate) and fit the cost "
         "model on its recorded steps (`tandem bench profile --from-step-trace`); simulate with that",
+    )
+    p.add_argument(
+        "--calibration-requests",
+        type=int,
+        default=None,
+        help="with --calibrate: requests at each load level of the calibration trace (default: --num-requests)",
     )
     a = p.parse_args(argv)
     if a.quick:
