@@ -82,15 +82,20 @@ def move_weights_to_huge_pages(module: nn.Module, min_bytes: int = HUGE_PAGE_BYT
     """Moves every parameter, buffer and tensor attribute of `module` and its submodules that holds
     at least `min_bytes` into huge-page memory. A tensor shared by several owners (tied embeddings)
     moves once and stays shared; one already moved is not movable again (its storage is the larger
-    mapping). Returns the bytes moved."""
+    mapping). Where the system refuses a mapping, the rest stays where it is. Returns the bytes moved."""
     moved: dict[int, torch.Tensor] = {}
     untrimmed = 0
+    refused = False
 
     def move(t: torch.Tensor) -> torch.Tensor:
+        nonlocal refused
         key = t.data_ptr()
-        if key not in moved:
-            moved[key] = to_huge_pages(t)
-        return moved[key]
+        if key not in moved and not refused:
+            try:
+                moved[key] = to_huge_pages(t)
+            except (OSError, ValueError):  # no mapping granted (a memory limit): ordinary pages
+                refused = True
+        return moved.get(key, t)
 
     def trim(at_least: int) -> None:
         nonlocal untrimmed

@@ -80,3 +80,15 @@ def test_move_does_not_change_a_linear_layers_output() -> None:
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_HUGE_PAGES", "0")
     assert not huge_pages.huge_pages_available()
+
+
+def test_a_refused_mapping_leaves_the_weights_where_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(t: torch.Tensor) -> torch.Tensor:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages, "to_huge_pages", refuse)
+    m = Owner()
+    before = {k: (v.data_ptr(), v.clone()) for k, v in m.state_dict().items()}
+    assert move_weights_to_huge_pages(m) == 0
+    for k, v in m.state_dict().items():
+        assert v.data_ptr() == before[k][0] and torch.equal(v, before[k][1]), k
