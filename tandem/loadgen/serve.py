@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -90,6 +91,27 @@ def _chunk_text(data: dict[str, Any]) -> str:
     return text
 
 
+async def _sse_data(content: Any) -> AsyncIterator[bytes]:
+    """The `data:` payloads of a server-sent event stream (an aiohttp response's content), up to
+    `[DONE]`. Whole chunks are split into lines here: aiohttp's own line reader refuses lines past
+    its buffer size, and an event with logprobs can be long."""
+    pending = b""
+    async for chunk in content.iter_any():
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for raw in lines:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return
+            yield payload
+    last = pending.strip()  # a stream that ends without its final newline
+    if last.startswith(b"data:") and last[5:].strip() != b"[DONE]":
+        yield last[5:].strip()
+
+
 async def send_request(client: Any, args: argparse.Namespace, s: Sample) -> RequestResult:
     """One streaming request through `client` (an aiohttp session) to the server at --base-url."""
     import aiohttp
@@ -105,32 +127,16 @@ async def send_request(client: Any, args: argparse.Namespace, s: Sample) -> Requ
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return r
-            pending = b""
-            done = False
-            # Whole chunks, split into lines here: aiohttp's own line reader refuses lines past its
-            # buffer size, and an event with logprobs can be long.
-            async for chunk in resp.content.iter_any():
-                lines = (pending + chunk).split(b"\n")
-                pending = lines.pop()
-                for raw in lines:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        break
-                    now = time.perf_counter() - r.start
-                    data = json.loads(payload)
-                    if data.get("usage"):
-                        usage_tokens = data["usage"].get("completion_tokens")
-                        if s.prompt_len <= 0 or args.tokenizer is None:
-                            r.prompt_len = data["usage"].get("prompt_tokens") or r.prompt_len
-                    if _chunk_text(data):
-                        r.chunk_times.append(now)
-                        content_chunks += 1
-                if done:
-                    break
+            async for payload in _sse_data(resp.content):
+                now = time.perf_counter() - r.start
+                data = json.loads(payload)
+                if data.get("usage"):
+                    usage_tokens = data["usage"].get("completion_tokens")
+                    if s.prompt_len <= 0 or args.tokenizer is None:
+                        r.prompt_len = data["usage"].get("prompt_tokens") or r.prompt_len
+                if _chunk_text(data):
+                    r.chunk_times.append(now)
+                    content_chunks += 1
         r.e2el = time.perf_counter() - r.start
         r.output_tokens = usage_tokens if usage_tokens is not None else content_chunks
         r.success = bool(r.chunk_times)

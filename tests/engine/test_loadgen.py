@@ -224,3 +224,30 @@ def test_bench_serve_sends_token_ids_when_asked(tokenizer_dir):
     assert all(isinstance(_payload(text, s)[1]["prompt"], str) for s in bench_samples(text)[0])
     with pytest.raises(ValueError, match="--tokenizer"):
         bench_samples(p.parse_args([*base, "--send-token-ids"]))
+
+
+def test_sse_payloads_survive_any_chunking() -> None:
+    """The bench client's event splitter: payloads cut across chunks, comments and blank lines
+    skipped, a long event whole, nothing after [DONE], a last line without its newline kept."""
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    from tandem.loadgen.serve import _sse_data
+
+    long_event = b'{"text": "' + b"x" * 200_000 + b'"}'
+    stream = b": ping\n\ndata: {\"a\": 1}\n\ndata: " + long_event + b"\n\ndata: [DONE]\n\ndata: {\"after\": 1}\n\n"
+
+    class Content:
+        def __init__(self, data: bytes, size: int) -> None:
+            self.parts = [data[i : i + size] for i in range(0, len(data), size)]
+
+        async def iter_any(self) -> AsyncIterator[bytes]:
+            for part in self.parts:
+                yield part
+
+    async def collect(content: Content) -> list[bytes]:
+        return [p async for p in _sse_data(content)]
+
+    for size in (1, 7, 4096, len(stream)):
+        assert asyncio.run(collect(Content(stream, size))) == [b'{"a": 1}', long_event]
+    assert asyncio.run(collect(Content(b'data: {"b": 2}\n\ndata: {"c": 3}', 5))) == [b'{"b": 2}', b'{"c": 3}']
