@@ -16,6 +16,7 @@ on a VM (the host backs each fresh 2 MB page on first touch, ~1 s a GB).
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 from pathlib import Path
@@ -46,10 +47,7 @@ def huge_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch
     """A CPU tensor whose memory starts on a 2 MB boundary of a fresh mapping marked for huge pages,
     so zero-filled (by the kernel, page by page as it is first touched). The mapping lives as long
     as the tensor (the tensor holds the buffer)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     # Private and anonymous: memory of this process only, like the allocator's.
     area = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     area.madvise(mmap.MADV_HUGEPAGE)
