@@ -113,9 +113,8 @@ async def _sse_data(content: Any) -> AsyncIterator[bytes]:
 
 
 async def send_request(client: Any, args: argparse.Namespace, s: Sample) -> RequestResult:
-    """One streaming request through `client` (an aiohttp session) to the server at --base-url."""
-    import aiohttp
-
+    """One streaming request through `client` (an aiohttp session, its timeout --timeout) to the
+    server at --base-url."""
     path, body = _payload(args, s)
     r = RequestResult(prompt_len=s.prompt_len)
     r.start = time.perf_counter()
@@ -123,7 +122,7 @@ async def send_request(client: Any, args: argparse.Namespace, s: Sample) -> Requ
     content_chunks = 0
     try:
         url = args.base_url.rstrip("/") + path
-        async with client.post(url, json=body, timeout=aiohttp.ClientTimeout(total=args.timeout)) as resp:
+        async with client.post(url, json=body) as resp:
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return r
@@ -175,7 +174,8 @@ async def run_once(
     # A connection per request, as many as are in flight: a pooled connection the server has closed
     # while idle fails the next request's write (llama.cpp's server does this between requests).
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
-    async with aiohttp.ClientSession(headers=headers, connector=connector) as client:
+    timeout = aiohttp.ClientTimeout(total=args.timeout)  # per request
+    async with aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout) as client:
         for w in warmups:
             await send_request(client, args, w)
         before = await scrape(client, args.base_url)

@@ -82,7 +82,6 @@ def move_weights_to_huge_pages(module: nn.Module, min_bytes: int = HUGE_PAGE_BYT
     moves once and stays shared; one already moved is not movable again (its storage is the larger
     mapping). Where the system refuses a mapping, the rest stays where it is. Returns the bytes moved."""
     moved: dict[int, torch.Tensor] = {}
-    untrimmed = 0
     refused = False
 
     def move(t: torch.Tensor) -> torch.Tensor:
@@ -93,28 +92,21 @@ def move_weights_to_huge_pages(module: nn.Module, min_bytes: int = HUGE_PAGE_BYT
                 moved[key] = to_huge_pages(t)
             except (OSError, ValueError):  # no mapping granted (a memory limit): ordinary pages
                 refused = True
+            else:
+                if len(moved) % _TRIM_EVERY == 0:
+                    release_freed_memory()
         return moved.get(key, t)
-
-    def trim(at_least: int) -> None:
-        nonlocal untrimmed
-        untrimmed += 1
-        if untrimmed >= at_least:
-            release_freed_memory()
-            untrimmed = 0
 
     for sub in module.modules():
         attrs = vars(sub)
         for name in [n for n, v in attrs.items() if n not in ("_parameters", "_buffers") and _movable(v, min_bytes)]:
             setattr(sub, name, move(attrs[name]))
-            trim(_TRIM_EVERY)
         for param in sub._parameters.values():
             if param is not None and _movable(param, min_bytes):
                 param.data = move(param.data)
-                trim(_TRIM_EVERY)
         for name in [n for n, b in sub._buffers.items() if b is not None and _movable(b, min_bytes)]:
             sub._buffers[name] = move(sub._buffers[name])  # type: ignore[arg-type]
-            trim(_TRIM_EVERY)
-    trim(1)
+    release_freed_memory()
     return sum(t.numel() * t.element_size() for t in moved.values())
 
 
