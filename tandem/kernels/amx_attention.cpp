@@ -26,6 +26,7 @@ constexpr int64_t kT = 16;  // tile rows and 32-bit columns
 // Up to this many query tiles per (request, KV head) read the context from the cache each time
 // rather than laying it out once.
 constexpr int64_t kDirectTiles = 4;
+constexpr float kLog2e = 1.44269504088896341f;
 
 // All six tiles 16 rows of 64 bytes. Scores: 0 = S^T (attend_direct: S), 1 = a key tile, 2-5 = the
 // queries' blocks of 32 head elements. Values: 0 = a block of 32 probabilities per query, 1 = a
@@ -182,14 +183,16 @@ void attend_tile(const uint16_t* const* qrows, const int64_t* hi, int64_t nc, co
     auto lanes = [n](int64_t j) { return first_lanes(std::clamp<int64_t>(n - j, 0, 16)); };
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) mv = _mm512_mask_max_ps(mv, lanes(j), mv, _mm512_loadu_ps(s + j));
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv)), sc = _mm512_set1_ps(scale);
+    // exp((s - max) * scale) = 2^(s * sc - max * sc), sc = scale * log2(e).
+    const float sc2 = scale * kLog2e;
+    const __m512 sc = _mm512_set1_ps(sc2), msc = _mm512_set1_ps(_mm512_reduce_max_ps(mv) * sc2);
     __m512 sum = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j < n; j += 32) {
       __m512 e[2];
       for (int h = 0; h < 2; ++h) {
-        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16 * h), mx), sc);
-        e[h] = _mm512_maskz_mov_ps(lanes(j + 16 * h), tandem_kernels::exp_clamped16(x));
+        const __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16 * h), sc, msc);
+        e[h] = _mm512_maskz_mov_ps(lanes(j + 16 * h), tandem_kernels::exp2_nonpositive16(t));
         sum = _mm512_add_ps(sum, e[h]);
       }
       _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
@@ -283,11 +286,11 @@ void attend_direct(const uint16_t* kc, const uint16_t* vc, const int64_t* table,
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int64_t p = 0; p < span; ++p) mx = _mm512_mask_max_ps(mx, seen(p), mx, _mm512_loadu_ps(s + p * kT));
   mx = _mm512_mask_mov_ps(mx, _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm512_setzero_ps());
-  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 sc = _mm512_set1_ps(scale * kLog2e), msc = _mm512_mul_ps(mx, sc);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t p = 0; p < vblocks * 2 * kT; ++p) {
-    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + p * kT), mx), sc);
-    const __m512 e = _mm512_maskz_mov_ps(seen(p), tandem_kernels::exp_clamped16(x));
+    const __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(s + p * kT), sc, msc);
+    const __m512 e = _mm512_maskz_mov_ps(seen(p), tandem_kernels::exp2_nonpositive16(t));
     sum = _mm512_add_ps(sum, e);
     _mm512_storeu_ps(s + p * kT, e);
   }

@@ -7,7 +7,10 @@
 // and reach ~20-28 GB/s up to 32 rows (benchmarks/gemm_paths.py). Above ~64 rows a product is
 // bound by compute: in bfloat16 oneDNN's blocking ties or wins there, so bfloat16 layers keep its
 // form for prompt chunks (tandem/model/linear.py); in int8 these kernels stay ahead (1.6x oneDNN's
-// int8 GEMM at 512 rows) and take every product (tandem/model/quant.py).
+// int8 GEMM at 512 rows) and take every product (tandem/model/quant.py). A gated MLP's gate/up
+// product can end in SiLU-and-multiply instead of writing both halves (`*_silu_mul`: the weight's
+// rows interleaved 16 at a time so that each panel pairs 16 gate and 16 up columns;
+// tandem/model/gate_up.py).
 //
 // Layout (`amx_pack`): output columns in panels of 32 (two 16-column B tiles), then K in blocks of
 // 64 bytes (32 bfloat16 or 64 int8 values), each tile 16 rows of 64 bytes: row r holds, for each of
@@ -17,6 +20,7 @@
 
 #include <torch/library.h>
 
+#include "exp_approx.h"
 #include "kernel_util.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
@@ -80,7 +84,10 @@ void tile_product_rows(const char* a, int64_t lda, int64_t M, int64_t kblocks, c
   const int64_t panels = (N + kPanelCols - 1) / kPanelCols;
   const int64_t panel_bytes = kblocks * 2 * kTileBytes;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) typename T::Acc acc[kTileRows * kTileRows];
+    // For the epilogues' float arithmetic (the tile products themselves flush denormals always):
+    // SiLU's reciprocal is denormal for inputs below about -87, and each denormal costs an assist.
+    tandem_kernels::FlushDenormals flush;
+    alignas(64) typename T::Acc acc[kTileRows * kPanelCols];
     int cur0 = -1, cur1 = -1;
     for (int64_t p = p0; p < p1; ++p) {
       const char* wp = w + p * panel_bytes;
@@ -117,19 +124,14 @@ void tile_product_rows(const char* a, int64_t lda, int64_t M, int64_t kblocks, c
             T::dot_row_block1();
           }
         }
-        _tile_stored(0, acc, kBlockBytes);
-        epi(m0, n0, r0, c0, acc);
-        if (c1) {
-          _tile_stored(1, acc, kBlockBytes);
-          epi(m0, n0 + kTileRows, r0, c1, acc);
-        }
+        constexpr int64_t kAccRowBytes = kPanelCols * 4;
+        _tile_stored(0, acc, kAccRowBytes);
+        if (c1) _tile_stored(1, acc + kTileRows, kAccRowBytes);
+        epi(m0, n0, r0, c0 + c1, acc);
         if (r1) {
-          _tile_stored(2, acc, kBlockBytes);
-          epi(m0 + kTileRows, n0, r1, c0, acc);
-          if (c1) {
-            _tile_stored(3, acc, kBlockBytes);
-            epi(m0 + kTileRows, n0 + kTileRows, r1, c1, acc);
-          }
+          _tile_stored(2, acc, kAccRowBytes);
+          if (c1) _tile_stored(3, acc + kTileRows, kAccRowBytes);
+          epi(m0 + kTileRows, n0, r1, c0 + c1, acc);
         }
       }
     }
@@ -138,7 +140,9 @@ void tile_product_rows(const char* a, int64_t lda, int64_t M, int64_t kblocks, c
 }
 
 // a: M rows of `kblocks` * 64 bytes at a stride of lda bytes; w: amx_pack's layout for N columns.
-// epi(m0, n0, rows, cols, acc) takes each finished 16 x 16 result tile (row stride 16). Every panel
+// epi(m0, n0, rows, cols, acc) takes each panel's finished result for up to 16 rows: `rows` rows of
+// kPanelCols values (row stride kPanelCols), the panel's two column tiles side by side, of which
+// the first `cols` are real columns. Every panel
 // of the weight multiplies all rows of a row block before the next panel: a block's activations
 // stay in L2 (a prompt chunk's rows of a wide layer would not), each panel streams from memory once
 // per block.
@@ -214,55 +218,104 @@ at::Tensor amx_pack(const at::Tensor& w) {
       .view({Np / kPanelCols, Kp / per_block, 2, kTileRows, kTileRows * group});
 }
 
+// x [M, K] bfloat16, its columns zero-padded to the tile blocks' Kp where K is not a multiple.
+at::Tensor padded_rows(const at::Tensor& x, int64_t Kp) {
+  // Tile rows are read whole: a K that is not a multiple of 32 is read from a zero-padded copy.
+  return Kp == x.size(1) ? x.contiguous() : at::constant_pad_nd(x, {0, Kp - x.size(1)});
+}
+
+void check_bf16_input(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(amx_ready(), op, ": the OS did not grant AMX to this process");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be 2-D bfloat16");
+}
+
+// 16 float32 lanes rounded to bfloat16 (nearest even) and back: the value a bfloat16 tensor holds.
+inline __m512 as_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// A gate/up product's intermediate width, checked against the weight's rows (2 * intermediate).
+void check_gate_up(const char* op, int64_t intermediate) {
+  TORCH_CHECK(intermediate > 0 && intermediate % kTileRows == 0, op,
+              ": intermediate must be a positive multiple of 16 (whole column tiles of gate and up)");
+}
+
 // x [M, K] bfloat16 times the bfloat16 weight amx_pack laid out ([N, K] before), plus bias; float32
 // accumulation, the result bfloat16.
 at::Tensor gemm_amx_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_ready(), "tandem gemm_amx_bf16: the OS did not grant AMX to this process");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "tandem gemm_amx_bf16: x must be 2-D bfloat16");
+  const char* op_name = "tandem gemm_amx_bf16";
+  check_bf16_input(op_name, x);
   const int64_t M = x.size(0), K = x.size(1), Kp = padded_k(K, Bf16Tiles::kValuesPerBlock);
-  check_packed("tandem gemm_amx_bf16", packed, at::kBFloat16, n, K, Bf16Tiles::kValuesPerBlock);
-  // Tile rows are read whole: a K that is not a multiple of 32 is read from a zero-padded copy.
-  at::Tensor xa = Kp == K ? x.contiguous() : at::constant_pad_nd(x, {0, Kp - K});
+  check_packed(op_name, packed, at::kBFloat16, n, K, Bf16Tiles::kValuesPerBlock);
+  const at::Tensor xa = padded_rows(x, Kp);
   at::Tensor b;
   const float* bp = bias_ptr(bias, n, b);
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   auto epi = [&](int64_t m0, int64_t n0, int rows, int cols, const float* acc) {
-    const __m512 bv = load_bias(bp, n0, cols);
-    for (int r = 0; r < rows; ++r)
-      store_bf16(op + (m0 + r) * n + n0, _mm512_add_ps(_mm512_load_ps(acc + r * kTileRows), bv), cols);
+    for (int h = 0; h * kTileRows < cols; ++h) {
+      const int c = std::min<int>(kTileRows, cols - h * kTileRows);
+      const __m512 bv = load_bias(bp, n0 + h * kTileRows, c);
+      for (int r = 0; r < rows; ++r)
+        store_bf16(op + (m0 + r) * n + n0 + h * kTileRows,
+                   _mm512_add_ps(_mm512_load_ps(acc + r * kPanelCols + h * kTileRows), bv), c);
+    }
   };
-  const auto* xp = reinterpret_cast<const uint16_t*>(xa.data_ptr());
-  const char* wp = reinterpret_cast<const char*>(packed.data_ptr());
-  const int64_t kblocks = Kp / Bf16Tiles::kValuesPerBlock;
-  tile_product<Bf16Tiles>(reinterpret_cast<const char*>(xp), Kp * 2, M, kblocks, wp, n, epi);
+  tile_product<Bf16Tiles>(reinterpret_cast<const char*>(xa.data_ptr()), Kp * 2, M, Kp / Bf16Tiles::kValuesPerBlock,
+                          reinterpret_cast<const char*>(packed.data_ptr()), n, epi);
   return out;
 }
 
-// Dynamic int8 activations (one symmetric scale per row) times the int8 weight amx_pack laid out,
-// with one scale per output column: y = x_scale * w_scale * sum(xq * w) + bias, in x's dtype
-// (float32 or bfloat16). The tile product wants unsigned activations: they are offset by 128, and
-// 128 * sum(w) (`w_sum`) taken back out.
-at::Tensor gemm_amx_w8a8(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& w_scale,
-                         const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_ready(), "tandem gemm_amx_w8a8: the OS did not grant AMX to this process");
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "tandem gemm_amx_w8a8: x must be 2-D float32 or bfloat16");
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == n,
-              "tandem gemm_amx_w8a8: w_scale must be contiguous float32, one per output column");
-  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == n,
-              "tandem gemm_amx_w8a8: w_sum must be contiguous int32, one per output column");
-  const int64_t M = x.size(0), K = x.size(1), Kp = padded_k(K, Int8Tiles::kValuesPerBlock);
-  check_packed("tandem gemm_amx_w8a8", packed, at::kChar, n, K, Int8Tiles::kValuesPerBlock);
-  if (M == 0) return at::empty({0, n}, x.options());
+// silu(x . gate^T) * (x . up^T) [M, I] in one pass, for a weight whose 2 * I rows were interleaved
+// 16 at a time before amx_pack (gate 0-15, up 0-15, gate 16-31, ...: tandem/model/gate_up.py): each
+// panel's two column tiles are then 16 gate columns and the same 16 up columns, and the epilogue
+// writes the activation instead of the [M, 2I] product. The same roundings as gemm_amx_bf16 then
+// silu_mul (gate and up to bfloat16, silu to bfloat16, the product to bfloat16): the same bits.
+at::Tensor gemm_amx_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate) {
+  const char* op_name = "tandem gemm_amx_bf16_silu_mul";
+  check_bf16_input(op_name, x);
+  check_gate_up(op_name, intermediate);
+  const int64_t M = x.size(0), K = x.size(1), Kp = padded_k(K, Bf16Tiles::kValuesPerBlock), n = 2 * intermediate;
+  check_packed(op_name, packed, at::kBFloat16, n, K, Bf16Tiles::kValuesPerBlock);
+  const at::Tensor xa = padded_rows(x, Kp);
+  at::Tensor out = at::empty({M, intermediate}, x.options());
+  if (M == 0) return out;
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  auto epi = [&](int64_t m0, int64_t n0, int rows, int, const float* acc) {
+    uint16_t* o = op + m0 * intermediate + n0 / 2;
+    for (int r = 0; r < rows; ++r) {
+      const float* a = acc + r * kPanelCols;
+      const __m512 s = as_bf16(tandem_kernels::silu16(as_bf16(_mm512_load_ps(a))));
+      store_bf16(o + r * intermediate, _mm512_mul_ps(s, as_bf16(_mm512_load_ps(a + kTileRows))), kTileRows);
+    }
+  };
+  tile_product<Bf16Tiles>(reinterpret_cast<const char*>(xa.data_ptr()), Kp * 2, M, Kp / Bf16Tiles::kValuesPerBlock,
+                          reinterpret_cast<const char*>(packed.data_ptr()), n, epi);
+  return out;
+}
+
+// What an int8 tile product reads besides the weight: x's rows quantized ([M, Kp] bytes offset by
+// 128; padding columns hold any value, the weight there is zero) with one float32 scale per row,
+// and the per-column weight scales, sums and bias.
+struct W8A8Inputs {
+  at::Tensor rows, row_scales, bias_holder;
+  const float* row_scale;
+  const float* bias;
+  const float* w_scale;
+  const int32_t* w_sum;
+};
+
+W8A8Inputs prepare_w8a8(const at::Tensor& x, int64_t Kp, int64_t n, const at::Tensor& w_scale,
+                        const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xc = x.contiguous();
-  // Padding columns hold any value: the weight there is zero.
-  at::Tensor xu = at::empty({M, Kp}, x.options().dtype(at::kByte));
-  at::Tensor xs = at::empty({M}, x.options().dtype(at::kFloat));
-  uint8_t* up = xu.data_ptr<uint8_t>();
-  float* sp = xs.data_ptr<float>();
+  W8A8Inputs in;
+  in.rows = at::empty({M, Kp}, x.options().dtype(at::kByte));
+  in.row_scales = at::empty({M}, x.options().dtype(at::kFloat));
+  uint8_t* up = in.rows.data_ptr<uint8_t>();
+  float* sp = in.row_scales.data_ptr<float>();
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t m = r0; m < r1; ++m) {
       if (xc.scalar_type() == at::kFloat)
@@ -271,29 +324,111 @@ at::Tensor gemm_amx_w8a8(const at::Tensor& x, const at::Tensor& packed, int64_t 
         sp[m] = quantize_row_u8_16(reinterpret_cast<const uint16_t*>(xc.data_ptr()) + m * K, K, up + m * Kp);
     }
   });
-  at::Tensor b;
-  const float* bp = bias_ptr(bias, n, b);
-  const float* ws = w_scale.data_ptr<float>();
-  const int32_t* wsum = w_sum.data_ptr<int32_t>();
+  in.row_scale = sp;
+  in.bias = bias_ptr(bias, n, in.bias_holder);
+  in.w_scale = w_scale.data_ptr<float>();
+  in.w_sum = w_sum.data_ptr<int32_t>();
+  return in;
+}
+
+// 16 output columns' dequantization: x_scale * w_scale * (dot - 128 * w_sum) + bias.
+class W8A8Columns {
+ public:
+  W8A8Columns(const W8A8Inputs& in, int64_t n0, int cols)
+      : wscale_(_mm512_maskz_loadu_ps(first_lanes(cols), in.w_scale + n0)),
+        offset_(_mm512_slli_epi32(_mm512_maskz_loadu_epi32(first_lanes(cols), in.w_sum + n0), 7)),
+        bias_(load_bias(in.bias, n0, cols)) {}
+  __m512 operator()(const int32_t* dot, float row_scale) const {
+    const __m512i d = _mm512_sub_epi32(_mm512_load_si512(dot), offset_);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(wscale_, _mm512_set1_ps(row_scale)), bias_);
+  }
+
+ private:
+  __m512 wscale_;
+  __m512i offset_;
+  __m512 bias_;
+};
+
+void check_w8a8_args(const char* op, const at::Tensor& x, int64_t n, const at::Tensor& w_scale,
+                     const at::Tensor& w_sum) {
+  TORCH_CHECK(amx_ready(), op, ": the OS did not grant AMX to this process");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), op,
+              ": x must be 2-D float32 or bfloat16");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == n, op,
+              ": w_scale must be contiguous float32, one per output column");
+  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == n, op,
+              ": w_sum must be contiguous int32, one per output column");
+}
+
+// Dynamic int8 activations (one symmetric scale per row) times the int8 weight amx_pack laid out,
+// with one scale per output column: y = x_scale * w_scale * sum(xq * w) + bias, in x's dtype
+// (float32 or bfloat16). The tile product wants unsigned activations: they are offset by 128, and
+// 128 * sum(w) (`w_sum`) taken back out.
+at::Tensor gemm_amx_w8a8(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& w_scale,
+                         const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
+  const char* op_name = "tandem gemm_amx_w8a8";
+  check_w8a8_args(op_name, x, n, w_scale, w_sum);
+  const int64_t M = x.size(0), K = x.size(1), Kp = padded_k(K, Int8Tiles::kValuesPerBlock);
+  check_packed(op_name, packed, at::kChar, n, K, Int8Tiles::kValuesPerBlock);
+  if (M == 0) return at::empty({0, n}, x.options());
+  const W8A8Inputs in = prepare_w8a8(x, Kp, n, w_scale, w_sum, bias);
   at::Tensor out = at::empty({M, n}, x.options());
   float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
   tile_product<Int8Tiles>(
-      reinterpret_cast<const char*>(up), Kp, M, Kp / Int8Tiles::kValuesPerBlock,
+      reinterpret_cast<const char*>(in.rows.data_ptr()), Kp, M, Kp / Int8Tiles::kValuesPerBlock,
       reinterpret_cast<const char*>(packed.data_ptr()), n,
       [&](int64_t m0, int64_t n0, int rows, int cols, const int32_t* acc) {
-        const __mmask16 lanes = first_lanes(cols);
-        const __m512 bv = load_bias(bp, n0, cols);
-        const __m512 wsv = _mm512_maskz_loadu_ps(lanes, ws + n0);
-        const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(lanes, wsum + n0), 7);  // 128 * sum
+        for (int h = 0; h * kTileRows < cols; ++h) {
+          const int c = std::min<int>(kTileRows, cols - h * kTileRows);
+          const int64_t col = n0 + h * kTileRows;
+          const W8A8Columns dequant(in, col, c);
+          for (int r = 0; r < rows; ++r) {
+            const __m512 v = dequant(acc + r * kPanelCols + h * kTileRows, in.row_scale[m0 + r]);
+            if (of)
+              _mm512_mask_storeu_ps(of + (m0 + r) * n + col, first_lanes(c), v);
+            else
+              store_bf16(ob + (m0 + r) * n + col, v, c);
+          }
+        }
+      });
+  return out;
+}
+
+// gemm_amx_w8a8 on a gate/up weight interleaved as for gemm_amx_bf16_silu_mul (w_scale, w_sum and
+// bias in that interleaved order): silu(gate) * up [M, I] in x's dtype, rounded as gemm_amx_w8a8
+// then silu_mul would round it.
+at::Tensor gemm_amx_w8a8_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate,
+                                  const at::Tensor& w_scale, const at::Tensor& w_sum,
+                                  const std::optional<at::Tensor>& bias) {
+  const char* op_name = "tandem gemm_amx_w8a8_silu_mul";
+  check_gate_up(op_name, intermediate);
+  const int64_t n = 2 * intermediate;
+  check_w8a8_args(op_name, x, n, w_scale, w_sum);
+  const int64_t M = x.size(0), K = x.size(1), Kp = padded_k(K, Int8Tiles::kValuesPerBlock);
+  check_packed(op_name, packed, at::kChar, n, K, Int8Tiles::kValuesPerBlock);
+  at::Tensor out = at::empty({M, intermediate}, x.options());
+  if (M == 0) return out;
+  const W8A8Inputs in = prepare_w8a8(x, Kp, n, w_scale, w_sum, bias);
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  auto round = [bf16](__m512 v) { return bf16 ? as_bf16(v) : v; };
+  float* of = bf16 ? nullptr : out.data_ptr<float>();
+  auto* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  tile_product<Int8Tiles>(
+      reinterpret_cast<const char*>(in.rows.data_ptr()), Kp, M, Kp / Int8Tiles::kValuesPerBlock,
+      reinterpret_cast<const char*>(packed.data_ptr()), n,
+      [&](int64_t m0, int64_t n0, int rows, int, const int32_t* acc) {
+            const W8A8Columns gate(in, n0, kTileRows), up(in, n0 + kTileRows, kTileRows);
+        const int64_t j0 = n0 / 2;
         for (int r = 0; r < rows; ++r) {
-          const __m512i dot = _mm512_sub_epi32(_mm512_load_si512(acc + r * kTileRows), offset);
-          const __m512 scale = _mm512_mul_ps(wsv, _mm512_set1_ps(sp[m0 + r]));
-          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, bv);
-          if (of)
-            _mm512_mask_storeu_ps(of + (m0 + r) * n + n0, lanes, v);
+          const int32_t* a = acc + r * kPanelCols;
+          const float row_scale = in.row_scale[m0 + r];
+          const __m512 s = round(tandem_kernels::silu16(round(gate(a, row_scale))));
+          const __m512 v = _mm512_mul_ps(s, round(up(a + kTileRows, row_scale)));
+          if (bf16)
+            store_bf16(ob + (m0 + r) * intermediate + j0, v, kTileRows);
           else
-            store_bf16(ob + (m0 + r) * n + n0, v, cols);
+            _mm512_storeu_ps(of + (m0 + r) * intermediate + j0, v);
         }
       });
   return out;
@@ -306,12 +441,18 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("gemm_amx_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("gemm_amx_w8a8(Tensor x, Tensor packed, int n, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
+  m.def("gemm_amx_bf16_silu_mul(Tensor x, Tensor packed, int intermediate) -> Tensor");
+  m.def(
+      "gemm_amx_w8a8_silu_mul(Tensor x, Tensor packed, int intermediate, Tensor w_scale, Tensor w_sum, "
+      "Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("amx_pack", &amx_pack);
   m.impl("gemm_amx_bf16", &gemm_amx_bf16);
   m.impl("gemm_amx_w8a8", &gemm_amx_w8a8);
+  m.impl("gemm_amx_bf16_silu_mul", &gemm_amx_bf16_silu_mul);
+  m.impl("gemm_amx_w8a8_silu_mul", &gemm_amx_w8a8_silu_mul);
 }
 
 #endif  // AMX

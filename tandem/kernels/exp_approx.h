@@ -53,6 +53,35 @@ inline __m512 exp_clamped16(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);  // p * 2^n, n integral and in [-126, 127]
 }
+
+// silu(a) = a / (1 + exp(-a)) on 16 lanes, 1 / (1 + e) as a 14-bit reciprocal estimate refined by
+// one Newton step (within a float's rounding of the quotient) instead of a division, whose
+// throughput bounded the loops over it (a 512-wide divide per 16 elements). Run it with denormals
+// flushed (FlushDenormals): below a of about -87 the reciprocal is one.
+inline __m512 silu16(__m512 a) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 d = _mm512_add_ps(one, exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_fmadd_ps(_mm512_fnmadd_ps(d, r, one), r, r);
+  return _mm512_mul_ps(a, r);
+}
+
+// 2^t for t <= 0, to about 3e-6 relative error: a softmax's probabilities, which the attention
+// kernels round to bfloat16 (relative step 2^-8) before P . V. Half the instructions of
+// exp_clamped16: no range reduction by ln 2 (the caller folds log2(e) into its scale) and a
+// degree-4 polynomial for 2^f on [-1/2, 1/2] (relative least squares, Lawson-weighted toward
+// minimax). t is clamped at -125 so that every result is a normal float (a denormal would cost a
+// microcode assist; anything below 2^-125 is nothing to a softmax whose largest term is 1).
+inline __m512 exp2_nonpositive16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-125.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009570101276040077f), f, _mm512_set1_ps(0.05591786280274391f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240247443318367f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931217908859253f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999992847442627f));
+  return _mm512_scalef_ps(p, n);
+}
 #endif
 
 // Denormal results flushed to zero (and denormal inputs read as zero) while in scope, on the

@@ -255,20 +255,14 @@ inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
 #endif
 }
 
-// One row of silu(gate) * up, 16 lanes at a time: the scalar loop's math, except that 1 / (1 + e)
-// is a 14-bit reciprocal estimate refined by one Newton step (within a float's rounding of the
-// quotient) instead of a division, whose throughput bounded the loop (a 512-wide divide per 16
-// elements).
+// One row of silu(gate) * up, 16 lanes at a time: the scalar loop's math, except for silu16's
+// reciprocal (tandem/kernels/exp_approx.h). The AMX gate/up product's fused form
+// (gemm_amx_bf16_silu_mul, amx_ops.cpp) runs the same steps on its results.
 template <typename E>
 void silu_mul_row16(const E* g, const E* u, E* o, int64_t I) {
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < I; i += 16) {
     const __mmask16 m = first_lanes(std::min<int64_t>(16, I - i));
-    const __m512 a = load16(g + i, m);
-    const __m512 d = _mm512_add_ps(one, tandem_kernels::exp_clamped16(_mm512_sub_ps(_mm512_setzero_ps(), a)));
-    __m512 r = _mm512_rcp14_ps(d);
-    r = _mm512_fmadd_ps(_mm512_fnmadd_ps(d, r, one), r, r);
-    const __m512 s = rounded16(g, _mm512_mul_ps(a, r));
+    const __m512 s = rounded16(g, tandem_kernels::silu16(load16(g + i, m)));
     store16(o + i, _mm512_mul_ps(s, load16(u + i, m)), m);
   }
 }

@@ -34,6 +34,19 @@ def use_fused_ops(model: nn.Module) -> list[str]:
     return set_fused_ops(model, True)
 
 
+def fuse_into_product(mlp: GatedMLP) -> bool:
+    """Have `mlp` run SiLU-and-multiply in its gate/up product's epilogue where that layer can
+    (AMX tiles: tandem/model/gate_up.py). Permanent: the layer's tiles change order, and it keeps
+    answering as a plain linear layer too."""
+    if mlp.gate_up_silu is None:
+        layer = mlp.gate_up_proj
+        fuse, silu_mul = getattr(layer, "fuse_silu", None), getattr(layer, "silu_mul", None)
+        if fuse is None or silu_mul is None or not fuse(mlp.intermediate):
+            return False
+        mlp.gate_up_silu = silu_mul
+    return True
+
+
 def set_fused_ops(model: nn.Module, on: bool) -> list[str]:
     """Set the kernel switch of every module that has one (the tests and benchmarks/layer_ops.py
     turn it off again); returns the kinds of op found."""
@@ -45,6 +58,8 @@ def set_fused_ops(model: nn.Module, on: bool) -> list[str]:
         elif isinstance(module, GatedMLP) and module.activation in ("silu", "swish"):
             module.fused = on
             kinds.add("silu_mul")
+            if on and fuse_into_product(module):
+                kinds.add("silu_mul in the gate/up product")
         elif isinstance(module, Attention):
             module.fused_rope = on
             kinds.add("rope")

@@ -107,8 +107,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedMLP(DirectCall, nn.Module):
-    # SiLU-and-multiply in one compiled call (tandem/model/fused_ops.py switches it on for SiLU).
+    # SiLU-and-multiply in one compiled call (tandem/model/fused_ops.py switches it on for SiLU),
+    # or inside the gate/up product where its layer can (`gate_up_silu`: tandem/model/gate_up.py).
     fused = False
+    gate_up_silu: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, hidden: int, intermediate: int, activation: str = "silu") -> None:
         super().__init__()
@@ -124,6 +126,9 @@ class GatedMLP(DirectCall, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and x.dim() == 2:
+            fused_product = self.gate_up_silu
+            if fused_product is not None:
+                return self.down_proj(fused_product(x))
             return self.down_proj(torch.ops.tandem.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -31,6 +31,7 @@ from tandem import kernels
 from tandem.config import SECOND_COPY_MAX_MEMORY_FRACTION
 from tandem.cpu import cpu_flags
 from tandem.model.direct_call import DirectCall
+from tandem.model.gate_up import can_interleave, deinterleave, interleave_tiles
 
 M = TypeVar("M", bound=nn.Module)
 logger = logging.getLogger(__name__)
@@ -106,6 +107,26 @@ class PackedLinear(DirectCall, nn.Module):
         self.plain = w if few else None
         self.plain_max_rows = few
         self.bias = None if bias is None else bias.detach().contiguous()
+        self.interleaved = 0  # the intermediate width once fuse_silu laid the tiles out for it
+
+    def fuse_silu(self, intermediate: int) -> bool:
+        """As a gated MLP's gate/up layer, lay the tiles out for `silu_mul` (tandem/model/gate_up.py);
+        False where there are no tiles, a bias, or halves that do not split into whole tiles."""
+        if self.interleaved:
+            return self.interleaved == intermediate
+        if self.tiles is None or self.bias is not None or not can_interleave(intermediate, self.out_features):
+            return False
+        self.tiles = interleave_tiles(self.tiles, intermediate)
+        self.interleaved = intermediate
+        return True
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up layer's product of 2-D x (after `fuse_silu`): in the tile
+        product's epilogue on its rows, else after the product."""
+        tiles = self.tiles
+        if tiles is not None and x.shape[0] <= self.tiles_max_rows and x.dtype == torch.bfloat16:
+            return torch.ops.tandem.gemm_amx_bf16_silu_mul(x, tiles, self.interleaved)
+        return torch.ops.tandem.silu_mul(self.forward(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the decoder passes 2-D input: no reshapes on its path
@@ -114,7 +135,8 @@ class PackedLinear(DirectCall, nn.Module):
         rows = x.shape[0]
         tiles = self.tiles
         if tiles is not None and rows <= self.tiles_max_rows and x.dtype == torch.bfloat16:
-            return torch.ops.tandem.gemm_amx_bf16(x, tiles, self.out_features, self.bias)
+            y = torch.ops.tandem.gemm_amx_bf16(x, tiles, self.out_features, self.bias)
+            return deinterleave(y, self.interleaved) if self.interleaved else y
         plain = self.plain  # None exactly when plain_max_rows is 0
         if plain is not None and rows <= self.plain_max_rows:
             if plain.dtype == torch.float32:

@@ -127,12 +127,13 @@ def load_model(
     else:
         pack_linears(module)
     prepare_experts(module, at_load)
+    quantized = at_load is not None or cfg.quantization is not None
+    # Before the move to huge pages: fusing SiLU into the gate/up product re-lays those weights out.
+    fused = use_fused_ops(module) if wants_fused_ops(dtype, quantized) else []
     if device.type == "cpu" and huge_pages_available():
         moved = move_weights_to_huge_pages(module)
         logger.info("weights on transparent huge pages: %.0f MB", moved / 2**20)
     log_linear_paths(module, cfg, dtype)
-    quantized = at_load is not None or cfg.quantization is not None
-    fused = use_fused_ops(module) if wants_fused_ops(dtype, quantized) else []
     logger.info(
         "per-token ops (norms, activation, rotary): %s",
         f"compiled kernels ({', '.join(fused)})" if fused else "PyTorch operators",

@@ -37,6 +37,7 @@ from tandem import kernels
 from tandem.config import QUANTIZATION_METHODS
 from tandem.cpu import cpu_flags
 from tandem.model.direct_call import BoundTensors, DirectCall
+from tandem.model.gate_up import can_interleave, deinterleave, interleave_tiles, interleaved_columns
 from tandem.model.linear import M, amx_tiles_available, replace_linears
 
 logger = logging.getLogger("tandem.model")
@@ -50,6 +51,11 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # (benchmarks/gemm_paths.py: 16 rows 0.20 s against 1.28 s per pass over the 415M model's weights).
 W8_KERNEL_MAX_ROWS = 64
 _KERNEL_ROWS = 16
+# Rows up to which SiLU-and-multiply runs in the int8 gate/up tile product's epilogue
+# (tandem/model/gate_up.py; benchmarks/gate_up_silu.py, 415M shapes): 0.90-0.94x the time of the
+# product then silu_mul at 1-64 rows; from 128 rows 1.06-1.22x (the product is bound by compute
+# there and the epilogue's arithmetic adds to it).
+_FUSED_SILU_MAX_ROWS = 64
 
 
 def dynamic_int8_available() -> bool:
@@ -115,7 +121,38 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
         self.row_sum = q.sum(1, dtype=torch.int32) if offsets_activations else None
         # Without VNNI: the weight-only kernel for few rows.
         self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
+        # Once fuse_silu laid the tiles out for a gated MLP: the intermediate width, and the tiles'
+        # per-column scale, sum and bias in their interleaved order.
+        self.interleaved = 0
+        self._tile_columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.bind_tensors()
+
+    def fuse_silu(self, intermediate: int) -> bool:
+        """As a gated MLP's gate/up layer, lay the tiles out for `silu_mul` (tandem/model/gate_up.py);
+        False where there are no tiles or the halves do not split into whole tiles."""
+        if self.interleaved:
+            return self.interleaved == intermediate
+        if self.tiles is None or self.row_sum is None or not can_interleave(intermediate, self.out_features):
+            return False
+        _, scale, bias = self._tensors
+        order = interleaved_columns(intermediate)
+        self.tiles = interleave_tiles(self.tiles, intermediate)
+        self._tile_columns = (
+            scale[order].contiguous(),
+            self.row_sum[order].contiguous(),
+            None if bias is None else bias[order].contiguous(),
+        )
+        self.interleaved = intermediate
+        return True
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up layer's product of 2-D x (after `fuse_silu`): in the tile
+        product's epilogue up to _FUSED_SILU_MAX_ROWS rows, else after the product."""
+        tiles, columns = self.tiles, self._tile_columns
+        if tiles is None or columns is None or x.shape[0] > _FUSED_SILU_MAX_ROWS or x.dtype not in _KERNEL_DTYPES:
+            return torch.ops.tandem.silu_mul(self.forward(x))
+        scale, row_sum, bias = columns
+        return torch.ops.tandem.gemm_amx_w8a8_silu_mul(x, tiles, self.interleaved, scale, row_sum, bias)
 
     def _prepack(self) -> object:
         with warnings.catch_warnings():
@@ -134,6 +171,10 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
             return y.reshape(*x.shape[:-1], self.out_features)
         qweight, scale, bias = self._tensors
         if self.tiles is not None and x.dtype in _KERNEL_DTYPES:
+            if self._tile_columns is not None:
+                tile_scale, tile_sum, tile_bias = self._tile_columns
+                y = torch.ops.tandem.gemm_amx_w8a8(x, self.tiles, self.out_features, tile_scale, tile_sum, tile_bias)
+                return deinterleave(y, self.interleaved)
             return torch.ops.tandem.gemm_amx_w8a8(x, self.tiles, self.out_features, scale, self.row_sum, bias)
         if self.row_sum is not None and 0 < x.shape[0] <= _KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES:
             # A decode step's few rows: the kernel reads bfloat16 too and answers in x's dtype.
