@@ -388,7 +388,12 @@ async def drain(server: Any, state: ServerState) -> None:
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
-    from tandem.entrypoints.openai.connections import ConnectionLimits, ConnectionTable, guarded_protocol
+    from tandem.entrypoints.openai.connections import (
+        ConnectionLimits,
+        ConnectionTable,
+        guarded_protocol,
+        http_implementation,
+    )
     from tandem.entrypoints.openai.metrics import ServerMetrics
     from tandem.entrypoints.openai.tenants import Tenants
 
@@ -467,6 +472,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             instance_timeout_s=args.instance_timeout,
         )
     app = build_app(state, config, cluster, freeze_gc=True)
+    logger.info("HTTP parser: %s", http_implementation())
     uv_config = uvicorn.Config(
         app,
         host=args.host,

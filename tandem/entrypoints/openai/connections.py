@@ -103,79 +103,138 @@ def _refusal_app(message: str) -> Any:
     return app
 
 
-def guarded_protocol(table: ConnectionTable) -> type:
-    """uvicorn's h11 protocol class, with `table`'s bounds and the header deadline."""
+class _Guard:
+    """The bounds and the header deadline, over either uvicorn HTTP protocol (listed first among
+    the bases; `guarded_protocol` sets the table and the deadline)."""
+
+    table: ConnectionTable
+    header_timeout_s: float
+    # Provided by the uvicorn protocol class.
+    client: Any
+    transport: Any
+    loop: Any
+    app: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._counted: str | None = None
+        self._refused = False
+        self._header_timer: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        table = self.table
+        client = self.client[0] if self.client else ""
+        refusal = table.open(client)
+        if refusal is None:
+            self._counted = client
+            self._arm(self.header_timeout_s)
+            return
+        if table.refusing >= table.limits.max_connections:
+            transport.close()  # refusing too many already: no answer at all
+            return
+        # Answer its request with 503 (a response sent before the request can be lost to the
+        # client as a reset), then close.
+        table.refusing += 1
+        self._refused = True
+        self.app = _refusal_app(refusal)
+        self._arm(min(self.header_timeout_s, REFUSAL_GRACE_S))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._counted is not None:
+            self.table.close(self._counted)
+            self._counted = None
+        if self._refused:
+            self.table.refusing -= 1
+            self._refused = False
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def on_response_complete(self) -> None:
+        # The next request's headers have the same deadline (armed first: a pipelined request
+        # already buffered starts inside the call below, which disarms it again).
+        self._arm(self.header_timeout_s)
+        super().on_response_complete()  # type: ignore[misc]
+
+    def send_400_response(self, msg: str) -> None:
+        # Malformed HTTP or oversized headers: answered in OpenAI's error shape, then closed.
+        self.transport.write(_raw_response(400, "Bad Request", msg, None))
+        self.transport.close()
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(seconds, self._header_timeout)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.write(_raw_response(408, "Request Timeout", "the request headers took too long", "timeout"))
+            self.transport.close()
+
+
+# Bytes of request line and headers a request may send: h11's bound, which uvicorn's h11 protocol
+# applies (httptools' parser has none and would buffer whatever arrives until the deadline).
+MAX_HEADER_BYTES = 16 * 1024
+
+
+def _h11_guard() -> type:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    timeout = table.limits.header_timeout_s
-
-    class GuardedH11Protocol(H11Protocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._counted: str | None = None
-            self._refused = False
-            self._header_timer: Any = None
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            client = self.client[0] if self.client else ""
-            refusal = table.open(client)
-            if refusal is None:
-                self._counted = client
-                self._arm(timeout)
-                return
-            if table.refusing >= table.limits.max_connections:
-                transport.close()  # refusing too many already: no answer at all
-                return
-            # Answer its request with 503 (a response sent before the request can be lost to the
-            # client as a reset), then close.
-            table.refusing += 1
-            self._refused = True
-            self.app = _refusal_app(refusal)
-            self._arm(min(timeout, REFUSAL_GRACE_S))
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            if self._counted is not None:
-                table.close(self._counted)
-                self._counted = None
-            if self._refused:
-                table.refusing -= 1
-                self._refused = False
-            super().connection_lost(exc)
-
+    class GuardedH11Protocol(_Guard, H11Protocol):
         def handle_events(self) -> None:
             cycle = self.cycle
             super().handle_events()
             if self.cycle is not cycle:  # a request's headers are complete
                 self._disarm()
 
-        def on_response_complete(self) -> None:
-            # The next request's headers have the same deadline (armed first: a pipelined request
-            # already buffered starts inside the call below, which disarms it again).
-            self._arm(timeout)
-            super().on_response_complete()
-
-        def send_400_response(self, msg: str) -> None:
-            # Malformed HTTP or oversized headers: answered in OpenAI's error shape, then closed.
-            self.transport.write(_raw_response(400, "Bad Request", msg, None))
-            self.transport.close()
-
-        def _arm(self, seconds: float) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(seconds, self._header_timeout)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_timeout(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.write(
-                    _raw_response(408, "Request Timeout", "the request headers took too long", "timeout")
-                )
-                self.transport.close()
-
     return GuardedH11Protocol
+
+
+def _httptools_guard() -> type:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GuardedHttpToolsProtocol(_Guard, HttpToolsProtocol):
+        # Bytes received since the current request's headers began; None while a body is read.
+        _header_bytes: int | None = 0
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_bytes is not None:
+                # Counted before feeding: a chunk that completes the headers may carry body bytes.
+                if self._header_bytes > MAX_HEADER_BYTES:
+                    self.send_400_response("the request headers are too large")
+                    return
+                self._header_bytes += len(data)
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            self._header_bytes = None
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._header_bytes = 0  # a pipelined request's headers may follow in the same chunk
+            super().on_message_complete()
+
+    return GuardedHttpToolsProtocol
+
+
+def http_implementation() -> str:
+    """The HTTP parser the server runs: httptools (C, llhttp) where it is installed, else h11
+    (pure Python: about twice the API process's CPU a streamed token)."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+def guarded_protocol(table: ConnectionTable, implementation: str | None = None) -> type:
+    """uvicorn's HTTP protocol class (`implementation`: "httptools" or "h11"; unset:
+    `http_implementation()`), with `table`'s bounds and the header deadline."""
+    base = _httptools_guard() if (implementation or http_implementation()) == "httptools" else _h11_guard()
+    return type(base.__name__, (base,), {"table": table, "header_timeout_s": table.limits.header_timeout_s})
