@@ -52,9 +52,9 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 W8_KERNEL_MAX_ROWS = 64
 _KERNEL_ROWS = 16
 # Rows up to which SiLU-and-multiply runs in the int8 gate/up tile product's epilogue
-# (tandem/model/gate_up.py; benchmarks/gate_up_silu.py, 415M shapes): 0.90-0.94x the time of the
-# product then silu_mul at 1-64 rows; from 128 rows 1.06-1.22x (the product is bound by compute
-# there and the epilogue's arithmetic adds to it).
+# (tandem/model/gate_up.py; benchmarks/gate_up_silu.py, 415M shapes, three runs): 0.90-0.96x the
+# time of the product then silu_mul at 8-64 rows; from 128 rows 1.04-1.22x (the product is bound
+# by compute there and the epilogue's arithmetic adds to it).
 _FUSED_SILU_MAX_ROWS = 64
 
 
