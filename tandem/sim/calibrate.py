@@ -5,7 +5,9 @@ The profiler times steps of an engine alone on the machine, shape after shape; a
 steps come in the mixes real traffic makes, beside the processes serving it (the API process, the
 clients), and can cost more than the grid's steps of the same shapes (docs/simulator.md has the
 comparison). Fitting the same features on the served steps keeps what a serving engine pays, and any
-recorded deployment can calibrate the simulator. The engine loop's gap between busy steps is read
+recorded deployment can calibrate the simulator. Served steps also show where the linear model is
+biased for a kind of step (full prompt chunks, full decode batches) and for what ran just before a step: each (prompt tokens,
+decode rows) cell and each (step kind, history) class gets a factor (`fit_factors`). The engine loop's gap between busy steps is read
 from the same trace; transfers and the front end's ingress and delivery times are taken from a base
 model (a profile), since a step trace does not time them.
 """
@@ -15,18 +17,27 @@ from __future__ import annotations
 import bisect
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import date
 from typing import Any
 
 from tandem.core.step_shape import StepShape
-from tandem.sim.cost import FRONT_END_FIELDS, FitError, FittedCost, fit_cost
+from tandem.sim.cost import FRONT_END_FIELDS, FitError, FittedCost, fit_cost, shape_cell
+from tandem.sim.step_history import histories
+from tandem.sim.step_history import kind as step_kind
 
-# Steps kept for the fit (an even sample of longer traces): forward feature selection refits the
-# model per fold and candidate, and a few thousand steps already pin every coefficient.
+# Steps the linear fit uses at most (a random sample of longer traces): forward feature selection
+# refits the model per fold and candidate, and a few thousand steps already pin every coefficient.
 MAX_FIT_STEPS = 2000
 HELD_OUT_FRACTION = 0.25
+# A shape cell's correction is shrunk toward 1 as if this many more of its steps had cost what the
+# linear model says: a cell of a few steps moves little, one of hundreds takes its own mean.
+CORRECTION_PRIOR_STEPS = 5
+# Corrections closer to 1 than this are left out (within the timer's and the machine's noise).
+MIN_CORRECTION = 0.01
+# The shape-cell and step-history factors are fitted in turn, each on what the other leaves.
+FACTOR_ROUNDS = 3
 
 
 def read_traces(paths: Sequence[str | os.PathLike[str]]) -> list[list[dict[str, Any]]]:
@@ -36,11 +47,15 @@ def read_traces(paths: Sequence[str | os.PathLike[str]]) -> list[list[dict[str, 
     return [read_step_trace(path) for path in paths]
 
 
-def steps_of(traces: Sequence[Sequence[dict[str, Any]]]) -> list[tuple[StepShape, float]]:
-    """(shape, seconds) of every step in the traces."""
+def steps_of(traces: Sequence[Sequence[dict[str, Any]]]) -> list[tuple[StepShape, float, int]]:
+    """(shape, seconds, history) of every step in the traces (`tandem.sim.step_history`)."""
     from tandem.engine.step_trace import line_shape
 
-    return [(line_shape(line), float(line["seconds"])) for lines in traces for line in lines]
+    return [
+        (line_shape(line), float(line["seconds"]), history)
+        for lines in traces
+        for line, history in zip(lines, histories(lines))
+    ]
 
 
 def mean_loop_gap(traces: Sequence[Sequence[dict[str, Any]]], default: float) -> float:
@@ -72,26 +87,26 @@ def calibrate(
     points = steps_of(traces)
     if len(points) < 8:
         raise ValueError(f"a step trace of {len(points)} steps is too short to fit a cost model (8 at least)")
-    if len(points) > MAX_FIT_STEPS:
-        stride = len(points) / MAX_FIT_STEPS
-        points = [points[int(i * stride)] for i in range(MAX_FIT_STEPS)]
     random.Random(seed).shuffle(points)
-    cut = int(len(points) * (1 - HELD_OUT_FRACTION))
+    # Held out: a fraction of what the linear fit may use; the fit takes a sample of the rest, the
+    # shape corrections all of it.
+    held = int(min(len(points), MAX_FIT_STEPS) * HELD_OUT_FRACTION)
+    test, rest = points[:held], points[held:]
+    train = rest[: MAX_FIT_STEPS - held]
     dropped = ("points", "transfers", "note", "measured_on", "grid", "noise_percent", "profile_seconds")
     meta: dict[str, Any] = {k: v for k, v in base.meta.items() if k not in dropped}
     meta.update(
         source="step trace",
         step_traces=[os.path.basename(str(p)) for p in paths],
-        steps_fitted=cut,
+        steps_fitted=len(train),
         measured_on=date.today().isoformat(),
         base_model=base.name,
     )
-    train, test = points[:cut], points[cut:]
-    selected = fit_cost(name or f"{base.name}-served", train, [])
+    selected = fit_cost(name or f"{base.name}-served", [(s, t) for s, t, _ in train], [])
     # The fit minimises relative error, which leaves the total under the traced one; queueing
     # delays near capacity grow steeply with the total busy time, so scale the coefficients to
     # the traced steps' total.
-    scale = sum(t for _, t in train) / sum(selected.step_seconds(s) for s, _ in train)
+    scale = sum(t for _, t, _ in train) / sum(selected.step_seconds(s) for s, _, _ in train)
     meta["total_scale"] = round(scale, 4)
     model = FittedCost(
         selected.name,
@@ -105,8 +120,52 @@ def calibrate(
         **{name: getattr(base, name) for name in FRONT_END_FIELDS},
         meta=meta,
     )
-    error = FitError.of([model.step_seconds(s) for s, _ in test], [t for _, t in test], len(train))
+    corrections, transitions = fit_factors(model, rest)
+    meta.update(corrected_cells=len(corrections), steps_for_corrections=len(rest))
+    model = replace(model, corrections=corrections, transitions=transitions)
+    error = FitError.of([model.step_seconds(s, h) for s, _, h in test], [t for _, t, _ in test], len(train))
     return replace(model, fit_error=error)
+
+
+Factors = dict[tuple[int, int], float]
+
+
+def fit_factors(model: FittedCost, points: Sequence[tuple[StepShape, float, int]]) -> tuple[Factors, Factors]:
+    """Factors on `model`'s linear seconds for the traced steps: per shape cell (`shape_cell`) and
+    per (step kind, history) class (`tandem.sim.step_history`), each table fitted on what the other
+    leaves, FACTOR_ROUNDS times in turn."""
+    cells: Factors = {}
+    classes: Factors = {}
+    for _ in range(FACTOR_ROUNDS):
+        with_classes = replace(model, corrections={}, transitions=classes)
+        cells = _factor_table(points, with_classes.step_seconds, lambda shape, _: shape_cell(shape))
+        with_cells = replace(model, corrections=cells, transitions={})
+        classes = _factor_table(points, with_cells.step_seconds, lambda shape, history: (step_kind(shape), history))
+    return cells, classes
+
+
+def _factor_table(
+    points: Sequence[tuple[StepShape, float, int]],
+    predict: Callable[[StepShape, int], float],
+    key: Callable[[StepShape, int], tuple[int, int]],
+) -> Factors:
+    """Per key: the traced seconds over the predicted, shrunk toward 1 by CORRECTION_PRIOR_STEPS;
+    keys within MIN_CORRECTION of 1 are left out."""
+    sums: dict[tuple[int, int], list[float]] = {}
+    for shape, seconds, history in points:
+        acc = sums.setdefault(key(shape, history), [0.0, 0.0, 0.0])
+        acc[0] += seconds
+        acc[1] += predict(shape, history)
+        acc[2] += 1
+    out: Factors = {}
+    for k, (real, predicted, n) in sums.items():
+        if predicted <= 0:
+            continue
+        prior = CORRECTION_PRIOR_STEPS * predicted / n  # that many steps at the model's own mean
+        factor = (real + prior) / (predicted + prior)
+        if abs(factor - 1.0) >= MIN_CORRECTION:
+            out[k] = round(factor, 4)
+    return out
 
 
 def co_run_penalty(lines: Sequence[dict[str, Any]], model: FittedCost) -> float:
@@ -127,7 +186,7 @@ def co_run_penalty(lines: Sequence[dict[str, Any]], model: FittedCost) -> float:
         k += d
         times.append(t)
         levels.append(k)
-    work = sum(model.step_seconds(line_shape(line)) for line in lines)
+    work = sum(model.step_seconds(line_shape(line), h) for line, h in zip(lines, histories(lines)))
 
     def covered(p: float) -> float:
         """Sum over steps of their span weighted by the rate at each moment."""

@@ -4,8 +4,10 @@ The simulator runs Tandem's real scheduler and asks a `CostModel` for the durati
 place of running the model. Two kinds:
 
 - `FittedCost`: a linear model over features of the step (tokens, rows, context, attention work),
-  fitted by non-negative least squares on steps timed on a real engine (`tandem.sim.profile`).
-  It is only as good as the machine and model it was measured on, and says how good in `fit_error`.
+  fitted by non-negative least squares on steps timed on a real engine (`tandem.sim.profile`), with
+  a factor per (prompt tokens, decode rows) cell where served steps show the linear model's bias
+  (`tandem.sim.calibrate`). It is only as good as the machine and model it was measured on, and
+  says how good in `fit_error`.
 - `RooflineCost`: derived from a model's shape and a GPU's spec numbers (peak FLOP/s, memory
   bandwidth), for hardware we cannot measure: a step costs a fixed overhead plus the larger of its
   compute time and its memory-traffic time.
@@ -31,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from tandem.core.step_shape import StepShape
+from tandem.sim.step_history import kind as step_kind
 
 FITTED = "fitted"
 ROOFLINE = "roofline"
@@ -58,7 +61,10 @@ class CostModel(Protocol):
     @property
     def name(self) -> str: ...
 
-    def step_seconds(self, shape: StepShape) -> float: ...
+    def step_seconds(self, shape: StepShape, history: int | None = None) -> float:
+        """Seconds of a step of `shape`; `history` (`tandem.sim.step_history`) says what the engine
+        ran just before, for models that tell those apart (None: not known)."""
+        ...
 
     def transfer_seconds(self, num_blocks: int) -> float:
         """Moving `num_blocks` KV blocks between instances (send, receive and copy into the cache)."""
@@ -126,6 +132,21 @@ def feature_matrix(shapes: Sequence[StepShape], names: Sequence[str]) -> np.ndar
     return np.array([[FEATURES[n](s) for n in names] for s in shapes], dtype=np.float64).reshape(
         len(shapes), len(names)
     )
+
+
+def size_bin(n: int) -> int:
+    """Half-octave bin of a count: 0 and 1 on their own, then two bins per power of two (2, 3, 4-5,
+    6-7, 8-11, 12-15, 16-23, ...)."""
+    if n <= 1:
+        return max(n, 0)
+    top = n.bit_length()
+    return 2 * top - 2 + ((n >> (top - 2)) & 1)
+
+
+def shape_cell(shape: StepShape) -> tuple[int, int]:
+    """The (prompt tokens, decode rows) cell of a step shape, each a `size_bin`: where a fitted
+    model's shape corrections apply."""
+    return size_bin(shape.prefill_tokens), size_bin(shape.decode_rows)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -287,6 +308,16 @@ class FittedCost(ServingTimes):
     api_token_s: float = 0.0
     client_message_s: float = 0.0
     client_token_s: float = 0.0
+    # Factors on the linear model's seconds per shape cell (`shape_cell`): a step's real cost is not
+    # linear in its size (on the Sapphire Rapids VM a prompt chunk's tokens get cheaper as the chunk
+    # grows and a decode row dearer as the batch grows), and a fit to served steps, most of them
+    # small, misses both ends by 10-15%: the full prompt chunks of a burst and the full decode
+    # batches of an overloaded engine. Measured per cell on served steps (`tandem.sim.calibrate`);
+    # a cell without one keeps the linear seconds.
+    corrections: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    # Factors per (step kind, history) class (`tandem.sim.step_history`): what the step before left
+    # in the caches. Measured on served steps with the cell corrections; applied on top of them.
+    transitions: Mapping[tuple[int, int], float] = field(default_factory=dict)
     # Free-form provenance: what was measured where and when (model, threads, dtype, machine, note,
     # the measurements themselves); kept through save and load, never read by the model.
     meta: Mapping[str, Any] = field(default_factory=dict)
@@ -301,12 +332,16 @@ class FittedCost(ServingTimes):
             raise ValueError(f"unknown cost features {sorted(unknown)}; known: {sorted(FEATURES)}")
         object.__setattr__(self, "_terms", tuple((c, FEATURES[n]) for n, c in self.coefficients.items()))
 
-    def step_seconds(self, shape: StepShape) -> float:
+    def step_seconds(self, shape: StepShape, history: int | None = None) -> float:
         if shape.num_requests == 0:
             return 0.0
         total = 0.0
         for c, feature in self._terms:
             total += c * feature(shape)
+        if self.corrections:
+            total *= self.corrections.get(shape_cell(shape), 1.0)
+        if history is not None and self.transitions:
+            total *= self.transitions.get((step_kind(shape), history), 1.0)
         return total
 
     def transfer_seconds(self, num_blocks: int) -> float:
@@ -323,12 +358,17 @@ class FittedCost(ServingTimes):
             "transfer_fit_error": None
             if self.transfer_fit_error is None
             else asdict(self.transfer_fit_error),
+            # [prompt-token bin, decode-row bin, factor] (JSON has no tuple keys)
+            "corrections": [[p, d, f] for (p, d), f in sorted(self.corrections.items())],
+            # [step kind, history, factor]
+            "transitions": [[k, h, f] for (k, h), f in sorted(self.transitions.items())],
             **dict(self.meta),
         }
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> FittedCost:
-        own = {"kind", "name", "coefficients", "transfer", "fit_error", "transfer_fit_error", *SERVING_FIELDS}
+        own = {"kind", "name", "coefficients", "transfer", "fit_error", "transfer_fit_error", "corrections",
+               "transitions", *SERVING_FIELDS}
         transfer = d.get("transfer") or {}
         return FittedCost(
             name=str(d["name"]),
@@ -337,6 +377,8 @@ class FittedCost(ServingTimes):
             transfer_per_block_s=float(transfer.get("per_block_s", 0.0)),
             fit_error=FitError(**d["fit_error"]) if d.get("fit_error") else None,
             transfer_fit_error=FitError(**d["transfer_fit_error"]) if d.get("transfer_fit_error") else None,
+            corrections={(int(p), int(b)): float(f) for p, b, f in d.get("corrections") or []},
+            transitions={(int(k), int(h)): float(f) for k, h, f in d.get("transitions") or []},
             **serving_of(d),
             meta={k: v for k, v in d.items() if k not in own},
         )
@@ -449,7 +491,7 @@ class RooflineCost(ServingTimes):
         hw = self.hardware
         return self.bytes(shape) / (hw.memory_bandwidth * hw.bandwidth_efficiency)
 
-    def step_seconds(self, shape: StepShape) -> float:
+    def step_seconds(self, shape: StepShape, history: int | None = None) -> float:
         if shape.num_requests == 0:
             return 0.0
         return self.hardware.step_overhead_s + max(self.compute_seconds(shape), self.memory_seconds(shape))

@@ -2,7 +2,8 @@
 instead of the model forward.
 
 Each step is planned by `Scheduler.schedule()` exactly as in the engine; its duration comes from
-the cost model (`cost.step_seconds(shape_of(plan))`); when it ends, every request whose computed
+the cost model (`cost.step_seconds(shape_of(plan), history)`, the history being what this instance
+ran just before: `tandem.sim.step_history`); when it ends, every request whose computed
 tokens reach its known tokens "samples" a token (a fixed id: simulated requests ignore EOS and
 run to their output length), and `Scheduler.update` does the rest (forks, stops, prefix cache).
 """
@@ -19,6 +20,7 @@ from tandem.core.scheduler import Scheduler
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.core.step_shape import StepShape, shape_of
 from tandem.sim.cost import CostModel
+from tandem.sim.step_history import StepHistory
 
 # The token every simulated request samples (never an EOS: they stop at their output length).
 SIM_TOKEN = 7
@@ -62,6 +64,7 @@ class SimInstance:
         # step trace records them (tandem/engine/step_trace.py); None unless asked for.
         self.steps: list[tuple[float, float, StepShape, int]] | None = [] if record_steps else None
         self._started: tuple[float, StepShape, int] | None = None  # the working step under way
+        self.history = StepHistory()
 
     @property
     def has_work(self) -> bool:
@@ -85,7 +88,7 @@ class SimInstance:
         self.plan = plan
         shape = shape_of(plan)
         self._started = (self._clock[0], shape, self.scheduler.num_waiting)
-        return self.cost.step_seconds(shape)
+        return self.cost.step_seconds(shape, self.history.before(self._clock[0]))
 
     def finish_step(self) -> list[Request]:
         """End the step under way; the requests that gained a token."""
@@ -96,6 +99,7 @@ class SimInstance:
             start, shape, waiting = self._started
             self._started = None
             self.busy_s += self._clock[0] - start
+            self.history.after(shape, self._clock[0])
             if self.steps is not None:
                 self.steps.append((start, self._clock[0] - start, shape, waiting))
         self.num_steps += 1

@@ -706,6 +706,12 @@ def describe(model: FittedCost) -> str:
             f"  fit error on {e.num_test} held-out shapes ({e.num_train} fitted): "
             f"mean {e.mape:.1f}%, P90 {e.p90:.1f}%, max {e.max:.1f}%"
         )
+    if model.corrections:
+        factors = model.corrections.values()
+        lines.append(
+            f"  shape corrections: {len(model.corrections)} cells of (prompt tokens, decode rows),"
+            f" factors {min(factors):.2f}-{max(factors):.2f} on the linear seconds"
+        )
     noise = model.meta.get("noise_percent")
     if noise is not None:
         lines.append(f"  timer noise: steps of one shape varied by {noise:.1f}% (median absolute deviation)")

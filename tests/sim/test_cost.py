@@ -32,7 +32,9 @@ from tandem.sim.cost import (
     nnls,
     save_cost,
     select_features,
+    shape_cell,
     shipped_cost_path,
+    size_bin,
 )
 
 LLAMA3_8B = ModelShape(
@@ -102,6 +104,7 @@ def test_fitted_cost_round_trips_through_json(tmp_path: Path):
         api_message_s=3e-4,
         api_token_s=8e-5,
         client_token_s=1.2e-4,
+        corrections={(0, 10): 1.12, (17, 9): 0.9},
         meta={"note": "synthetic", "threads": 1},
     )
     path = tmp_path / "fitted.json"
@@ -120,13 +123,28 @@ def test_fitted_cost_round_trips_through_json(tmp_path: Path):
     assert (loaded.delivery_seconds(), loaded.ingress_seconds(), loaded.loop_gap_seconds()) == (0.012, 0.002, 3e-4)
     assert isinstance(loaded, CostModel)
     assert loaded.front_end_cpu() == FrontEndCpu(3e-4, 8e-5, 0.0, 1.2e-4)
-    # A file written before the ingress, loop-gap and front-end times existed loads with them at 0.
+    # 32-47 decode rows and no prompt: the (0, 10) cell's factor on the linear seconds.
+    assert loaded.step_seconds(decode(32, 100)) == pytest.approx(1.12 * (1e-3 + 32 * 2e-5 + 3200 * 3e-9))
+    # A file written before the ingress, loop-gap, front-end times and corrections existed loads
+    # with them at 0 (none).
     old = json.loads(path.read_text())
     del old["ingress_s"], old["loop_gap_s"], old["api_message_s"], old["api_token_s"], old["client_token_s"]
+    del old["corrections"]
     path.write_text(json.dumps(old))
     older = load_cost(path)
     assert (older.ingress_seconds(), older.loop_gap_seconds(), older.delivery_seconds()) == (0.0, 0.0, 0.012)
     assert not older.front_end_cpu().measured
+    assert older.step_seconds(decode(32, 100)) == pytest.approx(1e-3 + 32 * 2e-5 + 3200 * 3e-9)
+
+
+def test_size_bins_are_half_octaves():
+    bins = [size_bin(n) for n in range(0, 66)]
+    assert bins[:8] == [0, 1, 2, 3, 4, 4, 5, 5]
+    assert [size_bin(n) for n in (8, 11, 12, 15, 16, 23, 24, 31, 32, 47, 48, 63, 64)] == [
+        6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12
+    ]
+    assert bins == sorted(bins)  # monotone: neighbouring sizes share a bin or the next one
+    assert shape_cell(StepShape(400, 32, 9000, 34)) == (size_bin(400), size_bin(32)) == (17, 10)
 
 
 def test_roofline_cost_round_trips_through_json(tmp_path: Path):
@@ -391,6 +409,42 @@ def test_calibrate_fits_the_traced_steps_and_keeps_the_base_transfer_and_deliver
     short.close()
     with pytest.raises(ValueError, match="too short"):
         calibrate([few], base)
+
+
+def test_calibrate_corrects_the_shapes_a_linear_model_misses(tmp_path):
+    """Steps whose cost is convex in the decode rows (as full batches are on a CPU): the linear fit
+    leaves full batches and single rows tens of percent off; the cell corrections bring every cell
+    with enough steps within a few percent, on held-out steps too, and a cell of a few steps moves
+    only part of the way."""
+    from tandem.engine.step_trace import StepTrace
+    from tandem.sim.calibrate import calibrate
+
+    def seconds(shape: StepShape) -> float:
+        return 0.002 + 5e-5 * shape.prefill_tokens + 1e-4 * shape.decode_rows + 3e-6 * shape.decode_rows**2
+
+    path = tmp_path / "steps.jsonl"
+    trace = StepTrace(path)
+    rng = random.Random(0)
+    start = 0.0
+    shapes = [decode(rng.choice([1, 2, 4, 8, 16, 24, 32, 32, 32]), 200) for _ in range(1500)]
+    shapes += [StepShape(rng.randrange(32, 512), 4, 2000, 5) for _ in range(300)]
+    shapes += [decode(64, 200)] * 3  # a rare shape: 3 steps of their own cell
+    for shape in shapes:
+        trace.record(start, seconds(shape), shape, 0)
+        start += seconds(shape) + 4e-4
+    trace.close()
+    fitted = calibrate([path], FittedCost("base", {"const": 0.1}))
+    linear = FittedCost("linear", fitted.coefficients)
+    rows = [1, 2, 4, 8, 16, 24, 32]
+    assert max(abs(linear.step_seconds(decode(r, 200)) / seconds(decode(r, 200)) - 1) for r in rows) > 0.08
+    for r in rows:
+        assert fitted.step_seconds(decode(r, 200)) == pytest.approx(seconds(decode(r, 200)), rel=0.02)
+    rare = decode(64, 200)
+    assert abs(linear.step_seconds(rare) - seconds(rare)) > abs(fitted.step_seconds(rare) - seconds(rare)) > 0.02 * seconds(rare)
+    assert fitted.fit_error is not None and fitted.fit_error.mape < 3.0
+    assert fitted.meta["corrected_cells"] == len(fitted.corrections) > 0
+    save_cost(fitted, tmp_path / "fitted.json")
+    assert load_cost(tmp_path / "fitted.json").step_seconds(rare) == fitted.step_seconds(rare)
 
 
 def test_front_end_cpu_splits_into_per_message_and_per_token():

@@ -30,7 +30,7 @@ class LinearToy:
     penalty: float = 0.0
     front_end: FrontEndCpu = NO_FRONT_END
 
-    def step_seconds(self, shape: StepShape) -> float:
+    def step_seconds(self, shape: StepShape, history: int | None = None) -> float:
         return 0.005 + 1e-4 * shape.prefill_tokens + 2e-4 * shape.decode_rows
 
     def transfer_seconds(self, num_blocks: int) -> float:
