@@ -67,12 +67,13 @@ def step_view(path: str, cost_path: str | None) -> dict[str, float]:
     from tandem.engine.step_trace import line_shape, loop_gaps, read_step_trace
     from tandem.sim.cli import DEFAULT_COST
     from tandem.sim.cost import load_cost
+    from tandem.sim.step_history import histories
 
     lines = read_step_trace(path) if Path(path).exists() else []
     if not lines:
         return {}
     cost = load_cost(cost_path or str(DEFAULT_COST))
-    predicted = [cost.step_seconds(line_shape(line)) for line in lines]
+    predicted = [cost.step_seconds(line_shape(line), h) for line, h in zip(lines, histories(lines))]
     busy_gaps = loop_gaps(lines)
     ratios = sorted(line["seconds"] / p for line, p in zip(lines, predicted) if p > 0)
     decode_only = [(line["seconds"], p) for line, p in zip(lines, predicted) if line["prefill_tokens"] == 0]
