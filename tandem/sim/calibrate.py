@@ -6,10 +6,11 @@ steps come in the mixes real traffic makes, beside the processes serving it (the
 clients), and can cost more than the grid's steps of the same shapes (docs/simulator.md has the
 comparison). Fitting the same features on the served steps keeps what a serving engine pays, and any
 recorded deployment can calibrate the simulator. Served steps also show where the linear model is
-biased for a kind of step (full prompt chunks, full decode batches) and for what ran just before a step: each (prompt tokens,
-decode rows) cell and each (step kind, history) class gets a factor (`fit_factors`). The engine loop's gap between busy steps is read
-from the same trace; transfers and the front end's ingress and delivery times are taken from a base
-model (a profile), since a step trace does not time them.
+biased, for a kind of step (full prompt chunks, full decode batches) and for what ran just before
+a step: each (prompt tokens, decode rows) cell and each (step kind, history) class gets a factor
+(`fit_factors`). The engine loop's gap between busy steps is read from the same trace; transfers
+and the front end's ingress and delivery times are taken from a base model (a profile), since a
+step trace does not time them.
 """
 
 from __future__ import annotations

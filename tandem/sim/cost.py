@@ -5,9 +5,9 @@ place of running the model. Two kinds:
 
 - `FittedCost`: a linear model over features of the step (tokens, rows, context, attention work),
   fitted by non-negative least squares on steps timed on a real engine (`tandem.sim.profile`), with
-  a factor per (prompt tokens, decode rows) cell where served steps show the linear model's bias
-  (`tandem.sim.calibrate`). It is only as good as the machine and model it was measured on, and
-  says how good in `fit_error`.
+  factors per (prompt tokens, decode rows) cell and per step history (what ran just before) where
+  served steps show the linear model's bias (`tandem.sim.calibrate`). It is only as good as the
+  machine and model it was measured on, and says how good in `fit_error`.
 - `RooflineCost`: derived from a model's shape and a GPU's spec numbers (peak FLOP/s, memory
   bandwidth), for hardware we cannot measure: a step costs a fixed overhead plus the larger of its
   compute time and its memory-traffic time.

@@ -92,9 +92,10 @@ def test_calibrate_fits_what_the_step_before_costs(tmp_path: Path):
                 shape = decode(rng.randrange(1, 12))
             base = 0.002 + 5e-5 * shape.tokens + 1e-4 * shape.decode_rows
             h = history.before(start)
-            factor = {AFTER_LARGE_PROMPT: 1.3, SECOND_AFTER_PROMPT: 1.15}.get(h, 1.0) if shape.prefill_tokens == 0 else 1.0
-            if shape.prefill_tokens and h == AFTER_LARGE_PROMPT:
-                factor = 0.85
+            if shape.prefill_tokens == 0:
+                factor = {AFTER_LARGE_PROMPT: 1.3, SECOND_AFTER_PROMPT: 1.15}.get(h, 1.0)
+            else:
+                factor = 0.85 if h == AFTER_LARGE_PROMPT else 1.0
             seconds = base * factor
             trace.record(start, seconds, shape, 0)
             out.append((shape, seconds, h))
@@ -118,7 +119,8 @@ def test_calibrate_fits_what_the_step_before_costs(tmp_path: Path):
     again = load_cost(tmp_path / "fitted.json")
     assert again.step_seconds(decode(4), AFTER_LARGE_PROMPT) == fitted.step_seconds(decode(4), AFTER_LARGE_PROMPT)
     # Without a history (a caller that does not track one) the class factors are not applied.
-    assert fitted.step_seconds(decode(4)) == FittedCost("x", fitted.coefficients, corrections=fitted.corrections).step_seconds(decode(4))
+    cells_only = FittedCost("x", fitted.coefficients, corrections=fitted.corrections)
+    assert fitted.step_seconds(decode(4)) == cells_only.step_seconds(decode(4))
 
 
 def test_the_simulated_instance_charges_the_step_before():
