@@ -712,6 +712,12 @@ def describe(model: FittedCost) -> str:
             f"  shape corrections: {len(model.corrections)} cells of (prompt tokens, decode rows),"
             f" factors {min(factors):.2f}-{max(factors):.2f} on the linear seconds"
         )
+    if model.transitions:
+        factors = model.transitions.values()
+        lines.append(
+            f"  step history: {len(model.transitions)} (step kind, what ran before) classes,"
+            f" factors {min(factors):.2f}-{max(factors):.2f} on top"
+        )
     noise = model.meta.get("noise_percent")
     if noise is not None:
         lines.append(f"  timer noise: steps of one shape varied by {noise:.1f}% (median absolute deviation)")

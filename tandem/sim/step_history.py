@@ -35,7 +35,6 @@ SECOND_AFTER_PROMPT = 3  # the second step after one with a prompt chunk
 STEADY = 4  # later, or no prompt chunk since the engine last sat idle
 
 
-
 def kind(shape: StepShape) -> int:
     if shape.prefill_tokens <= 0:
         return DECODE
