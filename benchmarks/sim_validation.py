@@ -12,6 +12,12 @@ relative error of each, and writes them as JSON. Each row is also simulated with
 on that row's real steps ("in-sample"): what is left then is the schedule's error, not the step
 costs'.
 
+With `--calibrate`, a calibration trace (other seeds) is served first and the cost model fitted on
+its recorded steps; with `--calibration-rounds K` it is served K times, each round just before one
+of the first K load levels' real runs, and the model is fitted on all rounds together, so its
+steps come from across the minutes the real runs span. The simulations run once every level has
+been served.
+
 Both sides also write a per-step trace (the engine's `--step-trace`, the simulator's own), compared
 as: steps, tokens per step, the engine loop's gap between consecutive busy steps (work the cost
 model does not see: receiving requests, sending outputs) and, for the real steps, their recorded
@@ -188,57 +194,105 @@ def workload(num: int, rate: float, seed: int) -> Any:
     return synthetic(num, rate, burstiness=1.0, prompt_len=(32, 512), output_len=(16, 128), seed=seed)
 
 
-def calibrated_cost(
-    model: str, a: argparse.Namespace, base_cost: str | None, instances: int, tmp: str, alone: str | None = None
-) -> str:
-    """Serve a calibration trace on `instances` instances with a step trace and fit the cost model
-    on their steps; the path of the fitted model. The trace (seed 11, not the validation traces')
-    runs each load level in turn, `--calibration-requests` at each (default: as many as a validation
-    run), so the fit sees the batch shapes of light load and of an overloaded engine alike: fitted
-    near capacity only, a linear model extrapolates badly to 32-row decode steps, and with a third
-    of the requests at each level the overloaded stretch was too short to hold the full-batch decode
-    steps that are most of an overloaded run's time. One instance fits the steps of an engine alone on
-    this machine; several (`alone`: the one-instance fit) fit how much their steps slow each other
-    down on its two cores (`calibrate_co_run`), the steps themselves staying `alone`'s."""
+def serve_calibration(model: str, a: argparse.Namespace, instances: int, tmp: str, round_: int = 0) -> str:
+    """Serve a calibration trace on `instances` instances with a step trace; the trace's path. The
+    trace (seeds 11 on, not the validation traces') runs each load level in turn,
+    `--calibration-requests` at each (default: as many as a validation run), so the fit sees the
+    batch shapes of light load and of an overloaded engine alike: fitted near capacity only, a linear
+    model extrapolates badly to 32-row decode steps, and with a third of the requests at each level
+    the overloaded stretch was too short to hold the full-batch decode steps that are most of an
+    overloaded run's time. Each round (`round_`) draws its own requests."""
     from dataclasses import replace
 
-    from tandem.sim.calibrate import calibrate, calibrate_co_run, load_base
-    from tandem.sim.cost import FittedCost, load_cost, save_cost
     from tandem.sim.trace import Trace, save_trace
 
     rates = [float(x) * instances for x in a.rates.split(",")]
     per = max(1, a.calibration_requests or a.num_requests)
     requests, start = [], 0.0
     for i, rate in enumerate(rates):
-        part = workload(per, rate, seed=11 + i)
+        part = workload(per, rate, seed=11 + i + 100 * round_)
         requests += [replace(r, arrival_s=r.arrival_s + start) for r in part.requests]
         # The next level starts once this one's backlog has had time to drain.
         start = requests[-1].arrival_s + CALIBRATION_GAP_S
-    path = str(Path(tmp) / f"calibration-{instances}.jsonl")
-    steps = str(Path(a.step_trace_dir or tmp) / f"calibration-steps-{instances}.jsonl")
+    path = str(Path(tmp) / f"calibration-{instances}-{round_}.jsonl")
+    steps = str(Path(a.step_trace_dir or tmp) / f"calibration-steps-{instances}-{round_}.jsonl")
     Path(steps).parent.mkdir(parents=True, exist_ok=True)
     Path(steps).unlink(missing_ok=True)
     save_trace(Trace(requests, hash_block_tokens=16, name="calibration"), path)
     levels = ", ".join(f"{r:g}" for r in rates)
-    print(f"\n== calibration run: {instances} instance(s), {per} requests at each of {levels} req/s (seed 11)",
+    print(f"\n== calibration run {round_ + 1}: {instances} instance(s), {per} requests at each of {levels} req/s",
           flush=True)
     real(model, path, instances, len(requests), a.pin, steps)
+    return steps
+
+
+def fit_calibration(
+    steps: list[str], base_cost: str | None, instances: int, out_dir: str, alone: str | None = None
+) -> str:
+    """The cost model fitted on the calibration runs' steps (all rounds together); its path. One
+    instance fits the steps of an engine alone on this machine; several (`alone`: the one-instance
+    fit) fit how much their steps slow each other down on its two cores (`calibrate_co_run`), the
+    steps themselves staying `alone`'s."""
+    from tandem.sim.calibrate import calibrate, calibrate_co_run, load_base
+    from tandem.sim.cost import FittedCost, load_cost, save_cost
+
     if instances == 1:
-        fitted = calibrate([steps], load_base(base_cost))
+        fitted = calibrate(steps, load_base(base_cost))
     else:
         one = load_cost(alone) if alone else None
         if not isinstance(one, FittedCost):
             raise ValueError("several instances calibrate on a fitted one-instance model")
-        fitted = calibrate_co_run([steps], one)
-    out = str(Path(a.step_trace_dir or tmp) / f"calibrated-cost-{instances}.json")
+        fitted = calibrate_co_run(steps, one)
+    out = str(Path(out_dir) / f"calibrated-cost-{instances}.json")
     save_cost(fitted, out)
     err = fitted.fit_error
     coef = ", ".join(f"{k} {v:.3g}" for k, v in fitted.coefficients.items())
-    print(f"  fitted on {fitted.meta.get('steps_fitted')} served steps: {coef}"
+    print(f"\n== cost model for {instances} instance(s) from {len(steps)} calibration run(s): fitted on "
+          f"{fitted.meta.get('steps_fitted')} served steps: {coef}"
           + (f"; held-out error mean {err.mape:.1f}%, P90 {err.p90:.1f}%" if err else "")
           + f"; loop gap {fitted.loop_gap_s * 1e3:.2f} ms, ingress {fitted.ingress_s * 1e3:.2f} ms,"
           f" delivery {fitted.delivery_s * 1e3:.2f} ms, co-run penalty {fitted.co_run_penalty:.3f}", flush=True)
     return out
+
+
+def compare(n: int, rate: float, path: str, real_steps: list[str], runs: list[dict[str, float]],
+            cost: str | None, keep: Path, tmp: str) -> dict[str, Any]:
+    """One row: the level's real runs against its simulation (and the in-sample one), printed; the
+    row's JSON."""
+    print(f"\n== {n} instance(s), {rate * n:g} req/s", flush=True)
+    sim_steps = str(keep / f"sim-{n}-{rate:g}.jsonl")
+    Path(sim_steps).unlink(missing_ok=True)
+    sim = simulated(path, n, cost, sim_steps)
+    got = {k: sum(run[k] for run in runs) / len(runs) for k in runs[0]}
+    # How far the real runs of one trace fall from their own mean: the floor under any error.
+    spread = {k: max(abs(run[k] - got[k]) / got[k] for run in runs) for k in METRIC_KEYS if got[k]}
+    err = {k: (sim[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
+    steps = {"real": step_view(real_steps[0], cost), "simulated": step_view(sim_steps, cost)}
+    own = in_sample(path, n, real_steps, cost, tmp)
+    own_err = {k: (own[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
+    for key, title in METRICS:
+        print(f"  {title:<14} real {got[key]:9.1f} (runs within {spread.get(key, 0):5.1%})  sim {sim[key]:9.1f}"
+              f"  error {err[key]:+7.1%}", flush=True)
+    print(f"  server's view: TTFT {got['ttft_server_mean']:.1f} ms = queue {got['queue_mean']:.1f}"
+          f" + prefill {got['prefill_mean']:.1f}", flush=True)
+    print(f"  engine steps real {got['engine_steps']:.0f} in {got['engine_busy_s']:.1f} s,"
+          f" sim {sim['engine_steps']:.0f} in {sim['engine_busy_s']:.1f} s", flush=True)
+    cpu = ", ".join(f"{k.removesuffix('_cpu_s')} {v:.1f} s" for k, v in got.items() if k.endswith("_cpu_s"))
+    print(f"  CPU time over the run of {got['duration_s']:.1f} s: {cpu}", flush=True)
+    print("  in-sample (cost fitted on this run's own steps): "
+          + ", ".join(f"{title} {own_err[key]:+.1%}" for key, title in METRICS), flush=True)
+    rs, ss = steps["real"], steps["simulated"]
+    if rs and ss:
+        print(f"  steps real / sim: {rs['trace_steps']} / {ss['trace_steps']}, tokens per step "
+              f"{rs['tokens_per_step']:.1f} / {ss['tokens_per_step']:.1f}, decode rows per step "
+              f"{rs['decode_rows_per_step']:.1f} / {ss['decode_rows_per_step']:.1f}, steps with prefill "
+              f"{rs['prefill_steps']} / {ss['prefill_steps']}", flush=True)
+        print(f"  real steps: loop gap {rs['loop_gap_ms']:.2f} ms per step ({rs['loop_gap_total_s']:.1f} s),"
+              f" measured / cost model {rs['step_over_model']:.2f} (median {rs['step_over_model_median']:.2f};"
+              f" decode-only {rs['decode_step_over_model']:.2f}, with prefill "
+              f"{rs['prefill_step_over_model']:.2f})", flush=True)
+    return {"instances": n, "rate": rate * n, "real": got, "real_runs": runs, "real_spread": spread,
+            "simulated": sim, "error": err, "steps": steps, "simulated_in_sample": own, "error_in_sample": own_err}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,69 +328,56 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --calibrate: requests at each load level of the calibration trace (default: --num-requests)",
     )
+    p.add_argument(
+        "--calibration-rounds",
+        type=int,
+        default=1,
+        help="with --calibrate: serve the calibration trace this many times, one round before each of "
+        "the first load levels' real runs (new requests each round), and fit on all of them together",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.instances, a.rates, a.num_requests, a.repeats = "1", "2,8", 40, 1
+    if a.calibration_rounds < 1:
+        p.error("--calibration-rounds must be at least 1")
     model = default_model_path()
     rows = []
     base_cost = a.cost
     costs_used = {}
     alone = a.alone_cost  # the one-instance calibration, which several instances build on
+    rates = [float(x) for x in a.rates.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
+        keep = Path(a.step_trace_dir or tmp)
+        keep.mkdir(parents=True, exist_ok=True)
         for n in [int(x) for x in a.instances.split(",")]:
+            if a.calibrate and n > 1 and alone is None:
+                alone_steps = [serve_calibration(model, a, 1, tmp, r) for r in range(a.calibration_rounds)]
+                alone = fit_calibration(alone_steps, base_cost, 1, str(keep))
+            calibration_steps: list[str] = []
+            served = []
+            for i, rate in enumerate(rates):
+                if a.calibrate and i < a.calibration_rounds:
+                    calibration_steps.append(serve_calibration(model, a, n, tmp, i))
+                trace = workload(a.num_requests, rate * n, seed=7)
+                path = str(Path(tmp) / f"trace-{n}-{rate}.jsonl")
+                save_trace(trace, path)
+                print(f"\n== {n} instance(s), {rate * n:g} req/s: {a.repeats} real run(s)", flush=True)
+                real_steps = [str(keep / f"real-{n}-{rate:g}-{r}.jsonl") for r in range(a.repeats)]
+                for old in real_steps:
+                    Path(old).unlink(missing_ok=True)
+                runs = [real(model, path, n, a.num_requests, a.pin, steps) for steps in real_steps]
+                served.append((rate, path, real_steps, runs))
+            for r in range(len(calibration_steps), a.calibration_rounds if a.calibrate else 0):
+                calibration_steps.append(serve_calibration(model, a, n, tmp, r))
             if a.calibrate:
-                if n > 1 and alone is None:
-                    alone = calibrated_cost(model, a, base_cost, 1, tmp)
-                a.cost = calibrated_cost(model, a, base_cost, n, tmp, alone)
+                a.cost = fit_calibration(calibration_steps, base_cost, n, str(keep), alone)
                 if n == 1:
                     alone = a.cost
             cost_used = load_cost(a.cost or str(DEFAULT_COST)).to_dict()
             keys = ("name", "coefficients", "fit_error", *SERVING_FIELDS, "meta")
             costs_used[n] = {k: cost_used[k] for k in keys if k in cost_used}
-            for rate in [float(x) for x in a.rates.split(",")]:
-                trace = workload(a.num_requests, rate * n, seed=7)
-                path = str(Path(tmp) / f"trace-{n}-{rate}.jsonl")
-                save_trace(trace, path)
-                print(f"\n== {n} instance(s), {rate * n:g} req/s", flush=True)
-                keep = Path(a.step_trace_dir or tmp)
-                keep.mkdir(parents=True, exist_ok=True)
-                sim_steps = str(keep / f"sim-{n}-{rate:g}.jsonl")
-                real_steps = [str(keep / f"real-{n}-{rate:g}-{r}.jsonl") for r in range(a.repeats)]
-                for old in (sim_steps, *real_steps):
-                    Path(old).unlink(missing_ok=True)
-                sim = simulated(path, n, a.cost, sim_steps)
-                runs = [real(model, path, n, a.num_requests, a.pin, steps) for steps in real_steps]
-                got = {k: sum(run[k] for run in runs) / len(runs) for k in runs[0]}
-                # How far the real runs of one trace fall from their own mean: the floor under any error.
-                spread = {k: max(abs(run[k] - got[k]) / got[k] for run in runs) for k in METRIC_KEYS if got[k]}
-                err = {k: (sim[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
-                steps = {"real": step_view(real_steps[0], a.cost), "simulated": step_view(sim_steps, a.cost)}
-                own = in_sample(path, n, real_steps, a.cost, tmp)
-                own_err = {k: (own[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
-                rows.append({"instances": n, "rate": rate * n, "real": got, "real_runs": runs, "real_spread": spread,
-                             "simulated": sim, "error": err, "steps": steps, "simulated_in_sample": own,
-                             "error_in_sample": own_err})
-                for key, title in METRICS:
-                    print(f"  {title:<14} real {got[key]:9.1f} (runs within {spread.get(key, 0):5.1%})  sim {sim[key]:9.1f}"
-                          f"  error {err[key]:+7.1%}", flush=True)
-                print(f"  server's view: TTFT {got['ttft_server_mean']:.1f} ms = queue {got['queue_mean']:.1f}"
-                      f" + prefill {got['prefill_mean']:.1f}", flush=True)
-                print(f"  engine steps real {got['engine_steps']:.0f} in {got['engine_busy_s']:.1f} s,"
-                      f" sim {sim['engine_steps']:.0f} in {sim['engine_busy_s']:.1f} s", flush=True)
-                cpu = ", ".join(f"{k.removesuffix('_cpu_s')} {v:.1f} s" for k, v in got.items() if k.endswith("_cpu_s"))
-                print(f"  CPU time over the run of {got['duration_s']:.1f} s: {cpu}", flush=True)
-                print("  in-sample (cost fitted on this run's own steps): "
-                      + ", ".join(f"{title} {own_err[key]:+.1%}" for key, title in METRICS), flush=True)
-                rs, ss = steps["real"], steps["simulated"]
-                if rs and ss:
-                    print(f"  steps real / sim: {rs['trace_steps']} / {ss['trace_steps']}, tokens per step "
-                          f"{rs['tokens_per_step']:.1f} / {ss['tokens_per_step']:.1f}, decode rows per step "
-                          f"{rs['decode_rows_per_step']:.1f} / {ss['decode_rows_per_step']:.1f}, steps with prefill "
-                          f"{rs['prefill_steps']} / {ss['prefill_steps']}", flush=True)
-                    print(f"  real steps: loop gap {rs['loop_gap_ms']:.2f} ms per step ({rs['loop_gap_total_s']:.1f} s),"
-                          f" measured / cost model {rs['step_over_model']:.2f} (median {rs['step_over_model_median']:.2f};"
-                          f" decode-only {rs['decode_step_over_model']:.2f}, with prefill "
-                          f"{rs['prefill_step_over_model']:.2f})", flush=True)
+            for rate, path, real_steps, runs in served:
+                rows.append(compare(n, rate, path, real_steps, runs, a.cost, keep, tmp))
     results = {
         "command_line": shlex.join(["python", *sys.argv]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},

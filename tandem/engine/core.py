@@ -424,7 +424,11 @@ class EngineCore:
                 self.structured.forget([req.request_id])
         elapsed = time.perf_counter() - start
         if self.step_trace is not None and shape is not None:
-            self.step_trace.record(began, elapsed, shape, self.scheduler.num_waiting)
+            arrivals = [
+                r.arrival_time for r in sched.requests
+                if r.first_scheduled_time is not None and r.first_scheduled_time >= began
+            ]
+            self.step_trace.record(began, elapsed, shape, self.scheduler.num_waiting, arrivals)
         generated = sum(len(so.new_token_ids) for so in out)
         self._count_step(sched, result, generated, elapsed)
         if self.spec is not None:

@@ -27,10 +27,17 @@ class StepTrace:
         self._file = self.path.open("a", buffering=1, encoding="utf-8")
         self._pid = os.getpid() if pid is None else pid
 
-    def record(self, start: float, seconds: float, shape: StepShape, waiting: int) -> None:
-        """`start`: time.monotonic() as the step began (comparable across processes on a host)."""
-        line = {"pid": self._pid, "start": round(start, 6), "seconds": round(seconds, 6), "waiting": waiting}
+    def record(
+        self, start: float, seconds: float, shape: StepShape, waiting: int, arrivals: list[float] | None = None
+    ) -> None:
+        """`start`: time.monotonic() as the step began (comparable across processes on a host);
+        `arrivals`: when the requests this step schedules for the first time arrived (the API
+        process's time.monotonic())."""
+        line: dict[str, Any] = {"pid": self._pid, "start": round(start, 6), "seconds": round(seconds, 6)}
+        line["waiting"] = waiting
         line.update(asdict(shape))
+        if arrivals:
+            line["arrivals"] = [round(a, 6) for a in arrivals]
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
@@ -61,3 +68,17 @@ def loop_gaps(lines: list[dict[str, Any]]) -> list[float]:
         own = sorted((line for line in lines if line["pid"] == pid), key=lambda line: line["start"])
         gaps += [g for a, b in itertools.pairwise(own) if (g := b["start"] - a["start"] - a["seconds"]) < BUSY_GAP_S]
     return gaps
+
+
+def idle_arrival_waits(lines: list[dict[str, Any]]) -> list[float]:
+    """For each request that arrived while its engine was idle (its previous step had ended), the
+    seconds from its arrival to the start of the step that first scheduled it: the way into the
+    engine, with no step to wait for. Requests that arrived during a step are left out."""
+    waits: list[float] = []
+    for pid in {line["pid"] for line in lines}:
+        own = sorted((line for line in lines if line["pid"] == pid), key=lambda line: line["start"])
+        idle_since = float("-inf")
+        for line in own:
+            waits += [line["start"] - a for a in line.get("arrivals", ()) if a >= idle_since]
+            idle_since = line["start"] + line["seconds"]
+    return waits

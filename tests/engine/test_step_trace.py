@@ -28,6 +28,10 @@ def test_step_trace_records_every_step_and_its_shape(model_factory, tmp_path):
     assert sum(line["decode_rows"] for line in lines) == sum(len(o.outputs[0].token_ids) - 1 for o in outs) == 15
     assert max(line["prefill_tokens"] + line["decode_rows"] for line in lines) <= 32
     assert lines[0]["waiting"] >= 1  # the budget left requests waiting after the first plan
+    # Each request is listed once, at the step that first scheduled it, with an arrival before it.
+    arrivals = [(a, line["start"]) for line in lines for a in line.get("arrivals", [])]
+    assert len(arrivals) == 3
+    assert all(a <= start for a, start in arrivals)
     # A second engine appends to the same file.
     LLM(str(model_factory("llama")), num_kv_blocks=64, step_trace=str(path)).generate(
         prompts[:1], params, use_tqdm=False
@@ -50,3 +54,22 @@ def test_loop_gaps_are_each_engines_busy_gaps_only():
     ]
     assert sorted(loop_gaps(lines)) == [pytest.approx(0.001), pytest.approx(0.002)]
     assert loop_gaps([]) == []
+
+
+def test_idle_arrival_waits_keep_requests_that_found_their_engine_idle():
+    """The way into the engine: a request that arrived while its engine was between steps counts
+    (arrival to the start of the step that scheduled it); one that arrived during a step also
+    waited for the step's rest, and is left out. Engines are taken apart."""
+    from tandem.engine.step_trace import idle_arrival_waits
+
+    lines = [
+        {"pid": 1, "start": 1.000, "seconds": 0.100, "arrivals": [0.999]},  # idle before: 1 ms
+        {"pid": 1, "start": 1.101, "seconds": 0.010, "arrivals": [1.050]},  # arrived mid-step
+        {"pid": 2, "start": 1.050, "seconds": 0.010, "arrivals": [1.048, 1.047]},  # other engine, idle
+        {"pid": 1, "start": 2.000, "seconds": 0.010, "arrivals": [1.997]},  # idle again: 3 ms
+        {"pid": 1, "start": 2.010, "seconds": 0.010},
+    ]
+    assert sorted(idle_arrival_waits(lines)) == [
+        pytest.approx(0.001), pytest.approx(0.002), pytest.approx(0.003), pytest.approx(0.003)
+    ]
+    assert idle_arrival_waits([]) == []
