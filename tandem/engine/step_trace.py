@@ -60,12 +60,19 @@ def line_shape(line: dict[str, Any]) -> StepShape:
 BUSY_GAP_S = 0.05
 
 
+def per_engine(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each engine process's lines (several engines may share a file), in the order they started."""
+    return [
+        sorted((line for line in lines if line["pid"] == pid), key=lambda line: line["start"])
+        for pid in {line["pid"] for line in lines}
+    ]
+
+
 def loop_gaps(lines: list[dict[str, Any]]) -> list[float]:
     """Seconds between each step's end and the same engine's next step's start, where the engine
     stayed busy (under BUSY_GAP_S): the loop's work outside the timed steps."""
     gaps: list[float] = []
-    for pid in {line["pid"] for line in lines}:
-        own = sorted((line for line in lines if line["pid"] == pid), key=lambda line: line["start"])
+    for own in per_engine(lines):
         gaps += [g for a, b in itertools.pairwise(own) if (g := b["start"] - a["start"] - a["seconds"]) < BUSY_GAP_S]
     return gaps
 
@@ -75,8 +82,7 @@ def idle_arrival_waits(lines: list[dict[str, Any]]) -> list[float]:
     seconds from its arrival to the start of the step that first scheduled it: the way into the
     engine, with no step to wait for. Requests that arrived during a step are left out."""
     waits: list[float] = []
-    for pid in {line["pid"] for line in lines}:
-        own = sorted((line for line in lines if line["pid"] == pid), key=lambda line: line["start"])
+    for own in per_engine(lines):
         idle_since = float("-inf")
         for line in own:
             waits += [line["start"] - a for a in line.get("arrivals", ()) if a >= idle_since]
