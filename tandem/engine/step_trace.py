@@ -33,9 +33,9 @@ class StepTrace:
         """`start`: time.monotonic() as the step began (comparable across processes on a host);
         `arrivals`: when the requests this step schedules for the first time arrived (the API
         process's time.monotonic())."""
-        line: dict[str, Any] = {"pid": self._pid, "start": round(start, 6), "seconds": round(seconds, 6)}
-        line["waiting"] = waiting
-        line.update(asdict(shape))
+        line: dict[str, Any] = {
+            "pid": self._pid, "start": round(start, 6), "seconds": round(seconds, 6), "waiting": waiting, **asdict(shape)
+        }
         if arrivals:
             line["arrivals"] = [round(a, 6) for a in arrivals]
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
