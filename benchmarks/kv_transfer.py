@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tandem.cpu import cpu_model
 from tandem.kvtransfer.transport import KVTransport, Message, make_transport
 
 CANDIDATES = ("zmq-tcp", "zmq-ipc", "shm", "ray", "mooncake-tcp")
@@ -425,16 +426,6 @@ def run_candidate(name: str, cases: list[Case], sources: list[torch.Tensor], a: 
 
 
 # -- report --------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def size_text(n: int) -> str:

@@ -11,10 +11,15 @@ Runs `tandem serve` (the embedded default model unless `--model`) and measures, 
   until the server has closed the idle ones;
 - fuzz: a seeded schemathesis run over every endpoint: cases sent, server errors (5xx);
 - engine kill: SIGKILL of the engine process with streams in flight: seconds until /health says so
-  and until every client has its error, and the server's exit code.
+  and until every client has its error, and the server's exit code;
+- memory and the event loop (benchmarks/reliability_attacks.py): 10,000 distinct cache salts,
+  1,000 distinct grammars aborted at their headers, 160 distinct 60k-value enums, and the stall
+  probe: the largest /health latency while each nasty input (20 MB tool arguments, a 30 MB
+  unauthenticated body, a 30,000-rule grammar, ...) is in flight.
 
     python benchmarks/reliability.py                 # default model, full sizes
-    python benchmarks/reliability.py --quick         # smaller sizes (what CI can afford)
+    python benchmarks/reliability.py --quick         # smaller sizes
+    python benchmarks/reliability.py --sections stall,salts --quick   # some of it (CI runs this)
     python benchmarks/reliability.py --result-json out.json
 
 Prints one table and writes every figure as JSON. Only loopback traffic.
@@ -26,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -40,9 +44,14 @@ try:  # the openai client ships with httpx2; plain httpx works the same
 except ImportError:  # pragma: no cover
     import httpx
 
+from reliability_attacks import distinct_salts, enum_cache, grammar_aborts, stall_probe
+
+from tandem.cpu import cpu_flags, cpu_model
 from tandem.entrypoints.llm import default_model_path
 from tandem.loadgen.fuzz import fuzz_openapi
 from tandem.loadgen.server_process import ServerProcess
+
+SECTIONS = ("burst", "storm", "slowloris", "fuzz", "kill", "salts", "aborts", "enums", "stall")
 
 # Long requests (storm, kill) ask for 1500 tokens: within the default model's 2048-token context.
 COMPLETION = {"prompt": "def fibonacci(n):", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
@@ -279,31 +288,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller sizes")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--result-json", default=None)
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        p.error(f"unknown sections {sorted(sections - set(SECTIONS))}")
     model = args.model or default_model_path()
     sizes = (
-        {"burst": 120, "storm": 16, "idle": 200, "fuzz": 10, "kill": 4}
+        {"burst": 120, "storm": 16, "idle": 200, "fuzz": 10, "kill": 4, "salts": 1000, "huge_salts": 4,
+         "aborts": 100, "abort_enum": 2000, "enums": 16, "enum_values": 60_000}
         if args.quick
-        else {"burst": 600, "storm": 64, "idle": 1600, "fuzz": 25, "kill": 16}
+        else {"burst": 600, "storm": 64, "idle": 1600, "fuzz": 25, "kill": 16, "salts": 10_000,
+              "huge_salts": 40, "aborts": 1000, "abort_enum": 2000, "enums": 160, "enum_values": 60_000}
     )
     header_timeout = 2.0
     server_args = ["--num-threads", str(args.threads), "--max-num-seqs", "16", "--max-waiting-requests", "64"]
     server_args += ["--num-kv-blocks", "2048", "--header-timeout", str(header_timeout)]
     results: dict[str, Any] = {
         "command_line": shlex.join([sys.executable, *sys.argv]),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "amx": "amx_bf16" in cpu_flags()},
         "model": "default" if args.model is None else Path(model).name,
         "quick": args.quick,
         "sizes": sizes,
         "server_args": server_args,
     }
-    with ServerProcess(model, *server_args) as server:
-        results["overload_burst"] = overload_burst(server, sizes["burst"])
-        results["disconnect_storm"] = disconnect_storm(server, sizes["storm"])
-        results["slowloris"] = slowloris(server, sizes["idle"], header_timeout)
-        results["fuzz"] = fuzz(server, sizes["fuzz"])
-    with ServerProcess(model, *server_args) as server:
-        results["engine_kill"] = engine_kill(server, sizes["kill"])
+    if sections & {"burst", "storm", "slowloris", "fuzz"}:
+        with ServerProcess(model, *server_args) as server:
+            if "burst" in sections:
+                results["overload_burst"] = overload_burst(server, sizes["burst"])
+            if "storm" in sections:
+                results["disconnect_storm"] = disconnect_storm(server, sizes["storm"])
+            if "slowloris" in sections:
+                results["slowloris"] = slowloris(server, sizes["idle"], header_timeout)
+            if "fuzz" in sections:
+                results["fuzz"] = fuzz(server, sizes["fuzz"])
+    if "kill" in sections:
+        with ServerProcess(model, *server_args) as server:
+            results["engine_kill"] = engine_kill(server, sizes["kill"])
+    if sections & {"salts", "aborts", "enums"}:
+        with ServerProcess(model, *server_args) as server:
+            if "salts" in sections:
+                results["distinct_salts"] = distinct_salts(server, sizes["salts"], sizes["huge_salts"])
+            if "aborts" in sections:
+                results["grammar_aborts"] = grammar_aborts(server, sizes["aborts"], sizes["abort_enum"])
+            if "enums" in sections:
+                results["enum_cache"] = enum_cache(server, sizes["enums"], sizes["enum_values"])
+    if "stall" in sections:
+        key = "reliability-key"
+        with ServerProcess(model, *server_args, "--api-key", key) as server:
+            results["stall_probe"] = stall_probe(server, key)
     print_table(results)
     if args.result_json:
         Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
@@ -312,40 +345,74 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(r: dict[str, Any]) -> None:
-    b, d, s, f, k = (r[x] for x in ("overload_burst", "disconnect_storm", "slowloris", "fuzz", "engine_kill"))
-
     def secs(x: float | None) -> str:
         return "never" if x is None else f"{x:.2f} s"
 
-    rows = [
-        (
+    rows: list[tuple[str, str]] = []
+    if "overload_burst" in r:
+        b = r["overload_burst"]
+        rows.append((
             f"overload burst ({b['requests']} at once)",
             f"{b['completed']} completed, {b['rejected_503']} 503 ({b['rejected_with_retry_after']} with "
             f"Retry-After), {b['other']} other; RSS {b['rss_before_mb']:.0f} -> {b['rss_after_mb']:.0f} MB; "
             f"p99 of completed {secs(b['completed_p99_s'])}",
-        ),
-        (
+        ))
+    if "disconnect_storm" in r:
+        d = r["disconnect_storm"]
+        rows.append((
             f"disconnect storm ({d['streams']} streams)",
             f"{d['running_when_dropped']:.0f} running when dropped; KV free after {secs(d['seconds_until_kv_free'])}",
-        ),
-        (
+        ))
+    if "slowloris" in r:
+        s = r["slowloris"]
+        rows.append((
             f"slowloris ({s['idle_connections']} idle sockets)",
             f"other client: {s['other_client_failures']} failed of {s['other_client_requests']}, health p99 "
             f"{secs(s['health_p99_s'])}, completion p99 {secs(s['completion_p99_s'])}; "
             f"{s['closed_by_server']} closed by the server",
-        ),
-        (
+        ))
+    if "fuzz" in r:
+        f = r["fuzz"]
+        rows.append((
             "fuzz (schemathesis, every endpoint)",
             f"{f['cases']} cases, {f['5xx']} 5xx, {f['4xx_without_openai_body']} 4xx without OpenAI body, "
             f"{secs(f['seconds'])}",
-        ),
-        (
+        ))
+    if "engine_kill" in r:
+        k = r["engine_kill"]
+        rows.append((
             f"engine kill ({k['streams']} streams)",
             f"{k['clients_with_error']} clients got an error, the last after "
             f"{secs(k['seconds_to_last_client_error'])}; /health not 200 after "
             f"{secs(k['seconds_to_unhealthy'])}; exit code {k['server_exit_code']}",
-        ),
-    ]
+        ))
+    if "distinct_salts" in r:
+        ds = r["distinct_salts"]
+        rss = ds["engine_rss_mb_by_round"]
+        rows.append((
+            f"distinct salts ({ds['requests']}, then {ds['huge_salts']} of 8 MB)",
+            f"{ds['ok']} ok, {ds['other']} other; engine RSS {rss[0]:.0f} -> {rss[1]:.0f} (first tenth) -> "
+            f"{rss[-1]:.0f} MB; 8 MB salts got {ds['huge_salt_statuses']}, RSS then {ds['engine_rss_mb_after_huge']:.0f} MB",
+        ))
+    if "grammar_aborts" in r:
+        ga = r["grammar_aborts"]
+        rows.append((
+            f"grammar aborts ({ga['requests']} distinct {ga['enum_values']}-value enums)",
+            f"statuses {ga['statuses']}; idle {secs(ga['seconds_until_idle_after_last'])} after the last; "
+            f"engine RSS {ga['engine_rss_mb_before']:.0f} -> {ga['engine_rss_mb_after']:.0f} MB",
+        ))
+    if "enum_cache" in r:
+        ec = r["enum_cache"]
+        rows.append((
+            f"enum cache ({ec['requests']} distinct {ec['enum_values']}-value enums, served)",
+            f"statuses {ec['statuses']}; engine RSS " + " -> ".join(f"{x:.0f}" for x in ec["engine_rss_mb"]) + " MB",
+        ))
+    for row in r.get("stall_probe", []):
+        rows.append((
+            f"stall probe: {row['input']}",
+            f"{row['status']} in {row['seconds']:.2f} s; /health max {row['health_max_ms']:.0f} ms "
+            f"over {row['health_probes']} probes",
+        ))
     width = max(len(a) for a, _ in rows)
     print()
     for a, text in rows:

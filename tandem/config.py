@@ -433,6 +433,12 @@ class EngineConfig:
     # Structured output: how many compiled grammars (one per distinct schema, regex, choice list or
     # grammar) the engine keeps; the least recently used beyond this is compiled again if asked for.
     structured_outputs_cache_size: int = 128
+    # ...and at most this many bytes of them, as tandem/structured/config.py charges a grammar (a
+    # 60k-value enum takes tens of MB; a count alone let 160 of them take 3 GB).
+    structured_outputs_cache_bytes: int = 256 << 20
+    # A spec is compiled once in a check process before it is queued (tandem/structured/checker.py);
+    # one that takes longer than this there is refused (HTTP 400).
+    structured_outputs_check_timeout_s: float = 5.0
     # A file each engine appends one JSON line per step to (start, seconds, planned shape; see
     # tandem/engine/step_trace.py); None: no trace.
     step_trace: str | None = None
@@ -452,6 +458,7 @@ class EngineConfig:
             "block_size",
             "kv_cache_memory",
             "structured_outputs_cache_size",
+            "structured_outputs_cache_bytes",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -466,6 +473,11 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s!r}")
         if self.migration_max_stages < 0 or self.migration_stop_blocks < 0:
             raise ValueError("migration_max_stages and migration_stop_blocks must be >= 0")
+        if not self.structured_outputs_check_timeout_s > 0:
+            raise ValueError(
+                "structured_outputs_check_timeout_s must be positive, "
+                f"got {self.structured_outputs_check_timeout_s!r}"
+            )
         if not self.starvation_timeout_s > 0:
             raise ValueError(f"starvation_timeout_s must be positive, got {self.starvation_timeout_s!r}")
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any, cast
 
 # Below this a temperature is treated as greedy decoding, as in vLLM.
@@ -25,6 +26,45 @@ MAX_TOKEN_CONTROLS = 4096
 # Bounds on a structured-output spec (compiling is the engine's work; a huge spec is refused here).
 MAX_STRUCTURED_SPEC_CHARS = 1 << 20
 MAX_STRUCTURED_CHOICES = 1024
+# A JSON schema nested deeper than this is refused before anything recursive reads it (Python's
+# json module and the schema compiler both recurse; llguidance itself stops at 128).
+MAX_STRUCTURED_JSON_DEPTH = 128
+
+
+def json_text_depth(text: str) -> int:
+    """How deeply the arrays and objects of a JSON text nest (read without recursing: a text of
+    any depth costs one pass, so the bound is checked before a recursive reader sees it)."""
+    import re
+
+    import numpy as np
+
+    brackets = re.sub(r'[^\[\]{}"\\]+', "", text)
+    if "{" not in brackets and "[" not in brackets:
+        return 0
+    # Drop string literals (their brackets do not nest): escapes first, then quoted spans.
+    brackets = re.sub(r'"[^"]*"', "", re.sub(r"\\.", "", brackets))
+    steps = np.frombuffer(brackets.encode("ascii", "ignore"), dtype=np.uint8)
+    level = np.cumsum(np.where((steps == ord("[")) | (steps == ord("{")), 1, -1))
+    return int(level.max(initial=0))
+
+
+def json_value_depth(value: Any) -> int:
+    """How deeply the lists and dicts of a JSON value nest (without recursing)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_STRUCTURED_JSON_DEPTH:
+            return depth  # deep enough to refuse: no need to walk the rest
+        stack.extend((c, depth + 1) for c in children)
+    return deepest
 
 
 @dataclass(slots=True)
@@ -57,6 +97,12 @@ class StructuredOutputsParams:
             )
         name = given[0]
         if name == "json":
+            text = self.json if isinstance(self.json, str) else None
+            depth = json_value_depth(self.json) if text is None else json_text_depth(text)
+            if depth > MAX_STRUCTURED_JSON_DEPTH:
+                raise ValueError(
+                    f"structured_outputs.json is nested more than {MAX_STRUCTURED_JSON_DEPTH} levels deep"
+                )
             if isinstance(self.json, str):
                 try:
                     schema = _json.loads(self.json)
@@ -135,6 +181,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # Logprobs of the prompt's tokens (each with this many top alternatives), computed in the prefill.
     prompt_logprobs: int | None = None
+    # vLLM's older name for structured_outputs (a GuidedDecodingParams, or a dict of its fields):
+    # moved there at construction, so it reads None afterwards (one spelling for the engine).
+    guided_decoding: Any = None
+    # False: the outputs carry token ids and no text, as in vLLM.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -155,10 +206,22 @@ class SamplingParams:
             )
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError(
+                    "SamplingParams.guided_decoding and structured_outputs are two names for one setting; "
+                    "give one"
+                )
+            self.structured_outputs = structured_from_guided(self.guided_decoding)
+            self.guided_decoding = None
         if self.top_k == -1:  # vLLM's older spelling of "disabled"
             self.top_k = 0
         if isinstance(self.logit_bias, dict):
-            self.logit_bias = dict(self.logit_bias)
+            # Integer biases become floats: the sampler's bias row is float (the HTTP route parses floats).
+            self.logit_bias = {
+                t: float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                for t, v in self.logit_bias.items()
+            }
         for name in ("allowed_token_ids", "bad_words"):
             if isinstance(getattr(self, name), tuple):
                 setattr(self, name, list(getattr(self, name)))
@@ -272,6 +335,12 @@ class SamplingParams:
                     f"SamplingParams.stop_token_ids must hold non-negative 32-bit integers, "
                     f"got {_short(self.stop_ids)}"
                 )
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "must be a boolean")
+        if not self.detokenize and self.stop_strings:
+            raise ValueError(
+                "SamplingParams.stop: stop strings need detokenize=True (they are matched in the text)"
+            )
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams")
@@ -335,6 +404,49 @@ class SamplingParams:
             values[name] = None if value is None else type(value)(value)
         values.update(changes)
         return SamplingParams(**values)
+
+
+# vLLM's older name for StructuredOutputsParams (the spec fields are the same).
+GuidedDecodingParams = StructuredOutputsParams
+
+# vLLM GuidedDecodingParams fields beyond the spec: those choosing an implementation (Tandem always
+# uses llguidance) are ignored; those changing the output are refused, as the server refuses them.
+_GUIDED_SPEC_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+_GUIDED_IGNORED_FIELDS = frozenset({"backend", "backend_was_auto", "disable_fallback"})
+_GUIDED_REFUSED_FIELDS = frozenset(
+    {"whitespace_pattern", "structural_tag", "disable_any_whitespace", "disable_additional_properties"}
+)
+
+
+def structured_from_guided(value: Any) -> StructuredOutputsParams:
+    """vLLM's `guided_decoding` (a GuidedDecodingParams or any object or dict with its fields) as
+    structured_outputs."""
+    if isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        given = dict(value)
+    elif is_dataclass(value) and not isinstance(value, type):
+        given = {f.name: getattr(value, f.name) for f in dataclass_fields(value)}
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        given = dict(vars(value))
+    else:
+        raise ValueError(
+            "SamplingParams.guided_decoding must be a GuidedDecodingParams or a dict of its fields, "
+            f"got {_short(value)}"
+        )
+    spec: dict[str, Any] = {}
+    for name, field_value in given.items():
+        if name in _GUIDED_SPEC_FIELDS:
+            if field_value is not None and not (name == "json_object" and field_value is False):
+                spec[name] = field_value
+        elif name in _GUIDED_REFUSED_FIELDS:
+            if field_value not in (None, False):
+                raise ValueError(
+                    f"SamplingParams.guided_decoding.{name} is not taken, got {_short(field_value)}"
+                )
+        elif name not in _GUIDED_IGNORED_FIELDS:
+            raise ValueError(f"SamplingParams.guided_decoding.{name} is not a GuidedDecodingParams field")
+    return StructuredOutputsParams(**spec)
 
 
 def _short(value: object, limit: int = 200) -> str:

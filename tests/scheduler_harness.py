@@ -872,6 +872,7 @@ class Harness:
                 assert cache.evict(self.kv.num_blocks) == num_cached
                 self.num_evictions = num_evictions  # not the workload's eviction
                 assert cache.num_cached_blocks == cache.num_unlocked_blocks == 0
+                assert cache.roots == {}, "an emptied salt's root was kept"
         if cache is None or evict:
             assert self.kv.pool.num_free == self.kv.num_blocks, "KV blocks leaked"
         self.kv.check_invariants()

@@ -16,6 +16,7 @@ prefixes). Pure Python: the cluster simulator can run the same code over simulat
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -35,10 +36,27 @@ class InstanceView:
     recent: OrderedDict[int, None] = field(default_factory=OrderedDict)  # hashes dispatched since
     num_running: int = 0
     num_waiting: int = 0
+    # Sequence seats from its last report (running and paused samples, and seats reserved for
+    # incoming transfers) out of its max_num_seqs (0: not reported, no bound known), and the
+    # sequences routed or moved there since that report (not in it yet).
+    num_seats_taken: int = 0
+    max_num_seqs: int = 0
+    routed_since_report: int = 0
 
     @property
     def load(self) -> float:
         return self.demand / max(1, self.num_blocks)
+
+    @property
+    def free_seats(self) -> float:
+        """Seats a request moved here could take now: none that its running, reserved, waiting
+        (each takes a seat before anything moved in) or newly routed requests will take; inf when
+        the instance has not reported its bound. A live migration to an instance without one is
+        refused there, so the migration policy plans with this."""
+        if self.max_num_seqs <= 0:
+            return math.inf
+        taken = self.num_seats_taken + self.num_waiting + self.routed_since_report
+        return max(0, self.max_num_seqs - taken)
 
 
 class Dispatcher:
@@ -104,6 +122,7 @@ class Dispatcher:
         view = self.instances[instance]
         view.demand += demand
         view.inflight += 1
+        view.routed_since_report += req.params.n
         self._demand[req.request_id] = (instance, demand)
         self.num_dispatched[instance] += 1
         if self.config.dispatch_policy == "prefix_aware":
@@ -131,6 +150,8 @@ class Dispatcher:
         """An instance's report."""
         view = self.instances[instance]
         view.num_running, view.num_waiting = stats.num_running, stats.num_waiting
+        view.num_seats_taken, view.max_num_seqs = stats.num_seats_taken, stats.max_num_seqs
+        view.routed_since_report = 0
         if stats.num_blocks:
             view.num_blocks = stats.num_blocks
         if stats.prefix_hashes is not None:

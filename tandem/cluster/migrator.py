@@ -51,13 +51,19 @@ class Migrator:
             if req is None or stream is None or rid in client.moves:
                 continue
             demand = dispatcher.demand_of(rid)
-            views.append(RequestView(rid, instance, req.priority, stream.started, client.seqs.get(rid, 0), demand))
+            seq = client.seqs.get(rid, 0)
+            views.append(RequestView(rid, instance, req.priority, stream.started, seq, demand, req.params.n))
+        # Seats the moves under way will take at their destinations (reserved there once accepted).
+        incoming: dict[int, int] = {}
+        for rid, mv in client.moves.items():
+            moved = client.requests.get(rid)
+            incoming[mv.destination] = incoming.get(mv.destination, 0) + (moved.params.n if moved else 1)
         live = client.live
         pd = client.disaggregation
         if pd is not None:  # prefill instances hand their requests off on their own
             live &= set(pd.decode) | client.draining
             views = [v for v in views if v.instance in live]
-        plan = self.rebalancer.plan(dispatcher.instances, live, client.draining, views, len(client.moves))
+        plan = self.rebalancer.plan(dispatcher.instances, live, client.draining, views, len(client.moves), incoming)
         started = 0
         for rid, dest in plan:
             ok = client.migrate_live(rid, dest) if self.config.migration_mode == "live" else client.migrate(rid, dest)

@@ -2,7 +2,11 @@
 
 Like dispatch, it decides from reports and its own bookkeeping only (pure Python; the cluster
 simulator runs it over simulated instances). Each round (`ClusterConfig.migration_interval_s`)
-`plan` proposes moves, at most `max_concurrent_migrations` under way at once:
+`plan` proposes moves, at most `max_concurrent_migrations` under way at once, and only to an
+instance with a free sequence seat for each of the request's samples (`InstanceView.free_seats`,
+less the seats of moves under way there and of moves planned this round): a destination without
+one refuses the transfer, and proposing it only churns. With no such destination a request stays
+where it is until a seat frees up (a drain waits for one):
 
 - drain: every request on a draining instance goes to the least loaded other one (scale in);
 - priority: on an instance where a high-priority request (priority < 0) waits, the lowest-priority
@@ -29,6 +33,7 @@ class RequestView:
     started: bool  # has produced tokens: it runs (its KV is worth moving live)
     seq: int  # dispatch order; larger is more recent
     demand: float  # KV blocks it may come to hold, as the dispatcher counts it
+    seats: int = 1  # sequence seats it takes where it runs (its samples, n)
 
 
 class Rebalancer:
@@ -43,16 +48,22 @@ class Rebalancer:
         draining: set[int],
         requests: list[RequestView],
         moving: int,
+        incoming: dict[int, int] | None = None,
     ) -> list[tuple[str, int]]:
-        """Moves (request id, destination) to start now; `moving`: moves under way."""
+        """Moves (request id, destination) to start now; `moving`: moves under way, `incoming`:
+        the seats they will take, per destination."""
         room = self.config.max_concurrent_migrations - moving
         targets = sorted(live - draining)
         if room <= 0 or not targets:
             return []
         load = {i: instances[i].load for i in live}
+        seats = {i: instances[i].free_seats - (incoming or {}).get(i, 0) for i in live}
         moves: list[tuple[str, int]] = []
 
         planned: set[str] = set()
+
+        def fits(r: RequestView, dest: int) -> bool:
+            return seats[dest] >= r.seats
 
         def move(r: RequestView, dest: int, why: str) -> None:
             nonlocal room
@@ -61,6 +72,8 @@ class Rebalancer:
             room -= 1
             load[r.instance] -= r.demand / max(1, instances[r.instance].num_blocks)
             load[dest] += r.demand / max(1, instances[dest].num_blocks)
+            # The source's seats come back only once the move is done (its report says so).
+            seats[dest] -= r.seats
             self.num_planned[why] += 1
 
         by_instance: dict[int, list[RequestView]] = {}
@@ -71,7 +84,9 @@ class Rebalancer:
             for r in sorted(by_instance.get(src, []), key=lambda r: r.seq):
                 if room <= 0:
                     return moves
-                move(r, min(targets, key=lambda i: (load[i], i)), "drain")
+                dests = [i for i in targets if fits(r, i)]
+                if dests:
+                    move(r, min(dests, key=lambda i: (load[i], i)), "drain")
 
         triggers = self.config.migration_triggers
         if "priority" in triggers:
@@ -81,19 +96,26 @@ class Rebalancer:
                 if not waiting or room <= 0:
                     continue
                 victims = [r for r in here if r.started and r.priority > min(waiting) and r.request_id not in planned]
-                others = [i for i in targets if i != src and load[i] < load[src]]
-                if victims and others:
-                    victim = max(victims, key=lambda r: (r.priority, r.seq))
+                if not victims:
+                    continue
+                victim = max(victims, key=lambda r: (r.priority, r.seq))
+                others = [i for i in targets if i != src and load[i] < load[src] and fits(victim, i)]
+                if others:
                     move(victim, min(others, key=lambda i: (load[i], i)), "priority")
 
         if "imbalance" in triggers and room > 0 and len(targets) > 1:
             src = max(targets, key=lambda i: (load[i], -i))
-            dest = min(targets, key=lambda i: (load[i], i))
-            gap = load[src] - load[dest]
             movable = [r for r in by_instance.get(src, []) if r.started and r.request_id not in planned]
-            if gap > self.config.imbalance_threshold and len(movable) > 1:
-                r = max(movable, key=lambda r: r.seq)
-                shift = r.demand / max(1, instances[src].num_blocks) + r.demand / max(1, instances[dest].num_blocks)
-                if shift < 2 * gap:  # the gap narrows (it would not if the request outweighs it)
-                    move(r, dest, "imbalance")
+            if len(movable) > 1:
+                newest = max(movable, key=lambda r: r.seq)
+                # The least loaded instance with a seat for it (the idlest may have none).
+                dests = [i for i in targets if i != src and fits(newest, i)]
+                if dests:
+                    dest = min(dests, key=lambda i: (load[i], i))
+                    gap = load[src] - load[dest]
+                    cost = newest.demand
+                    shift = cost / max(1, instances[src].num_blocks) + cost / max(1, instances[dest].num_blocks)
+                    # The gap narrows (it would not if the request outweighs it).
+                    if gap > self.config.imbalance_threshold and shift < 2 * gap:
+                        move(newest, dest, "imbalance")
         return moves

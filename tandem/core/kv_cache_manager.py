@@ -131,10 +131,12 @@ class KVCacheManager:
         if self.cache is None:
             return
         node = req.prefix_node
-        if not isinstance(node, Node):
-            node = self.cache.root(req.cache_salt)
         bs = self.block_size
         full = req.num_computed_tokens // bs
+        if not isinstance(node, Node):
+            if full == 0:
+                return  # nothing to cache: no root made for it (an empty one would outlive it)
+            node = self.cache.root(req.cache_salt)
         start = node.end // bs
         if full <= start:
             return

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The longest `cache_salt` accepted, in characters. Every request carries its salt, and a salt's
+# prefix-cache tree is keyed by it while the tree holds blocks: the bound keeps what one client can
+# make the engine hold per request and per cached salt small (a salt is an identifier, not data).
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """Raise ValueError naming `cache_salt` for one longer than MAX_CACHE_SALT_CHARS."""
+    if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(
+            f"cache_salt is {len(salt)} characters long; at most {MAX_CACHE_SALT_CHARS} are accepted"
+        )
+
 
 def check_fits(
     num_prompt_tokens: int,
@@ -41,6 +54,8 @@ class EngineLimits:
     block_size: int
     num_blocks: int
     max_num_seqs: int
+    # The ids that end a sample (the model's and its tokenizer's), as the engine holds them.
+    eos_token_ids: tuple[int, ...] = ()
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """Resolve `max_tokens=None` (as much as fits) and check the request could ever run."""

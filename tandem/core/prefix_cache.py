@@ -7,7 +7,9 @@ block size, with one block id per `block_size` tokens; children are keyed by
 their first block's tokens. The tree holds one pool reference on every block it
 owns. Requests using a node's blocks lock the node and its ancestors; unlocked
 leaves are evicted least-recently-used first when the pool needs blocks. Each
-`cache_salt` has its own root, so requests with different salts never share.
+`cache_salt` has its own root, so requests with different salts never share. A root lives only
+while its tree holds a block or a request holds the root (it counts the requests under it): a
+client sending a fresh salt with every request must not grow the engine's memory without bound.
 """
 
 from __future__ import annotations
@@ -52,11 +54,18 @@ class Node:
         return self.parent is None
 
 
+@dataclass(slots=True, eq=False)
+class Root(Node):
+    """The top of one salt's tree; its `lock` counts the requests holding a node of the tree."""
+
+    salt: str | None = None
+
+
 class PrefixCache:
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.roots: dict[str | None, Node] = {}
+        self.roots: dict[str | None, Root] = {}
         self._clock = itertools.count(1)
         # Blocks owned by the tree in nodes no request has locked.
         self.num_unlocked_blocks = 0
@@ -70,11 +79,17 @@ class PrefixCache:
         self._lru: list[tuple[int, int, Node]] = []
         self._lru_seq = itertools.count()
 
-    def root(self, salt: str | None) -> Node:
+    def root(self, salt: str | None) -> Root:
         root = self.roots.get(salt)
         if root is None:
-            root = self.roots[salt] = Node((), [], None)
+            root = self.roots[salt] = Root((), [], None, salt=salt)
         return root
+
+    def _drop_if_empty(self, root: Node) -> None:
+        """Forget a root that holds no block and that no request holds: nothing can reach it but
+        a later request of its salt, which makes a new one."""
+        if isinstance(root, Root) and not root.children and root.lock == 0 and self.roots.get(root.salt) is root:
+            del self.roots[root.salt]
 
     # -- lookup ----------------------------------------------------------
 
@@ -85,7 +100,7 @@ class PrefixCache:
     def match_stats(self, tokens: list[int], salt: str | None) -> tuple[int, int]:
         """`match_len`, and how many of the matched blocks are idle (unlocked) now, read-only."""
         bs = self.block_size
-        node = self.roots.get(salt)
+        node: Node | None = self.roots.get(salt)
         pos = idle = 0
         while node is not None and pos + bs <= len(tokens):
             child = node.children.get(tuple(tokens[pos : pos + bs]))
@@ -103,7 +118,7 @@ class PrefixCache:
     def match(self, tokens: list[int], salt: str | None) -> tuple[list[int], Node]:
         """Longest cached prefix: its blocks and the node it ends at (split so it ends exactly there)."""
         bs = self.block_size
-        node = self.root(salt)
+        node: Node = self.root(salt)
         blocks: list[int] = []
         pos = 0
         now = next(self._clock)
@@ -159,18 +174,21 @@ class PrefixCache:
     # -- locking ---------------------------------------------------------
 
     def lock(self, node: Node | None) -> None:
-        while node is not None and not node.is_root:
+        """Pin `node` and its ancestors, its root included (a held root is never dropped)."""
+        while node is not None:
             if node.lock == 0:
-                self.num_unlocked_blocks -= len(node.blocks)
+                self.num_unlocked_blocks -= len(node.blocks)  # none for a root
             node.lock += 1
             node = node.parent
 
     def unlock(self, node: Node | None) -> None:
-        while node is not None and not node.is_root:
+        while node is not None:
             if node.lock <= 0:
                 raise RuntimeError("unlock of an unlocked prefix-cache node")
             node.lock -= 1
-            if node.lock == 0:
+            if node.is_root:
+                self._drop_if_empty(node)
+            elif node.lock == 0:
                 self.num_unlocked_blocks += len(node.blocks)
                 self._candidate(node)
             node = node.parent
@@ -187,7 +205,10 @@ class PrefixCache:
 
     def insert(self, tokens: list[int], blocks: list[int], salt: str | None) -> Node:
         """Cache `blocks` as holding KV of `tokens` from the root of `salt`'s tree; see `extend`."""
-        return self.extend(self.root(salt), tokens, blocks)
+        root = self.root(salt)
+        node = self.extend(root, tokens, blocks)
+        self._drop_if_empty(root)  # no whole block given
+        return node
 
     def extend(self, node: Node, tokens: list[int], blocks: list[int]) -> Node:
         """Cache `blocks` as the KV of `tokens` following the prefix that ends at `node`.
@@ -255,7 +276,9 @@ class PrefixCache:
             freed += len(leaf.blocks)
             self.num_unlocked_blocks -= len(leaf.blocks)
             self.num_cached_blocks -= len(leaf.blocks)
-            if not parent.is_root and not parent.children and parent.lock == 0:
+            if parent.is_root:
+                self._drop_if_empty(parent)
+            elif not parent.children and parent.lock == 0:
                 heapq.heappush(heap, (parent.last_access, next(self._lru_seq), parent))
         if freed:
             self.version += 1
@@ -290,7 +313,14 @@ class PrefixCache:
         """Raise if counts, locks or ownership disagree (used by tests)."""
         unlocked = cached = 0
         seen: set[int] = set()
-        stack = [(c, r) for r in self.roots.values() for c in r.children.values()]
+        for salt, root in self.roots.items():
+            if root.salt != salt or not root.is_root or root.blocks:
+                raise AssertionError(f"prefix-cache root of salt {salt!r} is not a root of that salt")
+            if not root.children and root.lock == 0:
+                raise AssertionError(f"empty prefix-cache root of salt {salt!r} kept with no request holding it")
+            if root.lock < sum(c.lock for c in root.children.values()):
+                raise AssertionError("a root is locked less than its children together")
+        stack: list[tuple[Node, Node]] = [(c, r) for r in self.roots.values() for c in r.children.values()]
         while stack:
             n, parent = stack.pop()
             if n.parent is not parent:

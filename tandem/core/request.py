@@ -30,6 +30,10 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+# The stop_reason of a sample whose constraints (allowed_token_ids, bad_words, its grammar) left no
+# token to choose at its next position: it ends there, finish_reason "stop".
+NO_ALLOWED_TOKEN = "no_allowed_token"
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",

@@ -53,7 +53,7 @@ from tandem.core.policy import (
     admission_key,
     order_waiting,
 )
-from tandem.core.request import Request, RequestStatus
+from tandem.core.request import NO_ALLOWED_TOKEN, Request, RequestStatus
 from tandem.core.step_io import RunnerOutput, SchedulerOutput, SpecPlan
 
 
@@ -444,10 +444,14 @@ class Scheduler:
             if req.pending_children:
                 family += self._fork(req, result)
             for r in family:
-                for tok in (*result.accepted.get(r.request_id, ()), result.sampled[r.request_id]):
+                dead = r.request_id in result.dead_ends
+                tokens = result.accepted.get(r.request_id, [])
+                for tok in tokens if dead else (*tokens, result.sampled[r.request_id]):
                     self._append(r, tok, now)
                     if r.is_finished:
                         break
+                if dead and not r.is_finished:
+                    self._finish(r, RequestStatus.FINISHED_STOPPED, NO_ALLOWED_TOKEN)
                 changed.append(r)
         # After the appends: with accepted drafts, computed KV runs past the tokens known before.
         for req in sched.requests:

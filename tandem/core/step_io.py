@@ -82,6 +82,9 @@ class RunnerOutput:
     # Requests owed prompt logprobs: the index of the first prompt token covered this step, and one
     # entry per token from there (tandem/worker/prompt_logprobs.py).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Requests whose constraints (allowed_token_ids, bad_words, a grammar) left no token to choose
+    # at their next position: they end after their accepted drafts, without `sampled`.
+    dead_ends: set[str] = field(default_factory=set)
     # Seconds in the target model itself (layers and logits), to tell engine overhead from compute.
     forward_time: float = 0.0
 

@@ -181,6 +181,7 @@ class EngineCore:
             block_size=config.block_size,
             num_blocks=self.num_blocks,
             max_num_seqs=config.max_num_seqs,
+            eos_token_ids=self.eos_token_ids,
         )
         self.stats = EngineStats()
         # user request id -> ids of its samples' Requests
@@ -194,6 +195,7 @@ class EngineCore:
             mc.vocab_size,
             self.eos_token_ids,
             config.structured_outputs_cache_size,
+            config.structured_outputs_cache_bytes,
         )
         self.runner.grammar = self.structured
         # Structured-output requests whose grammar is being compiled: they join the scheduler when
@@ -235,7 +237,7 @@ class EngineCore:
         if resumed is not None and len(resumed) != params.n:
             raise ValueError(f"resumed_outputs has {len(resumed)} entries for n={params.n} samples")
         if params.structured_outputs is not None:
-            pending = self.structured.prepare(params.structured_outputs)
+            pending = self.structured.prepare(req.request_id, params.structured_outputs)
             if pending is not None:
                 self._awaiting_grammar[req.request_id] = (req, pending)
                 return
@@ -311,11 +313,18 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._awaiting_grammar.pop(rid, None)
+            self._stop_awaiting(rid)
             ids = self._groups.pop(rid, None)
             self._incarnations.pop(rid, None)
             if ids is not None:
                 self._end(ids, RequestStatus.FINISHED_ABORTED)
+
+    def _stop_awaiting(self, request_id: str) -> tuple[EngineCoreRequest, Future[Any]] | None:
+        """Take a request out of the grammar wait (its compile is dropped if nobody else waits)."""
+        awaiting = self._awaiting_grammar.pop(request_id, None)
+        if awaiting is not None and awaiting[0].params.structured_outputs is not None:
+            self.structured.release(request_id, awaiting[0].params.structured_outputs)
+        return awaiting
 
     def stop_sample(self, request_id: str, index: int, reason: str) -> None:
         """End one sample because the front end found a stop string in its text."""
@@ -338,7 +347,7 @@ class EngineCore:
         """End user requests with an error (every sample): the outputs that tell the front end."""
         out = []
         for rid in request_ids:
-            awaiting = self._awaiting_grammar.pop(rid, None)
+            awaiting = self._stop_awaiting(rid)
             if awaiting is not None:
                 out += [
                     SampleOutput(rid, i, [], None, "error", None, error=message, incarnation=awaiting[0].incarnation)

@@ -172,6 +172,8 @@ class AsyncEngineClient:
         self.num_moves_started = 0  # live migrations and prefill/decode hand-offs
         self.num_live_migrations = 0
         self.num_live_aborted = 0
+        # Live migrations their destination refused up front (no free seat, no room): nothing copied.
+        self.num_live_refused = 0
         self.dead: str | None = None
         self.limits: EngineLimits | None = None
         self.tokenizer: Tokenizer | None = None
@@ -218,7 +220,7 @@ class AsyncEngineClient:
         # Instances of one model share its limits but for their caches: validate against the smallest.
         self.limits = min((r.limits for r in readies), key=lambda lim: lim.num_blocks)
         self.kv_addresses = [r.kv_address for r in readies]
-        self.inputs = InputProcessor(self.tokenizer, self.limits)
+        self.inputs = InputProcessor(self.tokenizer, self.limits, self.config.structured_outputs_check_timeout_s)
         self.outputs = OutputProcessor(self.tokenizer)
         if self.make_dispatcher is not None:
             self.dispatcher = self.make_dispatcher(list(readies))
@@ -229,6 +231,8 @@ class AsyncEngineClient:
         ]
 
     async def shutdown(self, timeout: float = 5.0) -> None:
+        if self.inputs is not None:
+            self.inputs.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -528,7 +532,17 @@ class AsyncEngineClient:
             if msg.reason == "not_running":
                 self.migrate(rid, move.destination)
             else:
-                self.num_live_aborted += 1
+                if msg.refused:
+                    self.num_live_refused += 1
+                else:
+                    self.num_live_aborted += 1
+                logger.info(
+                    "live migration of %s to instance %d %s: %s",
+                    rid,
+                    move.destination,
+                    "refused there" if msg.refused else "abandoned",
+                    msg.reason,
+                )
                 if move.after_prefill:  # the hand-off failed: the decode side computes it all
                     self.num_pd_fallbacks += 1
                     self.migrate(rid, self._decode_target(move.destination))

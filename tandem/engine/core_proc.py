@@ -251,6 +251,8 @@ class EngineLoop:
             num_blocks=core.kv.num_blocks,
             num_available_blocks=core.kv.num_available,
             prefix_hashes=self._prefix_summary(),
+            num_seats_taken=core.scheduler.seats_taken,
+            max_num_seqs=core.scheduler.max_num_seqs,
         )
 
     def _prefix_summary(self) -> list[int] | None:

@@ -24,6 +24,8 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.skip_special = params.skip_special_tokens
+        # detokenize=False: token ids only (no stop strings either: SamplingParams refuses them).
+        self.decodes = params.detokenize
         # As in vLLM, stop strings count only in text after the first `min_tokens` tokens.
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
@@ -34,7 +36,7 @@ class IncrementalDetokenizer:
     def update(self, token_id: int, decode: bool = True) -> str | None:
         """Add one token's text; return the stop string if the text now contains one (text is cut there)."""
         self.num_tokens += 1
-        if not decode:
+        if not decode or not self.decodes:
             return None
         self.pending.append(token_id)
         chunk = self.stream.step(self.tokenizer, token_id)

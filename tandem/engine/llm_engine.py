@@ -21,7 +21,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         extra_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.core = EngineCore(config, extra_eos)
-        self.inputs = InputProcessor(self.tokenizer, self.core.limits)
+        self.inputs = InputProcessor(self.tokenizer, self.core.limits, config.structured_outputs_check_timeout_s)
         self.outputs = OutputProcessor(self.tokenizer)
 
     # Views of the core, for tests, benchmarks and metrics.

@@ -158,6 +158,10 @@ class Stats(msgspec.Struct):
     num_blocks: int = 0
     num_available_blocks: int = 0
     prefix_hashes: list[int] | None = None
+    # Sequence seats taken (running and paused samples, seats reserved for incoming transfers) and
+    # the bound, max_num_seqs (0: not reported): a migration goes only where a seat is free.
+    num_seats_taken: int = 0
+    max_num_seqs: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -185,6 +189,9 @@ class Migrated(msgspec.Struct, tag="migrated"):
     num_stages: int = 0
     # From MigrateOut to the destination's confirmation.
     transfer_s: float = 0.0
+    # Without `ok`: the destination refused the transfer up front (no free sequence seat, no room
+    # for its blocks, another KV format), so nothing was copied; not a transfer that failed.
+    refused: bool = False
 
 
 class TransferDropped(msgspec.Struct, tag="transfer_dropped"):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tandem.core.limits import EngineLimits
+from tandem.core.limits import EngineLimits, check_cache_salt
 from tandem.core.step_io import TokenLogprobs
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
@@ -15,6 +16,9 @@ from tandem.engine.token_controls import resolve as resolve_token_controls
 from tandem.engine.tokenizer import Tokenizer, check_text
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.structured.checker import GrammarChecker
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -27,9 +31,14 @@ logger = logging.getLogger("tandem.engine")
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, limits: EngineLimits) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, limits: EngineLimits, grammar_check_timeout_s: float | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammar_check_timeout_s = grammar_check_timeout_s
+        self._checker: GrammarChecker | None = None
+        self._checker_lock = threading.Lock()
         # Prompt texts longer than this are refused by length, before any tokenization.
         self.max_prompt_chars = PROMPT_CHARS_SLACK * tokenizer.max_token_chars * limits.max_model_len
 
@@ -54,6 +63,7 @@ class InputProcessor:
         for name, value in (("cache_salt", cache_salt), ("tenant", tenant)):
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+        check_cache_salt(cache_salt)
         if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be a signed 64-bit integer, got {priority!r}")
         if not ids:
@@ -70,10 +80,7 @@ class InputProcessor:
             )
         max_tokens = self.limits.max_tokens_for(len(ids), params.max_tokens)
         self.limits.check(ids, max_tokens, params.n, params.stop_ids)
-        if params.structured_outputs is not None:
-            from tandem.structured.backend import check_spec
-
-            check_spec(params.structured_outputs)
+        self.check_constraints(params)
         req = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -85,6 +92,35 @@ class InputProcessor:
             cache_salt=cache_salt,
         )
         return req, text
+
+    @property
+    def checker(self) -> GrammarChecker:
+        """Where structured-output specs are compiled before they are queued (started on first use)."""
+        with self._checker_lock:
+            if self._checker is None:
+                from tandem.structured.checker import GrammarChecker
+
+                eos = self.limits.eos_token_ids
+                if not eos and self.tokenizer.eos_token_id is not None:
+                    eos = (self.tokenizer.eos_token_id,)
+                self._checker = GrammarChecker(
+                    self.tokenizer.path, self.limits.vocab_size, eos, self.grammar_check_timeout_s
+                )
+            return self._checker
+
+    def check_constraints(self, params: SamplingParams) -> None:
+        """Refuse constraints no output can satisfy, and a structured-output spec that does not
+        compile (compiled in a check process: tandem/structured/checker.py)."""
+        banned = [w[0] for w in params.bad_words_token_ids or () if len(w) == 1]
+        allowed = params.allowed_token_ids
+        if params.structured_outputs is not None:
+            self.checker.check(params.structured_outputs, allowed, banned)
+        elif allowed is not None and banned and set(allowed) <= set(banned):
+            raise ValueError("allowed_token_ids: every allowed token is one of the bad_words: nothing could be generated")
+
+    def close(self) -> None:
+        if self._checker is not None:
+            self._checker.close()
 
     def check_prompt_text(self, text: str) -> None:
         """Refuse a prompt text that cannot fit the context whatever it tokenizes to, or that is
@@ -267,6 +303,10 @@ class OutputProcessor:
             if finishing:
                 sample.detok.flush()
                 sample.finish_reason, sample.stop_reason = up.finish_reason, up.stop_reason
+        if not up.new_token_ids and up.finish_reason is not None and sample.finish_reason is None:
+            # Ended without a new token (its constraints left none to choose).
+            sample.detok.flush()
+            sample.finish_reason, sample.stop_reason = up.finish_reason, up.stop_reason
         if sample.finish_reason is not None:
             sample.num_preemptions = up.num_preemptions
             group.finished_time = up.finished_time or now

@@ -38,6 +38,12 @@ def resolve(params: SamplingParams, encode: Callable[[str], list[int]], vocab_si
             raise ValueError(
                 f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
             )
+    return tokenize_bad_words(params, encode)
+
+
+def tokenize_bad_words(params: SamplingParams, encode: Callable[[str], list[int]]) -> SamplingParams:
+    """`params` with bad_words tokenized (itself when it has none, or has them tokenized already:
+    the server does this once for all of a request's prompts, off its event loop)."""
     if params.bad_words and params.bad_words_token_ids is None:
-        params = params.clone(bad_words_token_ids=bad_words_token_ids(params.bad_words, encode))
+        return params.clone(bad_words_token_ids=bad_words_token_ids(params.bad_words, encode))
     return params

@@ -13,6 +13,7 @@ class Tokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
+        self.path = path
         try:
             self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # transformers raises many types for a bad folder

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar, overload
 
 from tandem.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -15,8 +15,11 @@ from tandem.config import (
     QUANTIZATION_CHOICES,
 )
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
+from tandem.entrypoints import vllm_flags
 from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_N = TypeVar("_N")
 
 # The name the embedded default model is served under.
 DEFAULT_SERVED_NAME = "tandem-default"
@@ -34,10 +37,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and activations (auto: float32 on CPU)",
+        help="weights and activations. auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16 "
+        "(amx_bf16 or avx512_bf16 in /proc/cpuinfo: Xeons from Cooper Lake and Sapphire Rapids on, "
+        "AMD EPYC from Zen 4 on), float32 on other CPUs (AVX2-only, or AVX-512 without BF16); "
+        "TANDEM_AUTO_DTYPE=float32|bfloat16 overrides it, and the start-up log says which",
     )
     g.add_argument(
         "--quantization",
+        "-q",
         default=None,
         choices=list(QUANTIZATION_CHOICES),
         help="int8: quantize a float checkpoint's linear layers at load (on a 4-bit checkpoint, the "
@@ -112,18 +119,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="long prompts are always prefilled in chunks under --max-num-batched-tokens; "
         "--no-enable-chunked-prefill is refused",
     )
-    v.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="accepted and ignored: Tandem runs only its own model code and never executes code "
-        "from a checkpoint",
-    )
-    v.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="accepted and ignored on CPU: the KV cache is sized by --kv-cache-memory or --num-kv-blocks",
-    )
+    vllm_flags.add_ignored_flags(v, vllm_flags.ENGINE)
     v.add_argument(
         "--tensor-parallel-size",
         "-tp",
@@ -169,23 +165,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
-    """Refuse the vLLM settings Tandem cannot honour; note the ones it ignores."""
-    if getattr(args, "tensor_parallel_size", 1) != 1:
-        raise ValueError(
-            f"--tensor-parallel-size must be 1 (got {args.tensor_parallel_size}): Tandem runs a model in "
-            "one process; --num-instances runs several engines"
-        )
-    if not getattr(args, "enable_chunked_prefill", True):
-        raise ValueError("--no-enable-chunked-prefill: Tandem always chunks long prefills under the token budget")
-    gpu = getattr(args, "gpu_memory_utilization", None)
-    if gpu is not None:
-        if not 0.0 < gpu <= 1.0:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu}")
-        print(
-            "tandem: note: --gpu-memory-utilization is ignored on CPU; the KV cache takes --kv-cache-memory "
-            f"bytes ({args.kv_cache_memory}) or --num-kv-blocks blocks",
-            file=sys.stderr,
-        )
+    """Refuse the vLLM settings Tandem cannot honour; note the ones it ignores (vllm_flags.py)."""
+    for note in vllm_flags.check(vars(args), command_line=True):
+        print(f"tandem: note: {note}", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -285,11 +267,7 @@ def add_serve_parser(sub: Any) -> None:
         action="store_true",
         help="write logprob tokens as token_id:N (for tokens that are not valid UTF-8 alone)",
     )
-    g.add_argument(
-        "--disable-log-requests",
-        action="store_true",
-        help="accepted for vLLM compatibility: Tandem does not log request contents anyway",
-    )
+    vllm_flags.add_ignored_flags(g, vllm_flags.SERVE)
     g.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -309,6 +287,12 @@ def add_serve_parser(sub: Any) -> None:
         "--metrics-api-key",
         default=None,
         help="require this key for /metrics (with --api-key/--api-keys-file, /metrics needs it or --metrics-port)",
+    )
+    g.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="enable the operator routes (POST /admin/instances/N/drain) and require this key for them "
+        "(a tenant's key is never enough); without it they answer 404",
     )
     g.add_argument(
         "--metrics-port",
@@ -536,8 +520,31 @@ def add_bench_parser(sub: Any) -> None:
     prof.set_defaults(func=_bench_profile)
 
 
+class _Parser(argparse.ArgumentParser):
+    """The `tandem` parser: a vLLM flag that docs/compatibility.md calls not applicable is refused
+    with the page's reason rather than as an unknown argument."""
+
+    @overload
+    def parse_args(self, args: Iterable[str] | None = None, namespace: None = None) -> argparse.Namespace: ...
+    @overload
+    def parse_args(self, args: Iterable[str] | None, namespace: _N) -> _N: ...
+    @overload
+    def parse_args(self, *, namespace: _N) -> _N: ...
+
+    def parse_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_args(args, namespace)
+        for word in extras:
+            found = vllm_flags.not_applicable(word)
+            if found is not None:
+                flag, row = found
+                self.exit(2, f"tandem: error: {flag} is not applicable in Tandem: {row.message}\n")
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference engine")
+    parser = _Parser(prog="tandem", description="Tandem LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to stdout")
     add_engine_args(gen)

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
 from tandem.config import EngineConfig
+from tandem.engine.chat import check_tools, template_messages
 from tandem.engine.llm_engine import LLMEngine, PromptType
+from tandem.entrypoints import vllm_flags
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger("tandem.llm")
 
 
 def default_model_path() -> str:
@@ -23,17 +28,30 @@ class LLM:
 
     Engine arguments are named as in vLLM: `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `block_size`, `dtype`, `kv_cache_dtype`, `seed`, plus
-    `kv_cache_memory` (bytes) or `num_kv_blocks`.
+    `kv_cache_memory` (bytes) or `num_kv_blocks`. vLLM's other arguments are taken as `tandem serve`
+    takes their flags (docs/compatibility.md): `gpu_memory_utilization`, `trust_remote_code`,
+    `enforce_eager`, `disable_log_stats` are accepted and ignored (a warning says so),
+    `tensor_parallel_size` must be 1, `enable_chunked_prefill` True, and a not-applicable one (such
+    as `swap_space`) is a ValueError with the reason.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         known = set(EngineConfig.__dataclass_fields__) - {"model"}
-        unknown = sorted(set(engine_args) - known)
+        vllm_only = set(vllm_flags.PARTLY_SUPPORTED) | vllm_flags.ignored_engine_arguments()
+        unknown = sorted(set(engine_args) - known - vllm_only)
+        for name in unknown:
+            why = vllm_flags.refusal(name)
+            if why is not None:
+                raise ValueError(why)
         if unknown:
             raise ValueError(
-                f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                f"unknown engine argument(s): {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known | vllm_only))}"
             )
-        self.engine = LLMEngine(EngineConfig(model=model or default_model_path(), **engine_args))
+        for note in vllm_flags.check(engine_args, command_line=False):
+            logger.warning(note)
+        config_args = {k: v for k, v in engine_args.items() if k in known}
+        self.engine = LLMEngine(EngineConfig(model=model or default_model_path(), **config_args))
         self._ids = itertools.count()
 
     def get_stats(self) -> dict[str, Any]:
@@ -84,14 +102,39 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        *,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """Generate replies to conversations (one, or a list of them), rendered with the model's
+        chat template (or `chat_template`) as the HTTP chat route renders them: content given as
+        text parts is joined, assistant tool calls' JSON arguments become objects, `tools` (OpenAI
+        tool definitions) and `chat_template_kwargs` reach the template. `continue_final_message`
+        leaves the last (assistant) message open for the model to go on with; it needs
+        `add_generation_prompt=False`. Tool calls in the output are not parsed (as in vLLM)."""
         if messages and isinstance(messages[0], list):
             conversations = messages
         else:
             conversations = [cast("list[dict[str, Any]]", messages)]
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(
+                "chat_template_kwargs must be a dict of template variables, "
+                f"got {type(chat_template_kwargs).__name__}"
+            )
+        tool_defs = check_tools(tools)
         tok = self.engine.tokenizer
         prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt, chat_template)}
+            {
+                "prompt_token_ids": tok.apply_chat_template(
+                    template_messages(conv),
+                    add_generation_prompt,
+                    chat_template,
+                    tool_defs,
+                    continue_final_message,
+                    chat_template_kwargs,
+                )
+            }
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

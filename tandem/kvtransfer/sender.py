@@ -163,7 +163,8 @@ class Sender:
         if out is None:
             return None
         if not msg.ok:
-            self._abort(out, msg.reason, cancel=False)
+            # A no to Begin is a refusal (nothing was copied); a no to the hand-over, a failure.
+            self._abort(out, msg.reason, cancel=False, refused=isinstance(msg, wire.Accepted))
             return None
         return out if out.state == state else None
 
@@ -309,7 +310,7 @@ class Sender:
 
     # -- ending ---------------------------------------------------------------
 
-    def _abort(self, out: Outgoing, reason: str, cancel: bool = True) -> None:
+    def _abort(self, out: Outgoing, reason: str, cancel: bool = True, refused: bool = False) -> None:
         """Give the transfer up: the request goes on here; the destination drops what it has."""
         if self.transfers.pop(out.transfer_id, None) is None:
             return
@@ -321,9 +322,11 @@ class Sender:
             # An unreachable destination times the transfer out on its own.
             with contextlib.suppress(Exception):
                 self.send(out.peer, wire.Cancel(out.transfer_id), None)
-        logger.info("migration of %s abandoned: %s", out.request_id, reason)
+        logger.info("migration of %s %s: %s", out.request_id, "refused" if refused else "abandoned", reason)
         self.report(
-            m.Migrated(out.request_id, out.transfer_id, False, reason, 0.0, out.num_bytes, out.num_stages)
+            m.Migrated(
+                out.request_id, out.transfer_id, False, reason, 0.0, out.num_bytes, out.num_stages, refused=refused
+            )
         )
 
     def _release(self, out: Outgoing) -> None:

@@ -380,6 +380,8 @@ class ClusterSim:
                 num_blocks=inst.kv.num_blocks,
                 num_available_blocks=inst.kv.num_available,
                 prefix_hashes=hashes,
+                num_seats_taken=inst.scheduler.seats_taken,
+                max_num_seqs=inst.spec.max_num_seqs,
             )
             self.dispatcher.observe(inst.index, stats)
 
@@ -402,7 +404,12 @@ class ClusterSim:
                     self.dispatcher.demand_of(rid),
                 )
             )
-        for rid, dest in self.rebalancer.plan(self.dispatcher.instances, live, set(), views, len(self.moving)):
+        # Seats the moves under way take at their destinations once installed.
+        incoming: dict[int, int] = {}
+        for move in self.moving.values():
+            incoming[move.destination] = incoming.get(move.destination, 0) + 1
+        plan = self.rebalancer.plan(self.dispatcher.instances, live, set(), views, len(self.moving), incoming)
+        for rid, dest in plan:
             self._start_move(rid, dest, handoff=False)
 
     def _start_move(self, rid: str, dest: int, handoff: bool) -> None:

@@ -2,8 +2,8 @@
 see only this). The backend is llguidance (`llguidance_backend.py`): it compiles lazily (a grammar
 is ready in well under a millisecond, against xgrammar's tens to hundreds on a 128k vocabulary),
 its masks cost tens of microseconds a token on either vocabulary, it reads EBNF/GBNF and Lark
-grammars, and it imports no torch, so the API process can check a spec before queuing it
-(benchmarks/grammar_backends.py measures both engines)."""
+grammars, and it imports no torch (benchmarks/grammar_backends.py measures both engines). Specs are
+checked before they are queued by `checker.py`, in separate processes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ from typing import Protocol
 
 import numpy as np
 
-from tandem.sampling_params import StructuredOutputsParams
+# The field a spec of each kind came from, for error messages.
+FIELDS = {
+    "json": "structured_outputs.json",
+    "json_object": "structured_outputs.json_object",
+    "regex": "structured_outputs.regex",
+    "choice": "structured_outputs.choice",
+    "grammar": "structured_outputs.grammar",
+}
 
 
 class Matcher(Protocol):
@@ -53,15 +60,6 @@ class GrammarBackend(Protocol):
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
-
-
-def check_spec(params: StructuredOutputsParams) -> None:
-    """Raise ValueError naming the field if the spec cannot compile (no tokenizer needed: this runs
-    in the API process, so a bad schema or regex is a 400, not an engine-side failure)."""
-    from tandem.structured.llguidance_backend import check
-
-    kind, text = params.spec()
-    check(kind, text)
 
 
 def make_backend(tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarBackend:

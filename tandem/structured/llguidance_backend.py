@@ -11,7 +11,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from tandem.structured.backend import Matcher, bitmask_words
+from tandem.structured.backend import FIELDS, Matcher, bitmask_words
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -19,14 +19,6 @@ if TYPE_CHECKING:
 # JSON written without free whitespace (vLLM's `disable_any_whitespace`): a model cannot loop on
 # blanks between tokens, and every output still parses.
 _JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
-# The field a spec of each kind came from, for error messages.
-FIELDS = {
-    "json": "structured_outputs.json",
-    "json_object": "structured_outputs.json_object",
-    "regex": "structured_outputs.regex",
-    "choice": "structured_outputs.choice",
-    "grammar": "structured_outputs.grammar",
-}
 
 
 def grammar_text(kind: str, text: str) -> str:
@@ -49,13 +41,6 @@ def grammar_text(kind: str, text: str) -> str:
         return llguidance.grammar_from("grammar", text)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"{field} is not a valid grammar: {exc}") from None
-
-
-def check(kind: str, text: str) -> None:
-    """Compile-check a spec without a tokenizer."""
-    error = llguidance.LLMatcher.validate_grammar(grammar_text(kind, text))
-    if error:
-        raise ValueError(f"{FIELDS[kind]} is not a valid grammar: {error.strip()}")
 
 
 class LLGuidanceMatcher:
@@ -104,6 +89,7 @@ class LLGuidanceBackend:
         if not eos_token_ids:
             raise ValueError("structured output needs the model's EOS token id")
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
         self.words = bitmask_words(vocab_size)
         self._executor = llguidance.LLExecutor()
         # The tokenizer may be shorter than the model's (padded) vocabulary: the extra ids are never

@@ -27,6 +27,38 @@ def position_seed(seed: int, position: int) -> int:
     return (seed ^ (position * 0x9E3779B97F4A7C15)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def dead_rows(sb: SamplingBatch) -> list[bool] | None:
+    """Rows whose hard constraints (allowed_token_ids and bad_words, the grammar) forbid every
+    token, or None if there are none. Their masks are lifted, so the row's arithmetic stays finite:
+    whatever it draws is dropped (`end_dead`)."""
+    masks = [m for m in (sb.blocked, sb.grammar_forbidden) if m is not None]
+    if not masks:
+        return None
+    dead = masks[0].all(dim=-1) if len(masks) == 1 else (masks[0] | masks[1]).all(dim=-1)
+    if not bool(dead.any()):
+        return None
+    for m in masks:
+        m[dead] = False
+    return dead.tolist()
+
+
+def end_dead(dead: list[bool], spans: list[tuple[Request, int, int]], out: RunnerOutput) -> None:
+    """Samples that reach a dead row end there: the drafts accepted before it stay, nothing after."""
+    for member, first, k in spans:
+        stop = next((j for j in range(k + 1) if dead[first + j]), None)
+        rid = member.request_id
+        accepted = out.accepted.get(rid, [])
+        if stop is None or len(accepted) < stop:
+            continue  # no dead row, or the sample stops at a rejected draft before it
+        out.dead_ends.add(rid)
+        if stop:
+            out.accepted[rid] = accepted[:stop]
+        else:
+            out.accepted.pop(rid, None)
+        if rid in out.logprobs:
+            out.logprobs[rid] = out.logprobs[rid][:stop]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -227,14 +259,17 @@ class ModelRunner:
             masked = self.grammar.token_bitmask([(r.request, r.history) for r in rows])
             if masked is not None:
                 sb.grammar_forbidden = token_mask(*masked, len(rows), logits.shape[1], self.device)
+        dead = dead_rows(sb)
         if not drafts:
             tokens, logprobs = self.sampler(logits, sb)
             for (member, _, _), tok, lp in zip(spans, tokens, logprobs):
                 out.sampled[member.request_id] = tok
                 if lp is not None:
                     out.logprobs[member.request_id] = [lp]
-            return out
-        self._verify(logits, sb, spans, drafts, draft_probs, out)
+        else:
+            self._verify(logits, sb, spans, drafts, draft_probs, out)
+        if dead is not None:
+            end_dead(dead, spans, out)
         return out
 
     def _verify(
@@ -419,7 +454,7 @@ class ModelRunner:
                 if bias is None:
                     bias = torch.zeros(len(rows), vocab, device=dev)
                 ids = torch.tensor(list(sp.logit_bias.keys()), device=dev)
-                bias[i, ids] = torch.tensor(list(sp.logit_bias.values()), device=dev)
+                bias[i, ids] = torch.tensor(list(sp.logit_bias.values()), dtype=bias.dtype, device=dev)
             if sp.allowed_token_ids is not None:
                 allowed = torch.zeros(vocab, dtype=torch.bool, device=dev)
                 allowed[torch.tensor(sp.allowed_token_ids, device=dev)] = True

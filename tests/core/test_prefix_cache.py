@@ -148,3 +148,122 @@ def test_random_operations_keep_invariants(bs, seed, ops):
     assert pool.num_free == num_blocks
     cache.check_invariants()
     pool.check_invariants()
+
+
+# -- one root per salt, and only while it holds something ------------------------------------------
+
+
+def test_a_salts_root_goes_when_its_last_block_is_evicted():
+    # 10,000 distinct salts through a cache of 8 blocks: every salt's tree is evicted in turn, and
+    # its root must go with it (each root used to stay forever: memory grew with every salt seen).
+    pool, cache = cache_with(8, 4)
+    tokens = list(range(8))  # two blocks per salt
+    for i in range(10_000):
+        if pool.num_free < 2:
+            cache.evict(2 - pool.num_free)
+        put(pool, cache, tokens, salt=f"salt-{i}")
+        assert len(cache.roots) <= cache.num_cached_blocks
+    assert cache.match_len(tokens, "salt-9999") == 8  # the newest is still cached
+    assert cache.match_len(tokens, "salt-0") == 0
+    cache.check_invariants()
+    cache.evict(8)
+    assert cache.roots == {} and pool.num_free == 8
+    cache.check_invariants()
+    pool.check_invariants()
+
+
+def test_a_root_a_request_still_holds_is_kept():
+    pool, cache = cache_with(8, 2)
+    # A request of salt "s" that matched nothing holds the root of "s" (it will extend it).
+    blocks, node = cache.match([1, 2, 3, 4], "s")
+    assert blocks == [] and node.is_root
+    cache.lock(node)
+    # Another request of "s" caches a block, which is then evicted: the root stays, held.
+    put(pool, cache, [7, 7], salt="s")
+    assert cache.evict(8) == 1
+    assert cache.roots.get("s") is node
+    cache.check_invariants()
+    # The holder's blocks land in the tree its salt's lookups search.
+    mine = pool.allocate(2)
+    new = cache.extend(node, [1, 2, 3, 4], mine)
+    cache.lock(new)
+    cache.unlock(node)
+    pool.free(mine)
+    assert cache.match_len([1, 2, 3, 4], "s") == 4
+    assert cache.match_len([1, 2, 3, 4], "t") == 0 and cache.match_len([1, 2, 3, 4], None) == 0
+    cache.unlock(new)
+    cache.check_invariants()
+    cache.evict(8)
+    assert cache.roots == {} and pool.num_free == 8
+
+
+def test_a_request_that_caches_nothing_leaves_no_root():
+    pool, cache = cache_with(8, 4)
+    for i in range(100):
+        _, node = cache.match([1, 2, 3], f"short-{i}")  # under one block: nothing to cache
+        cache.lock(node)
+        cache.unlock(node)
+        put(pool, cache, [5, 6], salt=f"tiny-{i}")
+    assert cache.roots == {}
+    cache.check_invariants()
+
+
+def test_requests_skipping_the_cache_leave_no_root_behind():
+    # A request owed prompt logprobs reads nothing from the cache (it holds no node) but caches what
+    # it computes; one that computed less than a block caches nothing and must make no root.
+    from tandem.core.kv_cache_manager import KVCacheManager
+    from tandem.core.request import Request
+    from tandem.sampling_params import SamplingParams
+
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    assert kv.cache is not None
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    for i, prompt in enumerate(([1, 2, 3], [1, 2, 3, 4, 5, 6])):
+        req = Request(f"r{i}", prompt, params, 1, cache_salt=f"s{i}")
+        assert kv.match_prefix(req) == 0 and req.prefix_node is None
+        assert kv.allocate_slots(req, len(prompt), [])
+        req.num_computed_tokens = len(prompt)
+        kv.free(req)
+        kv.check_invariants()
+    assert set(kv.cache.roots) == {"s1"}  # only the one that cached a whole block
+    kv.cache.evict(16)
+    assert kv.cache.roots == {} and kv.pool.num_free == 16
+
+
+def test_memory_stays_flat_under_ten_thousand_distinct_salts():
+    """Requests with a fresh salt each (of the longest length accepted), through the KV manager as
+    the scheduler drives it: what the cache holds after 10,000 salts is what it held after 2,000
+    (before, every salt's root and key stayed: about 1.3 KB each here, 13 MB in all)."""
+    import tracemalloc
+
+    from tandem.core.kv_cache_manager import KVCacheManager
+    from tandem.core.limits import MAX_CACHE_SALT_CHARS
+    from tandem.core.request import Request
+    from tandem.sampling_params import SamplingParams
+
+    kv = KVCacheManager(32, 4, enable_prefix_caching=True)
+    assert kv.cache is not None
+    params = SamplingParams(max_tokens=1)
+    prompt = list(range(9))  # two whole blocks cached per request
+
+    def run(first: int, last: int) -> None:
+        for i in range(first, last):
+            salt = f"{i:08d}".ljust(MAX_CACHE_SALT_CHARS, "s")
+            req = Request(f"r{i}", prompt, params, 1, cache_salt=salt)
+            kv.match_prefix(req)
+            if not kv.allocate_slots(req, len(prompt) - req.num_computed_tokens, []):
+                raise AssertionError("a request that fits an emptied cache found no room")
+            req.num_computed_tokens = len(prompt)
+            kv.free(req)
+
+    tracemalloc.start()
+    try:
+        run(0, 2000)
+        before = tracemalloc.get_traced_memory()[0]
+        run(2000, 10_000)
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert after - before < 256 << 10, f"grew {after - before} bytes over 8,000 salts"
+    assert len(kv.cache.roots) <= kv.cache.num_cached_blocks <= 32
+    kv.check_invariants()

@@ -333,3 +333,28 @@ def test_forked_samples_share_cached_prompt_and_locks_drop_to_zero() -> None:
     assert h.members["again"].num_cached_tokens == 8
     assert cache.num_unlocked_blocks == cache.num_cached_blocks
     assert outputs(h) == expected_outputs(h)
+
+
+def test_many_distinct_salts_come_and_go_without_growing_the_tree() -> None:
+    """Thousands of requests, each with its own cache salt (as a client sending a fresh `cache_salt`
+    every time would), through a small cache: a salt's root goes once its blocks are evicted and no
+    request holds it, so the tree never holds more roots than it has cached blocks plus running
+    requests, whatever the number of salts seen. Short prompts (nothing to cache) and n > 1 groups
+    (forks share the leader's node) leave nothing behind either; the harness checks every block after
+    every step, and the cache empties completely at the end."""
+    h = Harness(24, 2, 4, 32, enable_prefix_caching=True)
+    cache = h.kv.cache
+    assert cache is not None
+    most = 0
+    for k in range(3000):
+        prompt = [k % 7, 1, 2, 3, 4] if k % 5 else [k % 7]  # every fifth is shorter than a block
+        h.add(*make_group(f"r{k}", prompt, max_tokens=2, n=2 if k % 11 == 0 else 1, cache_salt=f"salt-{k}"))
+        h.step()
+        most = max(most, len(cache.roots))
+        assert len(cache.roots) <= cache.num_cached_blocks + len(h.sched.running)
+    h.drain(max_steps=5000)
+    assert most <= 24 + 4
+    assert all(root.children for root in cache.roots.values()), "an empty root outlived its requests"
+    cache.evict(h.kv.num_blocks)
+    assert cache.roots == {} and h.kv.pool.num_free == h.kv.num_blocks
+    assert outputs(h) == expected_outputs(h)

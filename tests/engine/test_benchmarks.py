@@ -194,3 +194,30 @@ def test_layer_ops_quick(tmp_path: Path, llama_dir: Path) -> None:
         assert r["kernels_c1_decode_tok_s"] > 0 and r["torch_c1_decode_tok_s"] > 0
         assert r["c1_ratio"] == r["kernels_c1_decode_tok_s"] / r["torch_c1_decode_tok_s"]
         assert r["torch_c2_output_tok_s"] > 0 and len(r["c1_ratio_runs"]) == 1
+
+
+def test_reliability_attacks_quick(tmp_path: Path) -> None:
+    """benchmarks/reliability.py's memory and event-loop attacks, bounded: every nasty input is
+    answered without a server error, salts and aborted grammars leave memory bounded (the figures
+    themselves, /health latency among them, are the benchmark's, docs/benchmarks.md)."""
+    result_json = tmp_path / "reliability.json"
+    run_script(
+        "reliability.py", "--quick", "--sections", "stall,salts,aborts,enums", "--result-json", str(result_json),
+        timeout=600,
+    )
+    r = json.loads(result_json.read_text())
+    statuses = {row["input"]: row["status"] for row in r["stall_probe"]}
+    assert all(isinstance(s, int) and s < 500 for s in statuses.values()), statuses
+    assert statuses["30 MB body without a key"] == 401
+    assert statuses["Lark chain of 30,000 rules"] == 400
+    assert statuses["60k-value enum (served)"] == 200
+    salts = r["distinct_salts"]
+    assert salts["ok"] == salts["requests"] and salts["huge_salt_statuses"] == [400]
+    rss = salts["engine_rss_mb_by_round"]
+    assert rss[-1] - rss[1] < 100, rss  # after the first round's warm-up: no growth per salt
+    assert r["grammar_aborts"]["statuses"] == [200]
+    assert r["grammar_aborts"]["seconds_until_idle_after_last"] is not None
+    enums = r["enum_cache"]
+    assert enums["statuses"] == [200]
+    # 16 grammars of ~40 MB each: bounded by the cache's bytes, not held all.
+    assert enums["engine_rss_mb"][-1] - enums["engine_rss_mb"][0] < 400, enums["engine_rss_mb"]

@@ -9,7 +9,15 @@ import pytest
 
 HERE = Path(__file__).parent
 # Pieces of the HTTP layer tested in-process: no subprocess.
-IN_PROCESS = {"test_admission.py", "test_server_units.py", "test_tool_parsers.py", "test_tool_choice.py", "test_tool_stream.py"}
+IN_PROCESS = {
+    "test_admission.py",
+    "test_server_units.py",
+    "test_tool_parsers.py",
+    "test_tool_choice.py",
+    "test_tool_stream.py",
+    "test_admin_routes.py",
+    "test_request_cost_units.py",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -31,6 +31,7 @@ MAX_TOKENS = 1000  # long enough to catch requests decoding on a fast machine
 # fast machine 1000 tokens of the tiny model take about half a second, so the module's checkpoint
 # holds 4096 positions and the drain's requests run 3000 tokens.
 DRAIN_TOKENS = 3000
+ADMIN_KEY = "operator-key"
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,7 @@ def server(long_dir):
     args = ["--num-instances", "3", "--num-threads", "1", "--num-kv-blocks", "2560", "--max-num-seqs", "4"]
     args += ["--served-model-name", "tiny", "--dispatch-policy", "least_load", "--block-size", "4"]
     args += ["--migration-triggers", "imbalance", "--cpus-per-instance", "0.5"]
+    args += ["--admin-api-key", ADMIN_KEY]
     with RemoteServer(long_dir, *args, startup_timeout=300) as s:
         yield s
         s.stop()  # drain: the instances' Ray actors go down with the server
@@ -121,6 +123,9 @@ def test_draining_an_instance_moves_its_requests_live_and_retires_it(server, off
     victim = max(load, key=lambda i: load[i])
     assert load[victim] > 0, load
     with server.http() as http:
+        # An operator route: without the admin key nothing is drained.
+        assert http.post(f"/admin/instances/{victim}/drain").status_code == 401
+    with server.http(headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as http:
         resp = http.post(f"/admin/instances/{victim}/drain", timeout=120)
         assert resp.status_code == 200, resp.text
         assert http.post(f"/admin/instances/{victim}/drain").status_code == 409  # not running any more

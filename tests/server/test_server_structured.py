@@ -114,7 +114,15 @@ def test_structured_outputs_and_guided_fields(client):
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"response_format": {"type": "xml"}}, "response_format"),
+        # Deep JSON is a 400, not a RecursionError's 500.
+        ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),
+        # A grammar past the grammar engine's limits fails on its first token: refused up front.
+        ({"guided_grammar": 'root ::= "a" root'}, "guided_grammar"),
+        # 40,000 chained rules (427 KB, under the 1 MiB cap) overflowed the API process's stack.
+        ({"guided_grammar": "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(40_000)) + 'r40000: "a"\n'},
+         "guided_grammar"),
     ],
+    ids=lambda v: v if isinstance(v, str) else str(v)[:40],
 )
 def test_bad_specs_are_400(client, body, param):
     with pytest.raises(openai.BadRequestError) as err:

@@ -3,6 +3,7 @@ across tenants while one tenant's repeated prompt does hit the cache."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -10,8 +11,15 @@ import openai
 import pytest
 from server_utils import FAST_ARGS, RemoteServer
 
+from tandem.core.limits import MAX_CACHE_SALT_CHARS
+from tandem.engine.core_client import RequestStream
+from tandem.engine.messages import EngineCoreRequest
 from tandem.entrypoints.openai.errors import OpenAIError
+from tandem.entrypoints.openai.metrics import ServerMetrics
+from tandem.entrypoints.openai.serving import EngineCall, ServerState
 from tandem.entrypoints.openai.tenants import Tenants
+from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.sampling_params import SamplingParams
 
 KEYS = {
     "key-a": {"tenant": "a", "priority": 0},
@@ -147,3 +155,128 @@ def test_tenants_parsing_and_limits():
     ):
         with pytest.raises(ValueError):
             Tenants(bad)
+
+
+def test_cache_salt_is_bounded(server):
+    """A salt is an identifier: one past the bound is a 400 naming `cache_salt` (before, 8 MB salts
+    were taken, and each stayed in the engine for good)."""
+    with server.http(headers=auth("key-a")) as http:
+        ok = http.post("/v1/completions", json={**BODY, "cache_salt": "s" * MAX_CACHE_SALT_CHARS})
+        assert ok.status_code == 200, ok.text
+        long = http.post("/v1/completions", json={**BODY, "cache_salt": "s" * (MAX_CACHE_SALT_CHARS + 1)})
+        assert long.status_code == 400
+        assert long.json()["error"]["param"] == "cache_salt"
+
+
+def test_max_concurrent_counts_sequences_not_prompts(server):
+    """Tenant d may run one sequence at a time: n=2 or best_of=2 is more than it may ever run (400,
+    not a 429 to retry forever). Before, each request counted as one, so a tenant limited to 1 ran
+    n=16. (Holding seats with a running n > 1 request: test_admission_reserves_every_sequence.)"""
+    with server.http(headers=auth("key-d")) as http:
+        for extra in ({"n": 2}, {"best_of": 2}):
+            resp = http.post("/v1/completions", json={**BODY, **extra})
+            assert resp.status_code == 400, (extra, resp.text)
+            assert "sequences" in resp.json()["error"]["message"]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 400
+        assert http.post("/v1/completions", json=BODY).status_code == 200
+
+
+# -- in-process: EngineCall's charging against a fake engine client -----------------------------
+
+
+class FakeClient:
+    """What EngineCall uses of AsyncEngineClient."""
+
+    def __init__(self) -> None:
+        self.inputs = object()
+        self.dead = None
+        self.streams: dict[str, RequestStream] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return 0
+
+    def add(self, req, text, notify, on_finish=None) -> RequestStream:
+        stream = self.streams[req.request_id] = RequestStream(req.request_id, notify, on_finish)
+        return stream
+
+    def abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.streams.pop(rid, None)
+
+
+def fake_state(tenants: Tenants) -> ServerState:
+    return ServerState(
+        model_name="m",
+        metrics=ServerMetrics("m"),
+        tenants=tenants,
+        max_waiting_requests=8,
+        drain_timeout=1.0,
+        client=FakeClient(),  # type: ignore[arg-type]
+    )
+
+
+def engine_request(rid: str, n: int = 1) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, [1, 2, 3], SamplingParams(n=n, max_tokens=100), 100, 0.0)
+
+
+def output(rid: str, tokens_per_sample: list[int], finished: bool = False) -> RequestOutput:
+    samples = [CompletionOutput(i, "", [7] * k) for i, k in enumerate(tokens_per_sample)]
+    return RequestOutput(rid, None, [1, 2, 3], samples, finished=finished)
+
+
+def test_admission_reserves_every_sequence():
+    tenants = Tenants({"k": {"tenant": "t", "max_concurrent": 3}})
+    tenant = tenants.by_key["k"]
+    state = fake_state(tenants)
+    with EngineCall(state, tenant, [(engine_request("a", n=2), None)]) as call:
+        call.start()
+        assert tenant.inflight == 2
+        with pytest.raises(OpenAIError) as exc, EngineCall(state, tenant, [(engine_request("b", n=2), None)]) as c2:
+            c2.start()
+        assert exc.value.status == 429
+        with EngineCall(state, tenant, [(engine_request("c"), None)]) as c3:
+            c3.start()
+            assert tenant.inflight == 3
+    assert tenant.inflight == 0
+    with pytest.raises(OpenAIError) as exc, EngineCall(state, tenant, [(engine_request("d", n=4), None)]) as c4:
+        c4.start()
+    assert exc.value.status == 400 and tenant.inflight == 0
+
+
+def test_generated_tokens_are_charged_as_they_are_produced():
+    """A running request's tokens count against its tenant's next admission at once (before, only
+    when it ended, so a long request or many at once ran far past tokens_per_minute), and each token
+    is charged once."""
+    tenants = Tenants({"k": {"tenant": "t", "tokens_per_minute": 30}})
+    tenant = tenants.by_key["k"]
+    state = fake_state(tenants)
+
+    async def scenario() -> None:
+        with EngineCall(state, tenant, [(engine_request("a", n=2), None)]) as call:
+            call.start()
+            assert tenant.window_tokens == 3
+            updates = call.updates()
+            call.streams[0].put(output("a", [10, 8]))
+            await asyncio.wait_for(updates.__anext__(), 5)
+            assert tenant.window_tokens == 3 + 18
+            call.streams[0].put(output("a", [12, 9]))
+            await asyncio.wait_for(updates.__anext__(), 5)
+            assert tenant.window_tokens == 3 + 21
+            # 24 charged: a prompt of 3 still fits.
+            with EngineCall(state, tenant, [(engine_request("b"), None)]) as other:
+                other.start()
+            assert tenant.window_tokens == 27
+            call.streams[0].put(output("a", [15, 10], finished=True))
+            await asyncio.wait_for(updates.__anext__(), 5)
+            with pytest.raises(StopAsyncIteration):
+                await asyncio.wait_for(updates.__anext__(), 5)
+        # Closing charges only what had not been charged yet: each token once.
+        assert tenant.window_tokens == 27 + 4
+        assert tenant.inflight == 0
+        with pytest.raises(OpenAIError) as exc, EngineCall(state, tenant, [(engine_request("c"), None)]) as c:
+            c.start()
+        assert exc.value.status == 429
+
+    asyncio.run(scenario())

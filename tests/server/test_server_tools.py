@@ -14,8 +14,8 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from server_utils import FAST_ARGS, RemoteServer
 
+from tandem.engine.chat import template_message
 from tandem.engine.tokenizer import Tokenizer
-from tandem.entrypoints.openai.tool_calls import template_message
 from tandem.entrypoints.openai.tool_parsers import get_tool_parser
 
 MODEL = "tiny"

@@ -8,8 +8,9 @@ import json
 import jsonschema
 import pytest
 
+from tandem.engine.chat import template_message
 from tandem.entrypoints.openai.protocol import ChatCompletionRequest
-from tandem.entrypoints.openai.tool_calls import REQUIRED, plan_tools, template_message, tool_choice_schema
+from tandem.entrypoints.openai.tool_calls import REQUIRED, plan_tools, tool_choice_schema
 from tandem.sampling_params import SamplingParams
 
 WEATHER = {

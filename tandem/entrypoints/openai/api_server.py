@@ -12,6 +12,7 @@ import gc
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,7 +20,9 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from tandem import __version__
 from tandem.cluster.config import ClusterConfig
@@ -29,10 +32,10 @@ from tandem.engine.tokenizer import load_chat_template
 from tandem.entrypoints.openai import protocol as p
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request, validation_error
 from tandem.entrypoints.openai.generation_config import sampling_defaults
-from tandem.entrypoints.openai.serving import ServerState, started
+from tandem.entrypoints.openai.serving import MAX_BODY_OBJECT_MEMBERS, ServerState, started
 from tandem.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from tandem.entrypoints.openai.serving_completions import create_completion
-from tandem.entrypoints.openai.tenants import Tenant
+from tandem.entrypoints.openai.tenants import Tenant, check_admin_key
 from tandem.entrypoints.openai.tokenizer_info import tokenizer_info
 
 logger = logging.getLogger("tandem.server")
@@ -165,8 +168,12 @@ def build_app(
     async def chat(body: p.ChatCompletionRequest, request: Request, t: TenantDep) -> Any:
         return respond(await create_chat_completion(state, body, t, request.receive))
 
-    @app.post("/admin/instances/{instance}/drain")
-    async def drain(instance: int, t: TenantDep) -> Any:
+    async def authorize_admin(request: Request) -> None:
+        check_admin_key(request.headers.get("authorization"), state.admin_api_key)
+
+    # Operator routes take the operator's key, never a tenant's (a drain shuts an instance down).
+    @app.post("/admin/instances/{instance}/drain", dependencies=[Depends(authorize_admin)])
+    async def drain(instance: int) -> Any:
         """Scale in: move every request off an engine instance (live migration), then shut it down."""
         if state.migrator is None:
             raise OpenAIError(404, "this server runs one engine instance (no cluster to drain)")
@@ -227,12 +234,11 @@ def build_app(
         state.check_model(body.model)
         engine = state.engine
         if body.messages is not None and body.prompt is None:
-            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await chat_prompt_ids(
                 state,
                 body.messages,
                 body.add_generation_prompt and not body.continue_final_message,
-                tools,
+                body.tools,
                 body.continue_final_message,
                 body.chat_template_kwargs,
             )
@@ -268,7 +274,13 @@ def build_app(
         text = await state.offload(len(body.tokens), started(engine.tokenizer).decode, body.tokens, False)
         return p.DetokenizeResponse(prompt=text).model_dump()
 
-    return GuardMiddleware(app, state)
+    # The routes a tenant's key opens: the guard checks that key from the headers, before the body.
+    keyed = [r for r in app.routes if isinstance(r, APIRoute) and _depends_on(r.dependant, authenticate)]
+    return GuardMiddleware(app, state, keyed)
+
+
+def _depends_on(dependant: Any, call: Any) -> bool:
+    return any(d.call is call or _depends_on(d, call) for d in dependant.dependencies)
 
 
 class BodyError(Exception):
@@ -279,15 +291,18 @@ class BodyError(Exception):
 class GuardMiddleware:
     """ASGI guard in front of the app.
 
-    Generation while draining gets 503. A request body is read here, whole, before the app sees it:
+    Generation while draining gets 503. A route that takes a tenant's key (`keyed_routes`) gets its
+    401 from the headers, before any of the body is read (an unauthenticated client costs no upload
+    and no parsing). A request body is read here, whole, before the app sees it:
     past `max_body_bytes` (counted as read, so a chunked upload cannot pass it) it gets 413, and one
     that has not arrived within `body_timeout_s` gets 408. The app then reads the buffered body, and
     afterwards the connection's own messages (a disconnect).
     """
 
-    def __init__(self, app: Any, state: ServerState) -> None:
+    def __init__(self, app: Any, state: ServerState, keyed_routes: Sequence[Any] = ()) -> None:
         self.app = app
         self.state = state
+        self.keyed_routes = keyed_routes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -297,6 +312,7 @@ class GuardMiddleware:
         try:
             if state.draining and scope["method"] == "POST":
                 raise BodyError(OpenAIError(503, "the server is shutting down", headers={"Retry-After": "5"}))
+            self._authenticate(scope)
             for name, value in scope.get("headers", ()):
                 if name == b"content-length" and (not value.isdigit() or int(value) > state.max_body_bytes):
                     raise BodyError(self._too_large())
@@ -310,6 +326,12 @@ class GuardMiddleware:
             return
         if body is None:  # the client left while sending
             return
+        if _object_members(body) > MAX_BODY_OBJECT_MEMBERS:
+            err = OpenAIError(
+                413, f"the request body has more than {MAX_BODY_OBJECT_MEMBERS} JSON object members"
+            )
+            await self._reject(err, scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Any:
@@ -320,6 +342,17 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _authenticate(self, scope: Any) -> None:
+        tenants = self.state.tenants
+        if not tenants.enabled or all(r.matches(scope)[0] == Match.NONE for r in self.keyed_routes):
+            return
+        headers = scope.get("headers", ())
+        authorization = next((v.decode("latin-1") for k, v in headers if k == b"authorization"), None)
+        try:
+            tenants.authenticate(authorization)
+        except OpenAIError as exc:
+            raise BodyError(exc) from None
 
     async def _read_body(self, receive: Any) -> bytes | None:
         chunks = []
@@ -344,6 +377,15 @@ class GuardMiddleware:
         # The rest of the body is not read: the connection closes after the answer.
         headers = {**(err.headers or {}), "Connection": "close"}
         await JSONResponse(err.body(), status_code=err.status, headers=headers)(scope, receive, send)
+
+
+def _object_members(body: bytes) -> int:
+    """How many members a JSON body's objects have, read off the bytes (a key's closing quote then
+    its colon): colons are counted first, a pass over memory, and the members only if there could
+    be too many (colons in strings count there, never below the members)."""
+    if body.count(b":") <= MAX_BODY_OBJECT_MEMBERS:
+        return 0
+    return body.count(b'":') + body.count(b'" :')
 
 
 def _make_server(config: Any, state: ServerState) -> Any:
@@ -442,6 +484,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         connections=ConnectionTable(limits),
         metrics_api_key=args.metrics_api_key,
         metrics_on_api_port=args.metrics_port is None,
+        admin_api_key=args.admin_api_key,
     )
     if args.metrics_port is not None:
         from prometheus_client import start_http_server

@@ -126,9 +126,11 @@ class ServerMetrics:
         )
         self.migrations = Counter(
             "tandem:migrations_total",
-            "Live migrations and prefill/decode hand-offs by outcome: completed, aborted (the request "
-            "stayed where it was, or fell back to recompute), recomputed (it had nothing computed, so "
-            "it was resent instead), dropped (the destination gave up on a silent source).",
+            "Live migrations and prefill/decode hand-offs by outcome: completed, refused (the "
+            "destination had no free sequence seat or no room for the blocks, so nothing was copied; "
+            "the request stayed where it was, or fell back to recompute), aborted (the transfer failed "
+            "after it began: the same fallbacks), recomputed (it had nothing computed, so it was "
+            "resent instead), dropped (the destination gave up on a silent source).",
             [*m, "outcome"],
             registry=reg,
         )
@@ -291,6 +293,8 @@ class ServerMetrics:
             self.kv_transfer_time.observe(msg.transfer_s)
         elif msg.reason == "not_running":
             self.migrations.labels(self.model_name, "recomputed").inc()
+        elif getattr(msg, "refused", False):
+            self.migrations.labels(self.model_name, "refused").inc()
         else:
             self.migrations.labels(self.model_name, "aborted").inc()
         self.kv_transfer_bytes.inc(msg.num_bytes)

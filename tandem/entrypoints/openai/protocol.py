@@ -15,7 +15,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from tandem.sampling_params import INT32_MAX, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from tandem.core.limits import MAX_CACHE_SALT_CHARS
+from tandem.sampling_params import (
+    INT32_MAX,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_CONTROLS,
+)
 
 
 def _valid_unicode(text: str) -> str:
@@ -59,7 +66,9 @@ class SamplingFields(Strict):
     top_p: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    # Bounded here, so an oversized map is refused by its count while the body is validated,
+    # before any Python looks at its entries.
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_TOKEN_CONTROLS)] | None = None
     user: Text | None = None
     # vLLM extras
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
@@ -78,9 +87,9 @@ class SamplingFields(Strict):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
-    allowed_token_ids: list[Count] | None = None
-    bad_words: list[Text] | None = None
-    cache_salt: Text | None = None
+    allowed_token_ids: Annotated[list[Count], Field(max_length=MAX_TOKEN_CONTROLS)] | None = None
+    bad_words: Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    cache_salt: Annotated[Text, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     return_tokens_as_token_ids: bool | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,13 +18,14 @@ from tandem.engine.core_client import (
     RequestStream,
 )
 from tandem.engine.messages import EngineCoreRequest
+from tandem.engine.token_controls import tokenize_bad_words
 from tandem.entrypoints.openai.connections import ConnectionLimits, ConnectionTable
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from tandem.entrypoints.openai.tenants import Tenant, Tenants
 from tandem.outputs import Logprob, RequestOutput
-from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.sampling_params import MAX_LOGPROBS, MAX_TOKEN_CONTROLS, SamplingParams
 
 T = TypeVar("T")
 
@@ -42,6 +44,10 @@ def started(value: T | None) -> T:
 # Prompts bigger than this (characters, or token ids) are tokenized and validated off the event
 # loop, so one large request never stalls the server's other requests.
 INLINE_PROMPT_SIZE = 16 << 10
+# A request body with more JSON object members than this is refused (413) before it is parsed: the
+# parse runs on the event loop, holding the GIL, at about 0.7 us a member (a logit_bias of a million
+# entries held every client, /health too, for 0.7-3 s). Token-id lists are arrays, not members.
+MAX_BODY_OBJECT_MEMBERS = 1 << 16
 
 
 @dataclass
@@ -74,6 +80,8 @@ class ServerState:
     # /metrics: the key it needs, and whether the API port serves it at all (not with --metrics-port).
     metrics_api_key: str | None = None
     metrics_on_api_port: bool = True
+    # --admin-api-key: the operator routes' key (draining an instance); None turns them off.
+    admin_api_key: str | None = None
     client: AsyncEngineClient | None = None
     # The cluster's migration policy and drains (tandem.cluster.migrator.Migrator), with --num-instances > 1.
     migrator: Any = None
@@ -84,6 +92,14 @@ class ServerState:
     # Tokenization and detokenization of large inputs run here, off the event loop.
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tandem-tokenize")
+    )
+    # Whether the chat template renders `tools` (None: not looked at yet; serving_chat finds out at
+    # the first request with tools, and warns when it does not).
+    template_takes_tools: bool | None = None
+    # Structured-output specs wait here for their check process (tandem/structured/checker.py), so a
+    # slow spec never holds up tokenization.
+    grammar_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tandem-grammar-check")
     )
 
     async def offload(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -140,6 +156,12 @@ def logit_bias(body: SamplingFields) -> dict[int, float] | None:
     """OpenAI's logit_bias (token id strings as keys) with integer keys; 400 for a key that is not one."""
     if not body.logit_bias:
         return None
+    # The count first: no entry is looked at in a map too large to be used (the request model
+    # bounds it too; this keeps callers that build bodies in process to the same bound).
+    if len(body.logit_bias) > MAX_TOKEN_CONTROLS:
+        raise bad_request(
+            f"logit_bias holds {len(body.logit_bias)} entries, more than {MAX_TOKEN_CONTROLS}", "logit_bias"
+        )
     out = {}
     for key, value in body.logit_bias.items():
         if not key.strip().isdigit():
@@ -221,8 +243,10 @@ async def prepare(
     params: SamplingParams,
     body: SamplingFields,
     tenant: Tenant | None,
+    prompt_params: list[SamplingParams] | None = None,
 ) -> list[tuple[EngineCoreRequest, str | None]]:
-    """Tokenize and validate every prompt (400 on any problem) before anything is queued.
+    """Tokenize and validate every prompt (400 on any problem) before anything is queued;
+    `prompt_params` (one per prompt) replace `params` for the prompts they differ for.
 
     The queue bound is checked first, so an overloaded server turns requests away before spending
     time on them; the caller starts the `EngineCall` right after (the bound may be passed by the
@@ -238,16 +262,32 @@ async def prepare(
         )
     check_queue(state, tenant, n)
     priority = tenant.priority if tenant is not None and tenant.priority is not None else body.priority
+    # The bad words are tokenized twice each (as written and after a space), once for the request.
+    size = sum(prompt_size(p) for p in prompts) + 2 * sum(len(w) for w in params.bad_words or ())
+    if params.structured_outputs is not None:
+        from tandem.entrypoints.openai.structured import check_constraint
+
+        await check_constraint(state.grammar_executor, started(engine.inputs), params, body)
+        # Off the event loop even for a short prompt: the processor looks the spec's verdict up
+        # again, and should it have been dropped meanwhile, checks it anew.
+        size = max(size, INLINE_PROMPT_SIZE + 1)
 
     def process_all() -> list[tuple[EngineCoreRequest, str | None]]:
+        tokenizer = started(engine.tokenizer)
+        try:
+            # The processor leaves words already tokenized alone: not once more per prompt.
+            shared = tokenize_bad_words(params, lambda w: tokenizer.encode(w, add_special_tokens=False))
+        except ValueError as exc:
+            raise bad_request(exc, "bad_words") from exc
         out = []
         for i, prompt in enumerate(prompts):
+            own = params if prompt_params is None else prompt_params[i]
             try:
                 out.append(
                     started(engine.inputs).process(
                         f"{base_id}-{i}",
                         prompt,
-                        params,
+                        shared if own is params else own,
                         priority=priority,
                         tenant=None if tenant is None else tenant.name,
                         cache_salt=request_salt(tenant, body.cache_salt),
@@ -257,15 +297,18 @@ async def prepare(
                 raise bad_request(exc, "prompt" if len(prompts) > 1 and "prompt" in str(exc) else None) from exc
         return out
 
-    return await state.offload(sum(prompt_size(p) for p in prompts), process_all)
+    return await state.offload(size, process_all)
 
 
 def request_salt(tenant: Tenant | None, salt: str | None) -> str | None:
     """The prefix-cache salt of a request: its tenant's, then the body's `cache_salt` within it (a
-    request can keep its prefix to itself, never reach into another tenant's)."""
+    request can keep its prefix to itself, never reach into another tenant's). Within a tenant the
+    body's salt is digested, so the result stays within the engine's salt bound whatever it was."""
     if tenant is None:
         return salt
-    return tenant.cache_salt if salt is None else f"{tenant.cache_salt}\x00{salt}"
+    if salt is None:
+        return tenant.cache_salt
+    return f"{tenant.cache_salt}\x00{hashlib.sha256(salt.encode()).hexdigest()}"
 
 
 def check_queue(state: ServerState, tenant: Tenant | None, n: int) -> None:
@@ -295,10 +338,17 @@ class EngineCall:
     """
 
     def __init__(
-        self, state: ServerState, tenant: Tenant | None, prepared: list[tuple[EngineCoreRequest, str | None]]
+        self,
+        state: ServerState,
+        tenant: Tenant | None,
+        prepared: list[tuple[EngineCoreRequest, str | None]],
+        unsent_prompt_tokens: int = 0,
     ) -> None:
         self.state = state
         self.tenant = tenant
+        # Prompt tokens the engine is not sent but the client did send (a scored prompt's last
+        # token, which the engine generates instead): usage and the tenant's quota count them.
+        self.unsent_prompt_tokens = unsent_prompt_tokens
         self.label = tenant_label(tenant)
         self.prepared = prepared
         self.notify = asyncio.Event()
@@ -307,6 +357,8 @@ class EngineCall:
         self.last: list[RequestOutput | None] = [None] * len(prepared)
         self.final: list[RequestOutput | None] = [None] * len(prepared)
         self.admitted = False
+        # Generated tokens charged to the tenant so far, per prompt (charged as they arrive).
+        self.charged = [0] * len(prepared)
         self.closed = False
         self.handed_off = False
         self.client_gone = False
@@ -326,8 +378,13 @@ class EngineCall:
         return response
 
     @property
+    def num_seqs(self) -> int:
+        """Sequences the call runs: every sample of every prompt (n, or best_of), each a seat."""
+        return sum(req.params.n for req, _ in self.prepared)
+
+    @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(req.prompt_token_ids) for req, _ in self.prepared)
+        return sum(len(req.prompt_token_ids) for req, _ in self.prepared) + self.unsent_prompt_tokens
 
     def usage(self, completion_tokens: int) -> UsageInfo:
         """Token counts, with the prompt tokens the engine found in its prefix cache."""
@@ -346,7 +403,7 @@ class EngineCall:
         check_queue(state, self.tenant, len(self.prepared))
         if self.tenant is not None:
             try:
-                state.tenants.admit(self.tenant, len(self.prepared), self.num_prompt_tokens)
+                state.tenants.admit(self.tenant, self.num_seqs, self.num_prompt_tokens)
             except OpenAIError:
                 state.metrics.observe_rejected(self.label)
                 raise
@@ -419,10 +476,21 @@ class EngineCall:
                 if out is None:
                     continue
                 self.last[i] = out
+                self._charge(i, out)
                 done[i] = out.finished
                 batch.append((i, out))
             if batch:
                 yield batch
+
+    def _charge(self, i: int, out: RequestOutput) -> None:
+        """Charge the tenant for prompt i's tokens generated since the last output, as they come:
+        a running request holds back its tenant's next admission at once, not only when it ends."""
+        if self.tenant is None or not self.admitted:
+            return
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        if tokens > self.charged[i]:
+            self.state.tenants.charge(self.tenant, tokens - self.charged[i])
+            self.charged[i] = tokens
 
     def close(self) -> None:
         """Abort what has not finished and give back the tenant's reservation (idempotent)."""
@@ -448,7 +516,7 @@ class EngineCall:
                 # Every stream, finished or not: a failed or aborted one may still be registered.
                 state.client.abort([s.request_id for s in self.streams])
             if self.admitted and self.tenant is not None:
-                state.tenants.release(self.tenant, len(self.prepared), generated)
+                state.tenants.release(self.tenant, self.num_seqs, generated - sum(self.charged))
 
 
 def error_for(exc: BaseException) -> OpenAIError:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import BaseModel
+
+from tandem.engine.chat import template_message
+from tandem.engine.tokenizer import Tokenizer
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
 from tandem.entrypoints.openai.prompt_logprobs import prompt_logprobs_json
 from tandem.entrypoints.openai.protocol import (
@@ -17,12 +22,14 @@ from tandem.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    ChatTool,
     DeltaMessage,
     TokenLogprob,
     TopLogprob,
     random_id,
 )
 from tandem.entrypoints.openai.serving import (
+    INLINE_PROMPT_SIZE,
     EngineCall,
     ServerState,
     TokenText,
@@ -34,8 +41,10 @@ from tandem.entrypoints.openai.serving import (
 )
 from tandem.entrypoints.openai.sse import SSEResponse
 from tandem.entrypoints.openai.tenants import Tenant
-from tandem.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_message
+from tandem.entrypoints.openai.tool_calls import ToolPlan, plan_tools
 from tandem.outputs import CompletionOutput
+
+logger = logging.getLogger("tandem.server")
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -51,30 +60,106 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def template_size(value: Any, limit: int | None = None) -> int:
+    """The characters a chat template may render from `value` (messages, tools, template variables):
+    every string, dict keys included, plus one for each item of any kind, so that a million empty
+    strings weigh as much as they cost to render. Counting stops once past `limit`."""
+    size = 0
+    stack = [value]
+    while stack and (limit is None or size <= limit):
+        item = stack.pop()
+        size += 1
+        if isinstance(item, str):
+            size += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, BaseModel):
+            stack.extend(vars(item).values())
+            if item.model_extra:
+                stack.append(item.model_extra)
+    return size
+
+
+async def checked_template_size(state: ServerState, *parts: Any) -> int:
+    """The size of what the chat template will render from `parts` (`template_size`), or 400 when
+    it cannot fit in max_model_len whatever it tokenizes to: refused before anything is rendered.
+    Counted on the event loop up to what is rendered there anyway, beyond that in the tokenizer
+    threads (the walk is as long as the request)."""
+    inputs = started(state.engine.inputs)
+    size = template_size(parts, INLINE_PROMPT_SIZE)
+    if size > INLINE_PROMPT_SIZE:
+        size = await state.offload(size, template_size, parts)
+    try:
+        inputs.check_length(size, "the messages and tools")
+    except ValueError as exc:
+        raise bad_request(exc, "messages") from exc
+    return size
+
+
+async def plan_request_tools(state: ServerState, body: ChatCompletionRequest) -> ToolPlan:
+    """`plan_tools`, off the event loop for large tools (a required or named tool_choice copies
+    their schemas into the output's)."""
+    size = template_size(body.tools, INLINE_PROMPT_SIZE)
+    return await state.offload(size, plan_tools, body, state.tool_parser)
+
+
+def template_takes_tools(state: ServerState, tokenizer: Tokenizer) -> bool:
+    """Whether the chat template renders `tools` at all, found once by rendering a one-message
+    conversation with and without a tool; the first time it does not, the server log says so
+    (the model is then never shown the tools, and a client only sees tool_calls=[])."""
+    if state.template_takes_tools is None:
+        convo = [{"role": "user", "content": "?"}]
+        probe = [{"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}]
+        try:
+            takes = tokenizer.apply_chat_template(convo, True, state.chat_template, probe) != (
+                tokenizer.apply_chat_template(convo, True, state.chat_template)
+            )
+        except ValueError:
+            takes = True  # the template needs more than the probe gives it: no claim about it
+        state.template_takes_tools = takes
+        if not takes:
+            logger.warning(
+                "the chat template ignores `tools`: requests' tools are never shown to the model, "
+                "so it will not call them; serve a template that renders them with --chat-template"
+            )
+    return state.template_takes_tools
+
+
 async def chat_prompt_ids(
     state: ServerState,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[ChatTool] | list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    size: int | None = None,
 ) -> list[int]:
-    """The prompt token ids of a conversation (large ones are rendered and tokenized off the loop)."""
-    engine = state.engine
-    convo = conversation(messages)
-    size = sum(len(m["content"]) for m in convo)
-    try:
-        started(engine.inputs).check_length(size, "the messages")
-        return await state.offload(
-            size,
-            started(engine.tokenizer).apply_chat_template,
+    """The prompt token ids of a conversation: refused by its size (every text the template may
+    render, `checked_template_size`, unless the caller has `size` from it already) before it is
+    rendered, then rendered and tokenized off the event loop when large."""
+    tokenizer = started(state.engine.tokenizer)
+    if size is None:
+        size = await checked_template_size(state, messages, tools, template_kwargs)
+
+    def render() -> list[int]:
+        convo = conversation(messages)
+        plain = [t.model_dump(exclude_none=True) if isinstance(t, BaseModel) else t for t in tools or ()]
+        if plain:
+            template_takes_tools(state, tokenizer)
+        return tokenizer.apply_chat_template(
             convo,
             add_generation_prompt,
             state.chat_template,
-            tools,
+            plain or None,
             continue_final_message,
             template_kwargs,
         )
+
+    try:
+        return await state.offload(size, render)
     except ValueError as exc:
         param = "messages"
         if "chat_template_kwargs" in str(exc):
@@ -105,7 +190,8 @@ async def create_chat_completion(
     state: ServerState, body: ChatCompletionRequest, tenant: Tenant | None, receive: Any
 ) -> Any:
     state.check_model(body.model)
-    tools = plan_tools(body, state.tool_parser)
+    size = await checked_template_size(state, body.messages, body.tools, body.chat_template_kwargs)
+    tools = await plan_request_tools(state, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -119,6 +205,7 @@ async def create_chat_completion(
         tools.tools,
         body.continue_final_message,
         body.chat_template_kwargs,
+        size,
     )
     request_id = random_id("chatcmpl")
     prepared = await prepare(state, request_id, [{"prompt_token_ids": ids}], params, body, tenant)

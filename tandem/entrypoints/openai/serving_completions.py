@@ -24,13 +24,15 @@ from tandem.entrypoints.openai.serving import (
     TokenText,
     error_for,
     prepare,
+    prompt_size,
     sampled_and_top,
     sampling_params,
     started,
 )
 from tandem.entrypoints.openai.sse import SSEResponse
 from tandem.entrypoints.openai.tenants import Tenant
-from tandem.outputs import CompletionOutput, Logprob
+from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.sampling_params import SamplingParams
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -104,15 +106,20 @@ async def create_completion(
     if body.suffix:
         prompts = [_fim(state, tokenizer, p, body.suffix) for p in prompts]
     request_id = random_id("cmpl")
-    prepared = await prepare(state, request_id, prompts, params, body, tenant)
+    held: list[int | None] = [None] * len(prompts)
+    prompt_params = None
+    if prompt_only:
+        prompts, prompt_params, held = await _hold_back_last_tokens(state, prompts, params)
+    prepared = await prepare(state, request_id, prompts, params, body, tenant, prompt_params)
     decode = TokenText(tokenizer.decode_token, bool(body.return_tokens_as_token_ids or state.return_tokens_as_token_ids))
     n = params.n
-    with EngineCall(state, tenant, prepared) as call:
+    unsent = sum(h is not None for h in held)
+    with EngineCall(state, tenant, prepared, unsent_prompt_tokens=unsent) as call:
         echo = None
         if body.echo:
             echo = [
-                tokenizer.decode(req.prompt_token_ids, False) if text is None else text
-                for req, text in prepared
+                tokenizer.decode(req.prompt_token_ids + _listed(h), False) if text is None else text
+                for (req, text), h in zip(prepared, held, strict=True)
             ]
         call.start()
         if body.stream:
@@ -129,6 +136,7 @@ async def create_completion(
                         include_usage,
                         decode,
                         prompt_only,
+                        held,
                     ),
                     c.close,
                 )
@@ -138,7 +146,8 @@ async def create_completion(
     choices = []
     completion_tokens = 0
     for i, out in enumerate(call.outputs()):
-        prompt_lps = prompt_logprobs_json(out.prompt_logprobs)
+        prompt_ids, prompt_entries = _whole_prompt(out, held[i])
+        prompt_lps = prompt_logprobs_json(prompt_entries)
         samples = out.outputs if best_of is None else _best(out.outputs, body.n)
         for c in samples:
             token_ids, text = ([], "") if prompt_only else (c.token_ids, c.text)
@@ -147,9 +156,7 @@ async def create_completion(
             if body.logprobs is not None:
                 lp, offset = CompletionLogprobs(), 0
                 if echo_logprobs:
-                    offset = _append_logprobs(
-                        lp, out.prompt_token_ids, list(out.prompt_logprobs or []), offset, decode
-                    )
+                    offset = _append_logprobs(lp, prompt_ids, list(prompt_entries or []), offset, decode)
                 _append_logprobs(lp, token_ids, list(c.logprobs or []), offset, decode)
             choices.append(
                 CompletionChoice(
@@ -163,6 +170,86 @@ async def create_completion(
             )
     usage = call.usage(completion_tokens)
     return CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
+
+
+def _listed(token: int | None) -> list[int]:
+    return [] if token is None else [token]
+
+
+async def _hold_back_last_tokens(
+    state: ServerState, prompts: list[Any], params: SamplingParams
+) -> tuple[list[Any], list[SamplingParams], list[int | None]]:
+    """Scoring prompts (echo with max_tokens 0): the prompts as token ids, each with its parameters
+    and the last token held back from the engine, if any.
+
+    The engine generates one token for a scored prompt (thrown away), and a prompt that fills
+    max_model_len has no room for it. Such a prompt is sent without its last token, and the engine
+    made to generate that token instead (greedy, the only one allowed, nothing else constraining
+    it): its logprobs, of the raw distribution as every logprob, are the held token's prompt
+    logprobs (`_whole_prompt` puts it back). Tokenized here (off the event loop when large) to know
+    the length, with truncate_prompt_tokens applied as the processor applies it.
+    """
+    inputs = started(state.engine.inputs)
+    max_model_len = started(state.engine.limits).max_model_len
+
+    def hold() -> tuple[list[Any], list[SamplingParams], list[int | None]]:
+        out: list[Any] = []
+        own: list[SamplingParams] = []
+        held: list[int | None] = []
+        for prompt in prompts:
+            try:
+                text, ids = inputs.tokenize(prompt)
+            except ValueError as exc:
+                raise bad_request(exc, "prompt") from exc
+            keep = params.truncate_prompt_tokens
+            keep = max_model_len if keep == -1 else keep
+            if keep is not None and len(ids) > keep:
+                ids, text = ids[-keep:], None
+            last = ids[-1] if len(ids) == max_model_len and len(ids) > 1 else None
+            if last is None:
+                out.append({"prompt_token_ids": ids, "prompt": text} if text is not None else ids)
+                own.append(params)
+            else:
+                sent = {"prompt_token_ids": ids[:-1], "prompt": text} if text is not None else ids[:-1]
+                out.append(sent)
+                own.append(_generate_exactly(params, last))
+            held.append(last)
+        return out, own, held
+
+    return await state.offload(sum(prompt_size(p) for p in prompts), hold)
+
+
+def _generate_exactly(params: SamplingParams, token: int) -> SamplingParams:
+    """`params` made to generate `token` and nothing else, with its logprobs at the prompt's k."""
+    try:
+        return params.clone(
+            temperature=0.0,
+            allowed_token_ids=[token],
+            logit_bias=None,
+            bad_words=None,
+            bad_words_token_ids=None,
+            structured_outputs=None,
+            min_tokens=0,
+            stop=[],
+            stop_token_ids=[],
+            logprobs=params.prompt_logprobs,
+        )
+    except ValueError as exc:
+        raise bad_request(exc) from exc
+
+
+def _whole_prompt(
+    out: RequestOutput, held: int | None
+) -> tuple[list[int], list[dict[int, Logprob] | None] | None]:
+    """A scored prompt's ids and prompt logprobs, with its held-back last token put back (the first
+    sample generated it: its logprobs are that token's)."""
+    if held is None:
+        return out.prompt_token_ids, out.prompt_logprobs
+    ids = [*out.prompt_token_ids, held]
+    if out.prompt_logprobs is None:
+        return ids, None
+    generated = out.outputs[0].logprobs if out.outputs else None
+    return ids, [*out.prompt_logprobs, generated[0] if generated else None]
 
 
 def _best(samples: list[CompletionOutput], n: int) -> list[CompletionOutput]:
@@ -194,10 +281,12 @@ async def _stream(
     include_usage: bool,
     decode: TokenText,
     prompt_only: bool = False,
+    held: list[int | None] | None = None,
 ) -> AsyncIterator[str]:
     """With echo, each choice's first chunk is its prompt; with logprobs too, that chunk waits for
     the prompt's logprobs and carries them. `prompt_only` (max_tokens 0): the prompt, then the
-    finish, nothing generated."""
+    finish, nothing generated; `held`: each prompt's last token held back from the engine
+    (`_hold_back_last_tokens`), whose logprobs come with the generated token."""
     created = int(time.time())
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
@@ -220,13 +309,17 @@ async def _stream(
         async for batch in call.updates():
             for i, out in batch:
                 if i in unechoed and echo is not None:
-                    held = out.prompt_logprobs or []
+                    held_token = held[i] if held is not None else None
                     started = any(c.token_ids or c.finish_reason for c in out.outputs)
-                    if len(held) < len(out.prompt_token_ids) and not started:
+                    if held_token is not None and not started:
+                        continue  # the held token's logprobs come with the generated token
+                    prompt_ids, entries = _whole_prompt(out, held_token)
+                    entries = entries or []
+                    if len(entries) < len(prompt_ids) and not started:
                         continue  # the prompt is still being computed
                     unechoed.discard(i)
                     echoed = CompletionLogprobs()
-                    offset = _append_logprobs(echoed, out.prompt_token_ids, list(held), 0, decode)
+                    offset = _append_logprobs(echoed, prompt_ids, list(entries), 0, decode)
                     for k in range(n):
                         offsets[i * n + k] = offset
                         yield chunk(CompletionChoice(index=i * n + k, text=echo[i], logprobs=echoed))

@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Executor
 from typing import Any
 
+from tandem.engine.processor import InputProcessor
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request
 from tandem.entrypoints.openai.protocol import SamplingFields
-from tandem.sampling_params import StructuredOutputsParams
-from tandem.structured.backend import check_spec
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
 _GUIDED = {
     "guided_json": "json",
@@ -68,15 +70,25 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise bad_request(f"set at most one structured output field, got {names}", found[1][0])
-    name, sp = found[0]
+    return found[0][1]
+
+
+async def check_constraint(
+    executor: Executor, inputs: InputProcessor, params: SamplingParams, body: SamplingFields
+) -> None:
+    """Compile the request's constraint in a check process (tandem/structured/checker.py), off the
+    event loop: a 400 naming the field the client used if it does not compile."""
+    sp = params.structured_outputs
+    if sp is None:
+        return
     try:
-        check_spec(sp)
+        await asyncio.get_running_loop().run_in_executor(executor, inputs.checker.check, sp)
     except ValueError as exc:
+        name = _field_of(body)
         message = str(exc)
         if name != "structured_outputs":
             message = f"{name}: {message}"
         raise bad_request(message, name) from None
-    return sp
 
 
 def _field_of(body: SamplingFields) -> str:
@@ -85,4 +97,6 @@ def _field_of(body: SamplingFields) -> str:
     for name in _GUIDED:
         if getattr(body, name) is not None:
             return name
-    return "response_format"
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        return "response_format"
+    return "tools"  # tool_choice "required" or a named function: the tools' parameter schemas

@@ -6,8 +6,14 @@
 
 Every field but `tenant` is optional. Each tenant gets its own prefix-cache salt (derived from a
 secret made at start-up), so tenants never share cached prompt blocks. Limits: `max_concurrent`
-in-flight engine requests; `tokens_per_minute` prompt plus generated tokens over a sliding minute
-(prompt tokens are charged on admission, generated ones when the request ends).
+sequences in flight (a request runs `n` of them, or `best_of`: each counts, as each takes a seat in
+the batch); `tokens_per_minute` prompt plus generated tokens over a sliding minute (prompt tokens
+are charged on admission, generated ones as they are produced, so a tenant's running requests hold
+back its next admission at once, not only when they end). A request already admitted runs to its
+end: the limits decide admission only.
+
+Operator routes (draining an instance) take the operator's key (`--admin-api-key`), never a
+tenant's: `check_admin_key`.
 """
 
 from __future__ import annotations
@@ -111,22 +117,31 @@ class Tenants:
         """The caller's tenant (None when authentication is off); 401 for a missing or wrong key."""
         if not self.enabled:
             return None
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = _bearer(authorization)
+        if key is None:
             raise OpenAIError(
                 401, "missing API key: send 'Authorization: Bearer KEY'", "authentication_error"
             )
         for known, tenant in self.by_key.items():
-            if hmac.compare_digest(known.encode(), key.strip().encode()):
+            if hmac.compare_digest(known.encode(), key.encode()):
                 return tenant
         raise OpenAIError(401, "invalid API key", "authentication_error", code="invalid_api_key")
 
-    def admit(self, tenant: Tenant, num_requests: int, num_prompt_tokens: int) -> None:
-        """Reserve capacity for engine requests or raise 429 with Retry-After."""
-        if tenant.max_concurrent is not None and tenant.inflight + num_requests > tenant.max_concurrent:
+    def admit(self, tenant: Tenant, num_seqs: int, num_prompt_tokens: int) -> None:
+        """Reserve `num_seqs` sequences (every sample of every prompt: n, or best_of) or raise 429
+        with Retry-After; 400 for a request that could never fit the tenant's `max_concurrent`."""
+        limit = tenant.max_concurrent
+        if limit is not None and num_seqs > limit:
+            raise OpenAIError(
+                400,
+                f"the request runs {num_seqs} sequences (prompts times n or best_of), more than tenant "
+                f"{tenant.name!r} may run at once ({limit})",
+                param="n",
+            )
+        if limit is not None and tenant.inflight + num_seqs > limit:
             raise OpenAIError(
                 429,
-                f"tenant {tenant.name!r} is at its limit of {tenant.max_concurrent} concurrent requests",
+                f"tenant {tenant.name!r} is at its limit of {limit} concurrent sequences",
                 "rate_limit_error",
                 code="rate_limit_exceeded",
                 headers={"Retry-After": "1"},
@@ -143,14 +158,16 @@ class Tenants:
                     code="rate_limit_exceeded",
                     headers={"Retry-After": str(max(1, math.ceil(retry)))},
                 )
-        tenant.inflight += num_requests
+        tenant.inflight += num_seqs
         self.charge(tenant, num_prompt_tokens)
 
-    def release(self, tenant: Tenant, num_requests: int, num_generated_tokens: int) -> None:
-        tenant.inflight = max(0, tenant.inflight - num_requests)
+    def release(self, tenant: Tenant, num_seqs: int, num_generated_tokens: int) -> None:
+        """Give back what `admit` reserved; `num_generated_tokens`: those not charged yet."""
+        tenant.inflight = max(0, tenant.inflight - num_seqs)
         self.charge(tenant, num_generated_tokens)
 
     def charge(self, tenant: Tenant, tokens: int) -> None:
+        """Count `tokens` against the tenant's tokens per minute (generated ones as they come)."""
         if tenant.tokens_per_minute is None or tokens <= 0:
             return
         now = time.monotonic()
@@ -162,3 +179,25 @@ class Tenants:
     def _expire(tenant: Tenant, now: float) -> None:
         while tenant.window and now - tenant.window[0][0] >= WINDOW_S:
             tenant.window_tokens -= tenant.window.popleft()[1]
+
+
+def _bearer(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header, or None."""
+    scheme, _, key = (authorization or "").partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key else None
+
+
+def check_admin_key(authorization: str | None, admin_api_key: str | None) -> None:
+    """Operator routes (draining an instance shuts it down) are off without `--admin-api-key`
+    (404), whatever keys a caller sends; with it, they need exactly that key (401), a tenant's
+    is not enough."""
+    if admin_api_key is None:
+        raise OpenAIError(
+            404, "operator routes are disabled: start the server with --admin-api-key to enable them"
+        )
+    key = _bearer(authorization)
+    if key is None or not hmac.compare_digest(key.encode(), admin_api_key.encode()):
+        raise OpenAIError(
+            401, "operator routes need the admin key: send 'Authorization: Bearer ADMIN_KEY'", "authentication_error"
+        )

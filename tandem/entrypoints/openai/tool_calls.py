@@ -13,7 +13,6 @@ how its text becomes `tool_calls` (whole, or streamed as OpenAI streams them).
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,23 +254,3 @@ def plan_tools(body: ChatCompletionRequest, tool_parser: str | None) -> ToolPlan
     if isinstance(choice, NamedToolChoice):
         return ToolPlan("named", tools, named=choice.function.name, parallel=parallel, schema=schema)
     return ToolPlan("required", tools, REQUIRED, parallel=parallel, schema=schema)
-
-
-def template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as chat templates take it: an assistant's tool call arguments as objects (OpenAI
-    sends them as JSON text; templates such as Qwen's and Llama's write them with `tojson`)."""
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list):
-        return message
-    fixed = []
-    for call in calls:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            try:
-                args = json.loads(fn["arguments"])
-            except ValueError:
-                args = None
-            if isinstance(args, dict):
-                call = {**call, "function": {**fn, "arguments": args}}
-        fixed.append(call)
-    return {**message, "tool_calls": fixed}

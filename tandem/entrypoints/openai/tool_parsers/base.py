@@ -11,7 +11,8 @@ head has another shape (other keys first) is read whole, then sent at once.
 The reader's decisions depend on the text only, never on how it was cut into pieces: fed in any
 chunks, the accumulated deltas equal `parse` of the whole text (for text whose calls are complete;
 a call cut short after its name went out cannot be taken back in a stream, and `parse` then gives
-the whole text as content, as vLLM does).
+the whole text as content, as vLLM does). A text that ends inside the marker after a whole call
+(`max_tokens` cut `</tool_call>`) keeps the call and drops the marker's fragment, streamed or not.
 """
 
 from __future__ import annotations
@@ -295,6 +296,12 @@ class CallReader:
             waiting = any(word.startswith(rest) for word in (fmt.separator, fmt.close) if word)
             if not rest or (waiting and not final):
                 return False
+            if waiting:
+                # The text ended inside the marker after a whole call (max_tokens cut `</tool_call>`):
+                # the call stands, and a fragment of markup is not something the model said.
+                self.pos = len(text)
+                self._section_over(CONTENT)
+                return True
             # Anything else after a call: content from here on (whitespace between dropped).
             self.pos = p
             self._section_over(CONTENT)
