@@ -340,8 +340,28 @@ def test_one_requests_engine_fault_fails_it_alone(server):
 # -- nasty inputs ----------------------------------------------------------------------------
 
 DEEP = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+GBNF_2000 = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(2_000)) + 'r2000 ::= "a"\n'
 
-# (name, path, body: dict or raw bytes, acceptable statuses)
+
+# The big bodies of issue 41's rows are made when the row is sent (not at import, in every worker).
+def lark_chain() -> str:
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(40_000)) + 'r40000: "a"\n'
+
+
+def ref_chain() -> dict:
+    defs: dict = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(1000)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, "d1000": {"type": "boolean"}}}
+
+
+def tool_5mb() -> dict:
+    return {"type": "function", "function": {"name": "g", "description": "d" * (5 << 20), "parameters": {}}}
+
+
+def tool_call_20mb() -> dict:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "a" * (20 << 20)}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+# (name, path, body: dict or raw bytes, or a function making one; acceptable statuses)
 NASTY = [
     ("NaN temperature", C, b'{"prompt": "x", "temperature": NaN}', {400}),
     ("inf top_p", C, b'{"prompt": "x", "top_p": Infinity}', {400}),
@@ -381,13 +401,34 @@ NASTY = [
     ("detokenize 1M ids", "/detokenize", {"tokens": [1] * 1_000_000}, {200}),
     ("tokenize huge prompt", "/tokenize", {"prompt": "w" * (8 << 20)}, {400}),
     ("max_completion_tokens huge", CHAT, {"messages": MSGS, "max_completion_tokens": 2**63}, {400}),
+    # Issue 41's second round: grammars, tools, salts, object members, operators' routes.
+    ("Lark chain of 40,000 rules", C, lambda: {**OK, "guided_grammar": lark_chain()}, {400}),
+    ("GBNF chain of 2,000 rules", C, lambda: {**OK, "guided_grammar": GBNF_2000}, {200, 400}),
+    ("1,000 nested $refs", C, lambda: {**OK, "guided_json": ref_chain()}, {200, 400}),
+    ("guided_json nested 5,000 deep", C, {**OK, "guided_json": "[" * 5000 + "]" * 5000}, {400}),
+    ("grammar past llguidance's limits", C, {**OK, "guided_grammar": 'root ::= "a" root'}, {400}),
+    ("choice no allowed token can start", C, {**OK, "guided_choice": ["yes"], "allowed_token_ids": [0]}, {400}),
+    ("logit_bias with 5,000 entries", C, lambda: {**OK, "logit_bias": {str(i): 1 for i in range(5000)}}, {400}),
+    ("logit_bias with 1M entries", C,
+     lambda: ('{"prompt": "x", "logit_bias": {' + ",".join(f'"{i}": 1' for i in range(10**6)) + "}}").encode(),
+     {413}),
+    ("8 MB cache_salt", C, lambda: {**OK, "cache_salt": "s" * (8 << 20)}, {400}),
+    ("20 MB tool-call arguments", CHAT, lambda: {"messages": [*MSGS, tool_call_20mb()]}, {400}),
+    ("5 MB tool schema", CHAT, lambda: {"messages": MSGS, "tools": [tool_5mb()]}, {400}),
+    ("10,000 tools", CHAT, lambda: {"messages": MSGS, "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(10_000)
+    ]}, {400}),
+    ("tokenize with a 5 MB tool", "/tokenize", lambda: {"messages": MSGS, "tools": [tool_5mb()]}, {400}),
+    ("64 bad_words of 4 KB", C, {**OK, "bad_words": ["b" * 4095 + str(i % 10) for i in range(64)]}, {200}),
+    ("drain without an admin key", "/admin/instances/0/drain", b"", {404}),
 ]
 
 
 def test_nasty_inputs_table(server):
     assert len(NASTY) >= 30
     with server.http() as http:
-        for name, path, body, statuses in NASTY:
+        for name, path, make, statuses in NASTY:
+            body = make() if callable(make) else make
             if isinstance(body, bytes):
                 resp = http.post(path, content=body, headers={"content-type": "application/json"})
             else:
