@@ -34,6 +34,7 @@ scores (as transformers' eager attention does) for those layers, and no layer ta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -347,7 +348,32 @@ def _attend(
     return torch.matmul(probs, v)
 
 
-ATTENTION_BACKENDS = {TorchAttentionBackend.name: TorchAttentionBackend}
+class AttentionBackend(Protocol):
+    """What a model's layers need of an attention backend."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def layer(self, spec: LayerAttention) -> LayerAttention: ...
+
+    def prepare(self, batch: ForwardBatch) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+        layer: LayerAttention | None = None,
+    ) -> torch.Tensor: ...
+
+
+# The registry: "torch" (any device; Tandem's CPU kernels where they are built) and "triton" (the
+# GPU path's kernel, tandem/model/triton_backend.py; imported only when asked for).
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 def get_attention_backend(
@@ -357,11 +383,13 @@ def get_attention_backend(
     head_dim: int,
     sliding_window: int | None,
     kv_format: KVCacheFormat | None = None,
-) -> TorchAttentionBackend:
-    try:
-        cls = ATTENTION_BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; available: {', '.join(sorted(ATTENTION_BACKENDS))}"
-        ) from None
-    return cls(num_heads, num_kv_heads, head_dim, sliding_window, kv_format=kv_format)
+) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window, kv_format=kv_format)
+    if name == "triton":
+        try:
+            from tandem.model.triton_backend import TritonAttentionBackend
+        except ImportError as exc:
+            raise ValueError(f"the triton attention backend needs Triton installed: {exc}") from None
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window, kv_format=kv_format)
+    raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")

@@ -28,6 +28,9 @@ class ForwardBatch:
     block_size: int
     # Filled by the attention backend's `prepare`, read by its `forward` in every layer.
     attn_metadata: Any = None
+    # [T] int64, a tree verification's mask (backends that take one): bit i of a token's word lets
+    # it see its request's i-th query token; None: causal.
+    tree_bits: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import GemmaConfig, ModelConfig
-from tandem.model.attention import LayerAttention, TorchAttentionBackend
+from tandem.model.attention import AttentionBackend, LayerAttention
 from tandem.model.direct_call import DirectCall
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding
@@ -40,7 +40,7 @@ def _gemma(cfg: ModelConfig) -> GemmaConfig:
 
 
 class GemmaAttention(Attention):
-    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, layer: LayerAttention) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: LayerAttention) -> None:
         super().__init__(cfg, backend, layer)
         if _gemma(cfg).qk_norm:
             self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -50,7 +50,7 @@ class GemmaAttention(Attention):
 
 
 class GemmaDecoderLayer(DirectCall, nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         g = _gemma(cfg)
         self.local = g.sliding_layers[index]
@@ -75,7 +75,7 @@ class GemmaDecoderLayer(DirectCall, nn.Module):
 
 
 class GemmaForCausalLM(LlamaCheckpointMapping, nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         super().__init__()
         g = _gemma(cfg)
         self.config = cfg

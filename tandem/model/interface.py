@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 
 from tandem.config import ModelConfig
-from tandem.model.attention import TorchAttentionBackend
+from tandem.model.attention import AttentionBackend
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.weights import Target
@@ -16,7 +16,7 @@ from tandem.model.weights import Target
 class CausalLM(Protocol):
     config: ModelConfig
     # The attention backend every layer shares: the runner prepares it once per pass.
-    backend: TorchAttentionBackend
+    backend: AttentionBackend
 
     def __call__(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Hidden states after the final norm, one row per token of the flat batch."""
@@ -32,5 +32,5 @@ class CausalLM(Protocol):
 
 class CausalLMClass(Protocol):
     def __call__(
-        self, cfg: ModelConfig, backend: TorchAttentionBackend, rotary: RotaryEmbedding
+        self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding
     ) -> CausalLM: ...

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.model.attention import LayerAttention, TorchAttentionBackend
+from tandem.model.attention import AttentionBackend, LayerAttention
 from tandem.model.direct_call import DirectCall
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, rotate
@@ -18,7 +18,7 @@ class Attention(DirectCall, nn.Module):
     fused_rope = False
 
     def __init__(
-        self, cfg: ModelConfig, backend: TorchAttentionBackend, layer: LayerAttention | None = None
+        self, cfg: ModelConfig, backend: AttentionBackend, layer: LayerAttention | None = None
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -61,7 +61,7 @@ class Attention(DirectCall, nn.Module):
 
 
 class DecoderLayer(DirectCall, nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, mlp: nn.Module | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, backend)
         # The feed-forward block: a gated MLP unless the architecture brings its own (MoE: experts).
@@ -89,7 +89,7 @@ class DecoderLayer(DirectCall, nn.Module):
 
 
 class LlamaForCausalLM(LlamaCheckpointMapping, nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.config = cfg
         self.rotary = rotary
@@ -103,7 +103,7 @@ class LlamaForCausalLM(LlamaCheckpointMapping, nn.Module):
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def make_layer(self, cfg: ModelConfig, backend: TorchAttentionBackend, index: int) -> nn.Module:
+    def make_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
         return DecoderLayer(cfg, backend)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:

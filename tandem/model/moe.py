@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig, MoEConfig
-from tandem.model.attention import TorchAttentionBackend
+from tandem.model.attention import AttentionBackend
 from tandem.model.direct_call import DirectCall
 from tandem.model.experts import Experts, Router, route
 from tandem.model.layers import GatedMLP, RotaryEmbedding
@@ -58,13 +58,13 @@ class SparseMoeBlock(DirectCall, nn.Module):
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, backend: TorchAttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         if cfg.moe is None:
             raise ValueError(f"{cfg.architecture} needs a mixture-of-experts config")
         self.moe: MoEConfig = cfg.moe
         super().__init__(cfg, backend, rotary)
 
-    def make_layer(self, cfg: ModelConfig, backend: TorchAttentionBackend, index: int) -> nn.Module:
+    def make_layer(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> nn.Module:
         if self.moe.is_sparse(index):
             return DecoderLayer(cfg, backend, mlp=SparseMoeBlock(cfg.hidden_size, self.moe))
         return DecoderLayer(cfg, backend)
