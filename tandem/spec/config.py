@@ -7,7 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+from tandem.spec.suffix import SuffixConfig, parse_suffix_config, suffix_keys
+
+METHODS = ("ngram", "draft_model", "suffix")
+# The most drafts a request may verify in one step (suffix speculation drafts long repeats).
+MAX_SPECULATIVE_TOKENS = 32
 
 
 def _at_least(low: int) -> Callable[[Any], bool]:
@@ -104,6 +108,8 @@ class SpeculativeConfig:
     adaptive: bool = True
     # How the adaptive choice is made (unused when `adaptive` is False).
     adaptive_config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    # method "suffix": its `suffix_decoding_*` settings (tandem/spec/suffix.py).
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
 
     @staticmethod
     def from_dict(spec: dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -122,6 +128,7 @@ class SpeculativeConfig:
             "model",
             "adaptive",
         }
+        known |= suffix_keys()
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
@@ -157,6 +164,7 @@ class SpeculativeConfig:
             model=spec.get("model"),
             adaptive=adaptive,
             adaptive_config=adaptive_config,
+            suffix=parse_suffix_config(spec),
         )
         cfg.validate()
         return cfg
@@ -165,9 +173,13 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be in [1, 16], got {k!r}")
-        if self.method == "ngram":
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        if self.method == "suffix":
+            pass  # its settings were checked as they were read
+        elif self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
                 raise ValueError(

@@ -9,6 +9,7 @@ from tandem.core.request import Request
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.controller import AdaptiveSpeculation, Plan
+from tandem.spec.suffix import SuffixSpeculator
 
 
 class SpecPlanner:
@@ -25,6 +26,7 @@ class SpecPlanner:
         # overstate it (the drafter starts over); it only sizes the catch-up budget, and what is
         # emitted never depends on it.
         self._fed: dict[str, int] = {}
+        self.suffix = SuffixSpeculator(config.suffix) if config.method == "suffix" else None
         self.controller = AdaptiveSpeculation(
             config.num_speculative_tokens, adaptive=config.adaptive, config=config.adaptive_config
         )
@@ -95,7 +97,10 @@ class SpecPlanner:
         return out
 
     def propose(self, req: Request, k: int) -> list[int] | None:
-        """n-gram lookup proposes here (may find fewer than k); a draft model proposes in the runner."""
+        """n-gram lookup and suffix speculation propose here (may find fewer than k); a draft model
+        proposes in the runner."""
+        if self.suffix is not None:
+            return self.suffix.propose(req, k)
         if self.config.method != "ngram":
             return None
         from tandem.spec.ngram import propose_ngram
@@ -167,3 +172,5 @@ class SpecPlanner:
     def forget(self, request_id: str) -> None:
         self.controller.forget(request_id)
         self._fed.pop(request_id, None)
+        if self.suffix is not None:  # its output joins what later requests' drafts are drawn from
+            self.suffix.forget(request_id)

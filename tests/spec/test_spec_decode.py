@@ -143,13 +143,15 @@ def check_engine(llm: LLM) -> None:
 @pytest.mark.parametrize(
     "method, k, adaptive",
     [(m, k, False) for m in ("ngram", "draft_model") for k in (1, 3, 5)]
-    + [("ngram", 3, True), ("draft_model", 3, True)],
+    + [("ngram", 3, True), ("draft_model", 3, True), ("suffix", 5, False), ("suffix", 12, True)],
 )
 def test_greedy_output_is_unchanged(method, k, adaptive, target_dir, model_factory, baseline) -> None:
     stop, base = baseline
     spec: dict = {"method": method, "num_speculative_tokens": k, "adaptive": adaptive}
     if method == "ngram":
         spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    elif method == "suffix":
+        spec.update(suffix_decoding_min_token_prob=0.0)
     else:
         # A different (unrelated, smaller) random model: most drafts are rejected.
         spec["model"] = str(model_factory("llama", seed=1, num_hidden_layers=1, **TARGET))
@@ -158,7 +160,7 @@ def test_greedy_output_is_unchanged(method, k, adaptive, target_dir, model_facto
     check_engine(llm)
     counters = llm.engine.core.spec
     assert counters.num_draft_tokens > 0
-    if method == "ngram":
+    if method != "draft_model":
         assert counters.num_accepted_tokens > 0
 
 
@@ -404,10 +406,16 @@ SPECS = {
         "prompt_lookup_max": 3,
         "adaptive": False,
     },
+    "suffix": lambda draft: {
+        "method": "suffix",
+        "num_speculative_tokens": 2,
+        "suffix_decoding_min_token_prob": 0.0,
+        "adaptive": False,
+    },
 }
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix"])
 def test_speculative_sampling_matches_the_exact_distribution(method, tiny_vocab) -> None:
     target, draft, exact = tiny_vocab
     llm, samples = sample(target, SPECS[method](draft), SETTINGS)

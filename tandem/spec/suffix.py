@@ -1,0 +1,178 @@
+"""Suffix speculation (SuffixDecoding, as Snowflake's Arctic Inference ships it for vLLM): drafts
+from what the workload repeats, with no model.
+
+Two sources are searched for the longest suffix of a request's context (up to `max_depth`
+tokens): the request's own prompt and output, and the outputs of recent requests of the same
+isolation key (the request's `cache_salt`, which under API keys begins with its tenant's: one
+tenant's outputs never shape another's drafts). From every place the matched suffix occurs, the
+draft follows the most frequent continuation token by token while its empirical probability stays
+at or above `min_token_prob`, for at most `max_spec_factor` times the match length: a long match
+(an agent re-emitting a file it edits) drafts far, a short one little.
+
+A suffix tree over the texts answers the same queries; here a text is a NumPy array and each
+query is vectorized over it (the candidates are the positions holding the context's last token,
+narrowed by one comparison per further token), which costs a pass over the array and keeps no
+per-substring nodes: memory is one int32 per cached token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.core.request import Request
+
+# Separates cached outputs in a key's corpus: never a token id, so no match runs across two.
+_SEPARATOR = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixConfig:
+    """vLLM's `suffix_decoding_*` settings, without the prefix."""
+
+    max_depth: int = 32  # longest context suffix matched (SuffixDecoding's tree depth)
+    max_cached_requests: int = 1000  # recent outputs kept per isolation key (0: own context only)
+    max_spec_factor: float = 1.0  # draft at most this many tokens per matched token
+    min_token_prob: float = 0.1  # stop a draft at a continuation rarer than this
+
+
+def longest_match(text: np.ndarray, context: np.ndarray, max_depth: int, exclude_tail: bool) -> tuple[int, np.ndarray]:
+    """The longest suffix of `context` (at most `max_depth` tokens) occurring in `text`, as its
+    length and the positions just past each occurrence; (0, empty) if not even the last token
+    occurs. `exclude_tail`: `text` ends with `context`, whose own tail is no occurrence."""
+    n = context.shape[0]
+    if n == 0 or text.shape[0] == 0:
+        return 0, np.empty(0, dtype=np.int64)
+    limit = text.shape[0] - 1 if exclude_tail else text.shape[0]
+    ends = np.flatnonzero(text[:limit] == context[n - 1])
+    best_len, best = 0, ends[:0]
+    length = 1
+    while ends.size:
+        best_len, best = length, ends
+        if length in (max_depth, n):
+            break
+        ends = ends[ends >= length]
+        ends = ends[text[ends - length] == context[n - 1 - length]]
+        length += 1
+    return best_len, best + 1
+
+
+def continuation(text: np.ndarray, starts: np.ndarray, max_tokens: int, min_prob: float) -> list[int]:
+    """The most frequent continuation from these positions, token by token, while the chosen
+    token's share of the occurrences still running is at least `min_prob`."""
+    out: list[int] = []
+    size = text.shape[0]
+    while len(out) < max_tokens:
+        starts = starts[starts < size]
+        if not starts.size:
+            break
+        nxt = text[starts]
+        tokens, counts = np.unique(nxt[nxt != _SEPARATOR], return_counts=True)
+        if not tokens.size:
+            break
+        best = int(np.argmax(counts))
+        if counts[best] < min_prob * starts.size:
+            break
+        token = int(tokens[best])
+        out.append(token)
+        starts = starts[nxt == token] + 1
+    return out
+
+
+class _Corpus:
+    """One isolation key's recent outputs, concatenated with separators (rebuilt when changed)."""
+
+    def __init__(self, max_requests: int) -> None:
+        self.max_requests = max_requests
+        self.outputs: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._text: np.ndarray | None = None
+
+    def add(self, request_id: str, tokens: np.ndarray) -> None:
+        if self.max_requests <= 0 or not tokens.size:
+            return
+        self.outputs[request_id] = tokens
+        while len(self.outputs) > self.max_requests:
+            self.outputs.popitem(last=False)
+        self._text = None
+
+    @property
+    def text(self) -> np.ndarray:
+        if self._text is None:
+            parts = []
+            for tokens in self.outputs.values():
+                parts += [tokens, np.array([_SEPARATOR], dtype=np.int32)]
+            self._text = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+        return self._text
+
+
+class SuffixSpeculator:
+    """Proposals for the scheduler (`propose`), and the requests' outputs kept for later ones
+    (`forget`, when a request ends)."""
+
+    def __init__(self, config: SuffixConfig = SuffixConfig()) -> None:
+        self.config = config
+        self._corpora: dict[str | None, _Corpus] = {}
+        # Requests proposed for and not yet ended: their outputs join the corpus when they end.
+        self._live: dict[str, Request] = {}
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        self._live[req.request_id] = req
+        cfg = self.config
+        context = np.asarray(req.token_ids, dtype=np.int32)
+        own_len, own_starts = longest_match(context, context, cfg.max_depth, exclude_tail=True)
+        corpus = self._corpora.get(req.cache_salt)
+        other_len, other_starts = 0, own_starts[:0]
+        if corpus is not None and corpus.outputs:
+            other_len, other_starts = longest_match(corpus.text, context, cfg.max_depth, exclude_tail=False)
+        # The longer match predicts better; the request's own context on a tie (it is closer).
+        if other_len > own_len:
+            text, starts, length = corpus.text, other_starts, other_len  # type: ignore[union-attr]
+        else:
+            text, starts, length = context, own_starts, own_len
+        if length == 0:
+            return []
+        budget = min(k, math.ceil(cfg.max_spec_factor * length))
+        return continuation(text, starts, budget, cfg.min_token_prob)
+
+    def forget(self, request_id: str) -> None:
+        req = self._live.pop(request_id, None)
+        if req is None or self.config.max_cached_requests <= 0:
+            return
+        outputs = np.asarray(req.output_token_ids, dtype=np.int32)
+        corpus = self._corpora.get(req.cache_salt)
+        if corpus is None:
+            corpus = self._corpora[req.cache_salt] = _Corpus(self.config.max_cached_requests)
+        corpus.add(request_id, outputs)
+
+    @property
+    def num_cached_requests(self) -> int:
+        return sum(len(c.outputs) for c in self._corpora.values())
+
+
+def parse_suffix_config(spec: dict, prefix: str = "suffix_decoding_") -> SuffixConfig:
+    """A `SuffixConfig` from `speculative_config`'s `suffix_decoding_*` keys (ValueError naming one
+    that is out of range)."""
+    values = {name: spec[prefix + name] for name in SuffixConfig.__dataclass_fields__ if prefix + name in spec}
+    cfg = SuffixConfig(**values)
+    checks = [
+        ("max_depth", isinstance(cfg.max_depth, int) and 1 <= cfg.max_depth <= 1024, "an integer in [1, 1024]"),
+        ("max_cached_requests", isinstance(cfg.max_cached_requests, int) and cfg.max_cached_requests >= 0,
+         "an integer >= 0"),
+        ("max_spec_factor", isinstance(cfg.max_spec_factor, (int, float)) and cfg.max_spec_factor > 0,
+         "a positive number"),
+        ("min_token_prob", isinstance(cfg.min_token_prob, (int, float)) and 0 <= cfg.min_token_prob <= 1,
+         "a number in [0, 1]"),
+    ]
+    for name, ok, what in checks:
+        if not ok:
+            raise ValueError(f"speculative_config.{prefix}{name} must be {what}, got {getattr(cfg, name)!r}")
+    return cfg
+
+
+def suffix_keys(prefix: str = "suffix_decoding_") -> set[str]:
+    return {prefix + name for name in SuffixConfig.__dataclass_fields__}

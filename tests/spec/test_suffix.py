@@ -1,0 +1,125 @@
+"""Suffix speculation: the vectorized suffix match and continuation against brute force, the
+draft-length rules (match length times the spec factor, the probability floor), outputs of ended
+requests drafting for later ones of the same isolation key and never another's, and, end to end,
+a request repeating an earlier one's output drafting it almost whole."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem import LLM, SamplingParams
+from tandem.core.request import Request
+from tandem.sampling_params import SamplingParams as Params
+from tandem.spec.config import SpeculativeConfig
+from tandem.spec.suffix import SuffixConfig, SuffixSpeculator, continuation, longest_match
+
+
+def brute_match(text: list[int], context: list[int], max_depth: int, exclude_tail: bool) -> tuple[int, list[int]]:
+    limit = len(text) - 1 if exclude_tail else len(text)
+    for m in range(min(max_depth, len(context)), 0, -1):
+        pat = context[-m:]
+        ends = [j + 1 for j in range(m - 1, limit) if text[j - m + 1 : j + 1] == pat]
+        if ends:
+            return m, ends
+    return 0, []
+
+
+tokens = st.lists(st.integers(0, 3), min_size=0, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=tokens, context=st.lists(st.integers(0, 3), min_size=1, max_size=12), depth=st.integers(1, 6))
+def test_longest_match_is_the_brute_force_one(text, context, depth):
+    got_len, got = longest_match(np.array(text, dtype=np.int32), np.array(context, dtype=np.int32), depth, False)
+    want_len, want = brute_match(text, context, depth, False)
+    assert (got_len, sorted(got.tolist())) == (want_len, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seq=st.lists(st.integers(0, 3), min_size=1, max_size=40), depth=st.integers(1, 6))
+def test_a_context_does_not_match_its_own_tail(seq, depth):
+    a = np.array(seq, dtype=np.int32)
+    got_len, got = longest_match(a, a, depth, True)
+    assert (got_len, sorted(got.tolist())) == brute_match(seq, seq, depth, True)
+
+
+def test_continuation_follows_the_most_frequent_next_token_above_the_floor():
+    text = np.array([1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5], dtype=np.int32)
+    starts = np.array([2, 6, 10, 14])  # after each "1 2"
+    assert continuation(text, starts, 4, 0.0) == [3, 9, 1, 2]
+    # "3" follows 3 of 4 occurrences, then "9" 2 of 3: a floor of 0.7 keeps only the first.
+    assert continuation(text, starts, 4, 0.7) == [3]
+    assert continuation(text, starts, 0, 0.0) == []
+
+
+def request(rid: str, prompt: list[int], output: list[int], salt: str | None = None) -> Request:
+    req = Request(request_id=rid, prompt_token_ids=prompt, sampling=Params(), max_tokens=64, cache_salt=salt)
+    req.token_ids = [*prompt, *output]
+    return req
+
+
+def test_drafts_from_the_requests_own_context_scale_with_the_match():
+    spec = SuffixSpeculator(SuffixConfig(max_spec_factor=1.0, min_token_prob=0.0))
+    req = request("a", [5, 6, 7, 8, 9, 10, 11], [5, 6])
+    assert spec.propose(req, 16) == [7, 8]  # a 2-token match drafts 2
+    req.token_ids += [7, 8]
+    assert spec.propose(req, 16) == [9, 10, 11, 5]  # 4 matched, 4 drafted
+    assert spec.propose(req, 3) == [9, 10, 11]  # never more than k
+
+
+def test_ended_outputs_draft_for_later_requests_of_the_same_key_only():
+    spec = SuffixSpeculator(SuffixConfig(min_token_prob=0.0, max_spec_factor=4.0))
+    earlier = request("e", [1, 2], [40, 41, 42, 43, 44, 45], salt="tenant-a")
+    spec.propose(earlier, 4)
+    spec.forget("e")
+    assert spec.num_cached_requests == 1
+    same = request("s", [3, 40, 41], [], salt="tenant-a")
+    assert spec.propose(same, 8) == [42, 43, 44, 45]
+    other = request("o", [3, 40, 41], [], salt="tenant-b")
+    assert spec.propose(other, 8) == []
+    unsalted = request("u", [3, 40, 41], [], salt=None)
+    assert spec.propose(unsalted, 8) == []
+
+
+def test_the_cache_keeps_the_most_recent_outputs():
+    spec = SuffixSpeculator(SuffixConfig(max_cached_requests=2, min_token_prob=0.0))
+    for i in range(3):
+        spec.propose(request(f"r{i}", [1], [100 + i, 200 + i]), 1)
+        spec.forget(f"r{i}")
+    assert spec.num_cached_requests == 2
+    assert spec.propose(request("x", [9, 100], []), 4) == []  # r0's output was dropped
+    assert spec.propose(request("y", [9, 102], []), 4) == [202]
+
+
+def test_settings_are_read_and_checked():
+    cfg = SpeculativeConfig.from_dict(
+        {"method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_depth": 16}
+    )
+    assert cfg is not None and cfg.suffix.max_depth == 16
+    with pytest.raises(ValueError, match="suffix_decoding_min_token_prob must be a number in"):
+        SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 2})
+    with pytest.raises(ValueError, match="must be in \\[1, 32\\]"):
+        SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 33})
+
+
+def test_a_repeated_request_drafts_the_earlier_output(model_factory):
+    """The same greedy request twice: the second one's drafts come from the first's output and are
+    accepted nearly whole; both outputs equal a run without speculation."""
+    model_dir = model_factory("llama")
+    prompt = list(range(20, 44))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "suffix", "num_speculative_tokens": 16, "adaptive": False}
+    llm = LLM(str(model_dir), speculative_config=spec, num_threads=1)
+    first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    counters = llm.engine.core.spec
+    before = (counters.num_draft_tokens, counters.num_accepted_tokens)
+    second = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    drafted = counters.num_draft_tokens - before[0]
+    accepted = counters.num_accepted_tokens - before[1]
+    assert second == first
+    assert accepted >= 0.8 * (len(second) - 1) and accepted >= 0.8 * drafted
+    plain = LLM(str(model_dir), num_threads=1)
+    assert plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == first
