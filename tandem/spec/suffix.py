@@ -17,6 +17,7 @@ per-substring nodes: memory is one int32 per cached token.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.core.request import Request
+from tandem.spec.tree import DraftTree
 
 # Separates cached outputs in a key's corpus: never a token id, so no match runs across two.
 _SEPARATOR = -1
@@ -82,6 +84,41 @@ def continuation(text: np.ndarray, starts: np.ndarray, max_tokens: int, min_prob
     return out
 
 
+def continuation_tree(
+    text: np.ndarray, starts: np.ndarray, max_nodes: int, min_prob: float
+) -> tuple[list[int], list[int]]:
+    """The most probable continuations from these positions as a tree of at most `max_nodes`
+    nodes (tokens, parents; -1: the root): nodes are added best first by their path's empirical
+    probability, each child's share of its parent's occurrences at least `min_prob`."""
+    size = text.shape[0]
+    tokens: list[int] = []
+    parents: list[int] = []
+    # Candidates: (-path probability, tie-break, parent node, token, positions after the token).
+    heap: list[tuple[float, int, int, int, np.ndarray]] = []
+    order = 0
+
+    def expand(node: int, prob: float, at: np.ndarray) -> None:
+        nonlocal order
+        at = at[at < size]
+        if not at.size:
+            return
+        nxt = text[at]
+        cand, counts = np.unique(nxt[nxt != _SEPARATOR], return_counts=True)
+        for token, count in zip(cand.tolist(), counts.tolist()):
+            share = count / at.size
+            if share >= min_prob and share > 0:
+                heapq.heappush(heap, (-prob * share, order, node, token, at[nxt == token] + 1))
+                order += 1
+
+    expand(-1, 1.0, starts)
+    while heap and len(tokens) < max_nodes:
+        neg_prob, _, parent, token, at = heapq.heappop(heap)
+        tokens.append(token)
+        parents.append(parent)
+        expand(len(tokens) - 1, -neg_prob, at)
+    return tokens, parents
+
+
 class _Corpus:
     """One isolation key's recent outputs, concatenated with separators (rebuilt when changed)."""
 
@@ -119,8 +156,26 @@ class SuffixSpeculator:
         self._live: dict[str, Request] = {}
 
     def propose(self, req: Request, k: int) -> list[int]:
-        if k <= 0:
+        """A chain of at most k tokens: the most frequent continuation."""
+        found = self._match(req, k)
+        if found is None:
             return []
+        text, starts, budget = found
+        return continuation(text, starts, budget, self.config.min_token_prob)
+
+    def propose_tree(self, req: Request, max_nodes: int) -> DraftTree | None:
+        """A tree of at most `max_nodes` nodes: the most probable continuations, best first."""
+        found = self._match(req, max_nodes)
+        if found is None:
+            return None
+        text, starts, budget = found
+        tokens, parents = continuation_tree(text, starts, budget, self.config.min_token_prob)
+        return DraftTree(tuple(tokens), tuple(parents)) if tokens else None
+
+    def _match(self, req: Request, k: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """The text and positions to continue from, and the draft budget; None: nothing to draft."""
+        if k <= 0:
+            return None
         self._live[req.request_id] = req
         cfg = self.config
         context = np.asarray(req.token_ids, dtype=np.int32)
@@ -135,9 +190,8 @@ class SuffixSpeculator:
         else:
             text, starts, length = context, own_starts, own_len
         if length == 0:
-            return []
-        budget = min(k, math.ceil(cfg.max_spec_factor * length))
-        return continuation(text, starts, budget, cfg.min_token_prob)
+            return None
+        return text, starts, min(k, math.ceil(cfg.max_spec_factor * length))
 
     def forget(self, request_id: str) -> None:
         req = self._live.pop(request_id, None)

@@ -14,7 +14,7 @@ from tandem import LLM, SamplingParams
 from tandem.core.request import Request
 from tandem.sampling_params import SamplingParams as Params
 from tandem.spec.config import SpeculativeConfig
-from tandem.spec.suffix import SuffixConfig, SuffixSpeculator, continuation, longest_match
+from tandem.spec.suffix import SuffixConfig, SuffixSpeculator, continuation, continuation_tree, longest_match
 
 
 def brute_match(text: list[int], context: list[int], max_depth: int, exclude_tail: bool) -> tuple[int, list[int]]:
@@ -123,3 +123,18 @@ def test_a_repeated_request_drafts_the_earlier_output(model_factory):
     assert accepted >= 0.8 * (len(second) - 1) and accepted >= 0.8 * drafted
     plain = LLM(str(model_dir), num_threads=1)
     assert plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+def test_tree_proposals_take_the_most_probable_continuations_first():
+    # After "1 2": "3" three times (then "4" twice, "5" once), "6" once.
+    text = np.array([1, 2, 3, 4, -1, 1, 2, 3, 4, -1, 1, 2, 3, 5, -1, 1, 2, 6], dtype=np.int32)
+    starts = np.array([2, 7, 12, 17])
+    tokens, parents = continuation_tree(text, starts, 4, 0.0)
+    # Best first: "3" (3/4), then "4" under it (3/4 * 2/3 = 1/2), then "5" and "6" (1/4 each).
+    assert tokens[:2] == [3, 4] and parents[:2] == [-1, 0]
+    assert sorted(zip(tokens[2:], parents[2:])) == [(5, 0), (6, -1)]
+    assert continuation_tree(text, starts, 2, 0.5) == ([3, 4], [-1, 0])
+    spec = SuffixSpeculator(SuffixConfig(min_token_prob=0.0, max_spec_factor=4.0))
+    tree = spec.propose_tree(request("t", [1, 2, 3, 4, 8, 1, 2, 3, 5, 9, 1, 2], []), 8)
+    assert tree is not None and tree.tokens[0] == 3 and tree.parents[0] == -1
+    assert {tree.tokens[c] for c in tree.children(0)} == {4, 5}

@@ -1,0 +1,118 @@
+"""Draft trees and their verification.
+
+A `DraftTree` is a request's drafts for one step as a tree under the last verified token (the
+root): node i holds `tokens[i]` and hangs under `parents[i]` (-1: the root), parents before
+children. The target verifies every node in one pass: the request's query tokens are the root
+then the nodes in order, each at position `root + depth`, each seeing its ancestors and itself
+(`ancestor_bits`). A chain is the tree whose node i hangs under node i - 1.
+
+Verification walks down from the root. Greedy: the target's argmax at the current node; the
+child holding it is accepted and the walk goes on, else that argmax is the step's last token.
+Sampling (recursive rejection sampling, SpecInfer's multi-branch form with deterministic
+proposals): at a node with target distribution p, each child x in turn is accepted with
+probability p(x); on rejection p loses x (p <- p with p(x) = 0, renormalized) and the next child
+is tried; with every child rejected the step's last token is drawn from what is left of p. The
+token that leaves each node is then distributed exactly as p, whichever children were drafted and
+in whatever order (each rejection samples p without replacement), so the output is the target's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("a draft tree needs one parent per token")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"draft tree node {i} hangs under {p}: parents must come before children")
+
+    @staticmethod
+    def chain(tokens: Sequence[int]) -> DraftTree:
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Each node's depth below the root (the root's children: 1)."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def children(self, node: int) -> list[int]:
+        """The children of `node` (-1: the root), in order."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def ancestor_bits(self) -> list[int]:
+        """For the query tokens (root, then node i as token i + 1): the bits of the query tokens
+        each may see, its ancestors and itself."""
+        bits = [1]
+        for i, p in enumerate(self.parents):
+            bits.append(bits[p + 1] | (1 << (i + 1)))
+        return bits
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to `node`."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+def verify_greedy(tree: DraftTree, target: Sequence[int]) -> tuple[list[int], int]:
+    """target[j]: the target's token after query token j (j = 0: the root). Returns the accepted
+    nodes (a path from the root) and the token after the last of them."""
+    accepted: list[int] = []
+    row = 0
+    while True:
+        want = target[row]
+        nxt = next((c for c in tree.children(accepted[-1] if accepted else -1) if tree.tokens[c] == want), None)
+        if nxt is None:
+            return accepted, want
+        accepted.append(nxt)
+        row = nxt + 1
+
+
+def verify_sampled(
+    tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """probs [1 + len(tree), V]: the target's distribution after each query token. Returns the
+    accepted nodes and the token after them, as the module says."""
+    accepted: list[int] = []
+    node = -1
+    while True:
+        p = probs[node + 1].double().clone()
+        moved = False
+        for child in tree.children(node):
+            x = tree.tokens[child]
+            total = float(p.sum())
+            if total <= 0.0:
+                break
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u * total < float(p[x]):  # probability p(x) / sum(p)
+                accepted.append(child)
+                node = child
+                moved = True
+                break
+            p[x] = 0.0
+        if not moved:
+            if float(p.sum()) <= 0.0:  # rounding left nothing: fall back to the full distribution
+                p = probs[node + 1].double()
+            noise = torch.empty_like(p).exponential_(generator=generator).clamp_(min=1e-300)
+            return accepted, int((p / noise).argmax())
