@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.spec.tree import DraftTree
+
 
 def rejection_sample(
     target_probs: torch.Tensor,
@@ -138,3 +140,38 @@ def _draw(
             noise[b].exponential_(generator=gen)
     # A zero draw would turn a zero-weight token into 0/0.
     return uniforms, noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def verify_tree_sampled(
+    tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling over a draft tree (SpecInfer's multi-branch form, deterministic
+    proposals). probs [1 + len(tree), V]: the target's distribution after each query token (the
+    root, then each node). At a node with target distribution p, each child x in turn is accepted
+    with probability p(x); on rejection p loses x (p(x) = 0, renormalized) and the next child is
+    tried; with every child rejected the step's last token is drawn from what is left of p. The
+    token leaving each node is then distributed exactly as p, whichever children were drafted and
+    in whatever order (the rejections sample p without replacement). Returns the accepted nodes and
+    the token after them."""
+    accepted: list[int] = []
+    node = -1
+    while True:
+        p = probs[node + 1].double().clone()
+        moved = False
+        for child in tree.children(node):
+            x = tree.tokens[child]
+            total = float(p.sum())
+            if total <= 0.0:
+                break
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if u * total < float(p[x]):  # probability p(x) / sum(p)
+                accepted.append(child)
+                node = child
+                moved = True
+                break
+            p[x] = 0.0
+        if not moved:
+            if float(p.sum()) <= 0.0:  # rounding left nothing: fall back to the full distribution
+                p = probs[node + 1].double()
+            noise = torch.empty_like(p).exponential_(generator=generator).clamp_(min=1e-300)
+            return accepted, int((p / noise).argmax())

@@ -6,22 +6,16 @@ children. The target verifies every node in one pass: the request's query tokens
 then the nodes in order, each at position `root + depth`, each seeing its ancestors and itself
 (`ancestor_bits`). A chain is the tree whose node i hangs under node i - 1.
 
-Verification walks down from the root. Greedy: the target's argmax at the current node; the
-child holding it is accepted and the walk goes on, else that argmax is the step's last token.
-Sampling (recursive rejection sampling, SpecInfer's multi-branch form with deterministic
-proposals): at a node with target distribution p, each child x in turn is accepted with
-probability p(x); on rejection p loses x (p <- p with p(x) = 0, renormalized) and the next child
-is tried; with every child rejected the step's last token is drawn from what is left of p. The
-token that leaves each node is then distributed exactly as p, whichever children were drafted and
-in whatever order (each rejection samples p without replacement), so the output is the target's.
+Verification walks down from the root. Greedy (`verify_greedy`): the target's argmax at the
+current node; the child holding it is accepted and the walk goes on, else that argmax is the
+step's last token. Sampling: `tandem.spec.rejection.verify_tree_sampled` (torch, worker side).
+Pure Python: the scheduler's side imports this.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,32 +81,3 @@ def verify_greedy(tree: DraftTree, target: Sequence[int]) -> tuple[list[int], in
             return accepted, want
         accepted.append(nxt)
         row = nxt + 1
-
-
-def verify_sampled(
-    tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None
-) -> tuple[list[int], int]:
-    """probs [1 + len(tree), V]: the target's distribution after each query token. Returns the
-    accepted nodes and the token after them, as the module says."""
-    accepted: list[int] = []
-    node = -1
-    while True:
-        p = probs[node + 1].double().clone()
-        moved = False
-        for child in tree.children(node):
-            x = tree.tokens[child]
-            total = float(p.sum())
-            if total <= 0.0:
-                break
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u * total < float(p[x]):  # probability p(x) / sum(p)
-                accepted.append(child)
-                node = child
-                moved = True
-                break
-            p[x] = 0.0
-        if not moved:
-            if float(p.sum()) <= 0.0:  # rounding left nothing: fall back to the full distribution
-                p = probs[node + 1].double()
-            noise = torch.empty_like(p).exponential_(generator=generator).clamp_(min=1e-300)
-            return accepted, int((p / noise).argmax())

@@ -11,8 +11,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tandem.spec import tree as tree_mod
-from tandem.spec.tree import DraftTree, verify_greedy, verify_sampled
+from tandem.spec import rejection
+from tandem.spec.rejection import verify_tree_sampled
+from tandem.spec.tree import DraftTree, verify_greedy
 
 # Root -> nodes 0 ("a"), 1 ("b"), 2 ("c"); node 0 -> 3 ("d"), 4 ("e"); node 3 -> 5.
 TREE = DraftTree(tokens=(0, 1, 2, 3, 4, 1), parents=(-1, -1, -1, 0, 0, 3))
@@ -59,7 +60,7 @@ def first_two(draws: int, seed: int = 0) -> tuple[Counter, Counter]:
     gen = torch.Generator().manual_seed(seed)
     first, second = Counter(), Counter()
     for _ in range(draws):
-        accepted, extra = verify_sampled(TREE, P, gen)
+        accepted, extra = verify_tree_sampled(TREE, P, gen)
         emitted = [TREE.tokens[n] for n in accepted] + [extra]
         first[emitted[0]] += 1
         if emitted[0] == 0:
@@ -97,10 +98,10 @@ def test_the_check_has_power(monkeypatch):
                 noise = torch.empty_like(p).exponential_(generator=generator)
                 return accepted, int((p / noise).argmax())
 
-    monkeypatch.setattr(tree_mod, "verify_sampled", keep_rejected)
+    monkeypatch.setattr(rejection, "verify_tree_sampled", keep_rejected)
     gen = torch.Generator().manual_seed(0)
     first = Counter()
     for _ in range(20_000):
-        accepted, extra = tree_mod.verify_sampled(TREE, P, gen)
+        accepted, extra = rejection.verify_tree_sampled(TREE, P, gen)
         first[([TREE.tokens[n] for n in accepted] + [extra])[0]] += 1
     assert p_value(first, P[0]) < 1e-8
