@@ -7,17 +7,28 @@ Poisson), prompts from a few shared prefixes plus a distinct suffix, output leng
 `--range-ratio`, greedy, `ignore_eos`. Prints TTFT mean/p99, ITL p99, output throughput,
 prefix-cache hit rate, preemptions and migrations per policy.
 
-Part 2: migration cost against request length. Two engine processes behind one front end; a
-request with an L-token prompt decodes on the first, and after 16 tokens is moved to the second,
-live (KV copied in stages, then a stop-and-copy) or by recompute (resent; the destination
-recomputes its KV). Reports the stop-and-copy time (the request paused until the destination took
-it over), the whole migration's time, the bytes sent, and the gap the client sees between two
-tokens across the move against its median inter-token gap. Plots it (`--plot`).
+Part 2: what a move costs the request moved, against its context. Three engine processes behind
+one front end, one request at a time: it decodes on a source and, once 16 tokens have reached its
+stream, moves to the third instance, with C tokens of context, in one of three ways:
+
+- live: its KV is copied in stages while it keeps decoding (each stage the blocks filled since the
+  last, the next stage only once the previous one landed), and it pauses only for what is left
+  (the source runs the default `migration_max_stages` / `migration_stop_blocks`);
+- stop-and-copy: the same transfer with no stage allowed (`migration_max_stages` 0): it pauses at
+  once and all its KV is copied while it waits;
+- recompute: it is resent; the destination recomputes its KV from the tokens so far.
+
+For each move: the largest gap between two tokens its stream received from the move on, over its
+median gap before the move (the ratio a client feels; ~1 is no hiccup), the stages copied while it
+decoded, how long the source held it paused, the downtime as the front end measured it (last token
+from the source to first from the destination) and the bytes sent. Plots the ratio and the gaps
+against the context (`--plot`).
 
 Every figure goes to JSON (`--result-json`).
 
     python benchmarks/cluster.py                       # default model, 2 instances x 1 thread
-    python benchmarks/cluster.py --quick               # a smaller trace, fewer lengths
+    python benchmarks/cluster.py --quick               # a smaller trace, fewer lengths, one move each
+    python benchmarks/cluster.py --policies ''         # part 2 only
     python benchmarks/cluster.py --model PATH --instances 3 --result-json out.json
 
 On a 2-core machine, 2 instances of one thread each use the whole machine and the client shares
@@ -73,18 +84,31 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# -- part 2: one request moved, live or by recompute -----------------------------------------
+# -- part 2: one request moved: live, stop-and-copy, or by recompute ---------------------------
+
+MODES = ("live", "stop-and-copy", "recompute")
+# Instances of part 2: a source that copies in stages, one that may not (stop-and-copy), and the
+# destination every move goes to.
+LIVE_SOURCE, STOP_COPY_SOURCE, DESTINATION = 0, 1, 2
+TOKENS_BEFORE_MOVE = 16
+TOKENS_AFTER_MOVE = 32
 
 
-async def move_one(client: Any, rid: str, prompt: list[int], live: bool, after: int, max_tokens: int) -> dict:
+async def move_one(client: Any, rid: str, prompt: list[int], mode: str, reports: list[Any]) -> dict[str, Any]:
+    """Run one request, move it once `TOKENS_BEFORE_MOVE` tokens reached its stream; its gaps."""
+    from tandem.kvtransfer.protocol import MoveOutcome
     from tandem.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=TOKENS_BEFORE_MOVE + TOKENS_AFTER_MOVE, ignore_eos=True
+    )
     req, text = client.inputs.process(rid, {"prompt_token_ids": prompt}, params)
     notify = asyncio.Event()
-    stream = client.add(req, text, notify, instance=0)
-    arrivals: list[float] = []  # when each token reached the front end
-    moved_at = None
+    source = STOP_COPY_SOURCE if mode == "stop-and-copy" else LIVE_SOURCE
+    stream = client.add(req, text, notify, instance=source)
+    arrivals: list[float] = []  # when each token reached the stream
+    before = len(reports)
+    moved: int | None = None  # tokens the stream had when the move was asked for
     while True:
         await notify.wait()
         notify.clear()
@@ -93,29 +117,54 @@ async def move_one(client: Any, rid: str, prompt: list[int], live: bool, after: 
             continue
         now = time.perf_counter()
         arrivals += [now] * (len(out.outputs[0].token_ids) - len(arrivals))
-        if moved_at is None and len(arrivals) >= after:
-            moved_at = len(arrivals)
-            ok = client.migrate_live(rid, 1) if live else client.migrate(rid, 1)
+        if moved is None and len(arrivals) >= TOKENS_BEFORE_MOVE:
+            moved = len(arrivals)
+            ok = client.migrate_by_recompute(rid, DESTINATION) if mode == "recompute" else client.migrate_live(rid, DESTINATION)
             if not ok:
                 raise RuntimeError(f"could not move {rid}")
         if out.finished:
             break
+    if moved is None:
+        raise RuntimeError(f"{rid} finished before its move")
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    before = gaps[: moved_at - 1]
-    return {"gap_ms": max(gaps[moved_at - 1 :]) * 1e3, "itl_median_ms": statistics.median(before) * 1e3}
+    itl = statistics.median(gaps[: moved - 1])
+    gap = max(gaps[moved - 1 :])
+    row: dict[str, Any] = {
+        "context_tokens": len(prompt) + moved,
+        "gap_ms": gap * 1e3,
+        "itl_median_ms": itl * 1e3,
+        "gap_over_itl": gap / itl,
+    }
+    if mode != "recompute":
+        (report,) = reports[before:]
+        if report.outcome is not MoveOutcome.COMPLETED:
+            raise RuntimeError(f"{mode} move of {rid}: {report.outcome.value} ({report.reason})")
+        row.update(
+            stages=report.num_stages,
+            pause_ms=report.pause_s * 1e3,
+            downtime_ms=None if report.downtime_s is None else report.downtime_s * 1e3,
+            kv_bytes=report.num_bytes,
+        )
+    return row
 
 
 async def downtime_phase(model: str, lengths: list[int], repeats: int, threads: int) -> list[dict[str, Any]]:
+    """`lengths`: the context (prompt plus tokens so far) each request has when it moves."""
+    from dataclasses import replace
+
     from tandem.config import EngineConfig
     from tandem.engine.connection import ProcessConnection
     from tandem.engine.core_client import AsyncEngineClient
 
-    config = EngineConfig(model=model, num_threads=threads, max_num_seqs=8, max_model_len=max(lengths) + 128)
-    migrated: list[Any] = []
+    config = EngineConfig(
+        model=model, num_threads=threads, max_num_seqs=8, max_model_len=max(lengths) + TOKENS_AFTER_MOVE + 64
+    )
+    configs = {LIVE_SOURCE: config, STOP_COPY_SOURCE: replace(config, migration_max_stages=0), DESTINATION: config}
+    reports: list[Any] = []
     client = AsyncEngineClient(
         config,
-        connections=[ProcessConnection(config), ProcessConnection(config)],
-        on_migrated=migrated.append,
+        connections=[ProcessConnection(configs[i]) for i in range(3)],
+        on_migrated=reports.append,
     )
     await client.start(timeout=600)
     rng = random.Random(0)
@@ -123,36 +172,25 @@ async def downtime_phase(model: str, lengths: list[int], repeats: int, threads: 
     try:
         vocab = client.limits.vocab_size
         for length in lengths:
-            for mode in ("live", "recompute"):
+            for mode in MODES:
                 runs = []
                 for rep in range(repeats + 1):  # the first is a warm-up
-                    prompt = [rng.randrange(3, vocab) for _ in range(length)]
-                    before = len(migrated)
-                    r = await move_one(client, f"{mode}-{length}-{rep}", prompt, mode == "live", 16, 48)
-                    if mode == "live":
-                        msg = migrated[before]
-                        if not msg.ok:
-                            raise RuntimeError(f"live migration failed: {msg.reason}")
-                        r.update(
-                            stop_copy_ms=msg.downtime_s * 1e3, kv_bytes=msg.num_bytes, stages=msg.num_stages
-                        )
+                    prompt = [rng.randrange(3, vocab) for _ in range(length - TOKENS_BEFORE_MOVE)]
+                    r = await move_one(client, f"{mode}-{length}-{rep}", prompt, mode, reports)
                     if rep:
                         runs.append(r)
-                row = {"prompt_len": length, "mode": mode, "runs": runs}
-                for key in ("gap_ms", "itl_median_ms", "stop_copy_ms", "kv_bytes", "stages"):
-                    if key in runs[0]:
-                        row[key] = statistics.median(x[key] for x in runs)
+                row: dict[str, Any] = {"context_tokens": length, "mode": mode, "runs": runs}
+                for key in ("gap_ms", "itl_median_ms", "gap_over_itl", "stages", "pause_ms", "downtime_ms", "kv_bytes"):
+                    values = [x[key] for x in runs if x.get(key) is not None]
+                    if values:
+                        row[key] = statistics.median(values)
+                row["gap_over_itl_max"] = max(x["gap_over_itl"] for x in runs)
                 rows.append(row)
-                print(
-                    f"  L={length:>5} {mode:<9} gap {row['gap_ms']:8.1f} ms  (itl {row['itl_median_ms']:.1f} ms)"
-                    + (
-                        f"  stop-and-copy {row['stop_copy_ms']:.2f} ms  {row['kv_bytes'] / 1e6:.2f} MB"
-                        f"  {row['stages']:.0f} stage(s)"
-                        if mode == "live"
-                        else ""
-                    ),
-                    flush=True,
-                )
+                line = f"  C={length:>5} {mode:<14} largest gap {row['gap_ms']:8.1f} ms = {row['gap_over_itl']:5.2f}x ITL"
+                line += f" ({row['itl_median_ms']:.1f} ms)"
+                if mode != "recompute":
+                    line += f"  {row['stages']:.0f} stage(s), paused {row['pause_ms']:.2f} ms, {row['kv_bytes'] / 1e6:.2f} MB"
+                print(line, flush=True)
     finally:
         await client.shutdown()
     return rows
@@ -163,21 +201,40 @@ def plot_downtime(rows: list[dict[str, Any]], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for mode, style in (("live", "o-"), ("recompute", "s--")):
-        pts = [(r["prompt_len"], r["gap_ms"]) for r in rows if r["mode"] == mode]
-        ax.plot(*zip(*pts), style, label=f"{mode}: longest gap between tokens across the move")
-    pts = [(r["prompt_len"], r["stop_copy_ms"]) for r in rows if r["mode"] == "live"]
-    ax.plot(*zip(*pts), "^:", label="live: stop-and-copy (request paused)")
-    pts = [(r["prompt_len"], r["itl_median_ms"]) for r in rows if r["mode"] == "live"]
-    ax.plot(*zip(*pts), "x-", color="grey", label="median gap between tokens (no move)")
-    ax.set_xlabel("prompt tokens (context when moved: + 16)")
-    ax.set_ylabel("ms (log scale)")
-    ax.set_yscale("log")
-    ax.set_title("Moving a decoding request between two instances")
-    ax.legend(fontsize=8, loc="upper left")
-    ax.grid(alpha=0.3)
+    styles = {"live": ("o", "-"), "stop-and-copy": ("^", "--"), "recompute": ("s", ":")}
+    fig, (ratio, ms) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for mode, (marker, line) in styles.items():
+        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["context_tokens"])
+        if not mine:
+            continue
+        x = [r["context_tokens"] for r in mine]
+        # The median move, and a bar to the lowest and highest of the moves measured.
+        for ax, key in ((ratio, "gap_over_itl"), (ms, "gap_ms")):
+            mid = [r[key] for r in mine]
+            lo = [m - min(run[key] for run in r["runs"]) for m, r in zip(mid, mine)]
+            hi = [max(run[key] for run in r["runs"]) - m for m, r in zip(mid, mine)]
+            label = mode if ax is ratio else f"{mode}: largest gap at the move"
+            ax.errorbar(x, mid, yerr=[lo, hi], marker=marker, ls=line, capsize=3, label=label)
+    ratio.axhline(2.0, color="grey", lw=0.8, ls="--", label="2x the usual gap")
+    ratio.set_ylim(bottom=1.0)  # 1: no gap beyond the usual
+    ratio.set_ylabel("largest gap at the move / median gap before")
+    ratio.set_title("What the moved stream felt (median of the moves; bars: min-max)")
+    live = sorted((r for r in rows if r["mode"] == "live"), key=lambda r: r["context_tokens"])
+    if live:
+        x = [r["context_tokens"] for r in live]
+        ms.plot(x, [r["itl_median_ms"] for r in live], "x-", color="grey", label="median gap before the move")
+    ms.set_ylabel("ms")
+    ms.set_title("Gaps between tokens, as the stream received them")
+    for ax in (ratio, ms):
+        ax.set_xlabel("context tokens when moved")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.legend(fontsize=8, loc="upper left")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -198,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burstiness", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--downtime-lengths", default="64,256,1024,1792", help="prompt lengths for part 2 ('' skips it)"
+        "--downtime-lengths",
+        default="256,512,1024,1800",
+        help="context tokens at the move, for part 2 ('' skips it)",
     )
     p.add_argument("--repeats", type=int, default=3, help="moves per length and mode in part 2")
     p.add_argument("--plot", default=None, help="PNG of part 2")
@@ -206,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.num_prompts, a.prefix_len, a.output_len = 24, 128, 16
-        a.downtime_lengths, a.repeats = "64,512", 1
+        a.downtime_lengths, a.repeats = "256,1024", 1
     model = a.model or default_model_path()
     results: dict[str, Any] = {
         "command_line": shlex.join([sys.executable, *sys.argv]),
@@ -254,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(results)
     lengths = [int(x) for x in a.downtime_lengths.split(",") if x]
     if lengths:
-        print("\n== migration cost against request length (2 engine processes)", flush=True)
+        print("\n== what a move costs the request moved, against its context (3 engine processes)", flush=True)
         rows = asyncio.run(downtime_phase(model, lengths, a.repeats, a.threads))
         results["migration_cost"] = rows
         if a.plot:

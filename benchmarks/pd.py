@@ -194,6 +194,7 @@ async def handoff_costs(model: str, lengths: list[int]) -> dict[int, dict[str, f
     from tandem.config import EngineConfig
     from tandem.engine.connection import ProcessConnection
     from tandem.engine.core_client import AsyncEngineClient, Disaggregation
+    from tandem.kvtransfer.protocol import MoveOutcome
     from tandem.sampling_params import SamplingParams
 
     cfg = EngineConfig(model=model, num_threads=1, max_num_seqs=8, max_model_len=max(lengths) + 256)
@@ -222,10 +223,10 @@ async def handoff_costs(model: str, lengths: list[int]) -> dict[int, dict[str, f
                 stream = client.add(req, text, asyncio.Event())
                 while not stream.finished:
                     await asyncio.sleep(0.005)
-                msg = done[-1]
-                if rep and getattr(msg, "ok", False):
-                    copies.append(msg.downtime_s * 1e3)
-                    sizes.append(msg.num_bytes)
+                report = done[-1]
+                if rep and report.outcome is MoveOutcome.COMPLETED:
+                    copies.append(report.pause_s * 1e3)
+                    sizes.append(report.num_bytes)
             out[length] = {
                 "handoff_stop_copy_ms": statistics.median(copies),
                 "handoff_kv_bytes": statistics.median(sizes),

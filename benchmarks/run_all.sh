@@ -30,12 +30,13 @@ declare -A RUN=(
   [cluster]="benchmarks/cluster.py --result-json $R/cluster.json --plot $R/migration_cost.png"
   [pd]="benchmarks/pd.py --result-json $R/pd.json"
   [reliability]="benchmarks/reliability.py --result-json $R/reliability.json"
+  [per_token_cpu]="benchmarks/per_token_cpu.py --result-json $R/per_token_cpu.json"
   [sim_validation]="benchmarks/sim_validation.py --calibrate --result-json $R/sim_validation.json"
   [cluster_studies]="benchmarks/cluster_studies.py"
 )
 ORDER=(default_model throughput prefix_cache spec_decode grammar_backends structured_output paged_attention
-  gemm_paths layer_ops int4 kv_cache_dtype moe_experts moe kv_transfer cluster pd reliability sim_validation
-  cluster_studies)
+  gemm_paths layer_ops int4 kv_cache_dtype moe_experts moe kv_transfer cluster pd reliability per_token_cpu
+  sim_validation cluster_studies)
 
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=("${ORDER[@]}")

@@ -1,15 +1,15 @@
 """Speculative decoding: output tokens/s with and without speculation, same run, several concurrencies.
 
 Workloads: `code` (windows of held-out Python stdlib files, where drafts are
-often right), `repeat` (a held-out code snippet followed by its own first
+often right), `agentic` (turns of an agent over one file: outputs repeat from turn to turn), `repeat` (a held-out code snippet followed by its own first
 quarter again, so continuing it means copying, as in a code edit that
 reproduces most of its input: the repetitive case prompt lookup is for) and
 `random` (random token prompts, where drafts rarely are right). For
 each concurrency c, `--requests-per-level` requests run through one `generate`
 call with `max_num_seqs=c`, greedy, a seeded spread of output lengths (the same for every method)
 (`ignore_eos`). Methods: no speculation, n-gram lookup (the engine's default
-window, 1-4 tokens) and the draft model, with the adaptive controller (the
-default) and, for reference, a fixed `k`.
+window, 1-4 tokens), suffix speculation (a tree, or `suffix-chain`) and the draft model, with the
+adaptive controller (the default) and, for reference, a fixed `k`.
 Model: the embedded default model and its draft unless `--model/--draft`.
 
     python benchmarks/spec_decode.py --result-json benchmarks/results/spec_decode.json
@@ -59,6 +59,17 @@ def repeat_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[
     """A code snippet of 3/4 of `length` tokens, then its first quarter again."""
     body_len = length * 3 // 4
     return [body + body[: length - body_len] for body in code_prompts(tokenizer, n, body_len, seed)]
+
+
+def agentic_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
+    """An agent's loop over one file: each turn's prompt is a short turn of its own (a quarter of
+    `length`: a tool result, an instruction) followed by the same file (the rest), so the model's
+    continuations repeat from turn to turn, as an agent re-emitting what it edits: the workload
+    suffix speculation is for (what ended requests wrote drafts for the next)."""
+    file_len = length * 3 // 4
+    (file,) = code_prompts(tokenizer, 1, file_len, seed + 7)
+    heads = code_prompts(tokenizer, n, length - file_len, seed)
+    return [head + file for head in heads]
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -164,7 +175,10 @@ def main() -> None:
     )
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument(
-        "--workloads", nargs="+", default=["repeat", "code", "random"], choices=["repeat", "code", "random"]
+        "--workloads",
+        nargs="+",
+        default=["repeat", "code", "random"],
+        choices=["repeat", "code", "random", "agentic"],
     )
     ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft", "draft-fixed-k"])
     ap.add_argument("--threads", type=int, default=None)
@@ -206,6 +220,13 @@ def main() -> None:
             "prompt_lookup_max": 4,
             "adaptive": False,
         },
+        # Suffix speculation drafts long repeats: four times the chain methods' k, as a tree.
+        "suffix": {"method": "suffix", "num_speculative_tokens": min(32, 4 * args.k)},
+        "suffix-chain": {
+            "method": "suffix",
+            "num_speculative_tokens": min(32, 4 * args.k),
+            "suffix_decoding_tree": False,
+        },
         "draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k},
         "draft-fixed-k": {
             "method": "draft_model",
@@ -224,6 +245,8 @@ def main() -> None:
                 prompts = code_prompts(tok, n, args.prompt_len, args.seed)
             elif wl == "repeat":
                 prompts = repeat_prompts(tok, n, args.prompt_len, args.seed)
+            elif wl == "agentic":
+                prompts = agentic_prompts(tok, n, args.prompt_len, args.seed)
             else:
                 prompts = random_prompts(len(tok), n, args.prompt_len, args.seed)
             out_lens = output_lengths(n, args.output_len, args.output_len_spread, args.seed)

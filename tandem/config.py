@@ -31,8 +31,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # At-load quantization of a float checkpoint (tandem/model/quant.py).
 QUANTIZATION_METHODS = ("int8",)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+# A GGUF file's 4-bit blocks kept packed (tandem/model/gguf_weights.py), vLLM's name for its GGUF kernels.
+GGUF_QUANTIZATION = "gguf"
 # Every accepted `quantization` value: at load, or naming the checkpoint's own format (checked).
-QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, *CHECKPOINT_METHODS, *METHOD_ALIASES)
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, *CHECKPOINT_METHODS, *METHOD_ALIASES, GGUF_QUANTIZATION)
+# The key of config.json that marks a folder prepared from a GGUF file (tandem/model/gguf_folder.py):
+# {"file": absolute path, "size": bytes}; the weights are read from that file.
+GGUF_CONFIG_KEY = "tandem_gguf"
 
 
 def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -42,12 +47,8 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
-# Token budget of one engine step, shared by prefill chunks and decodes (`max_num_batched_tokens`).
-# Measured on the Sapphire Rapids VM (415M model, bfloat16, 2 threads): 32 requests of 128 prompt
-# + 64 output tokens offline ran 340-351 output tok/s with 1.1-1.2 s mean TTFT at 512, against
-# 302-313 and 1.9-2.0 s at 2048 (and 326-332 at 256); a lone 2000-token prompt prefilled in
-# 1.2-1.3 s against 1.7-2.5 s. oneDNN's bfloat16 GEMM runs ~2.0 TFLOP/s at 512 rows and ~1.5 at
-# 2048, and smaller chunks let the decodes in flight go on between them.
+# Token budget of one engine step, shared by prefill chunks and decodes (`max_num_batched_tokens`);
+# the measurement behind it: docs/defaults.md.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 # Requests the OpenAI server accepts beyond those producing output (`--max-waiting-requests`); past
 # it new ones get 503 "overloaded" at once instead of a wait no client would sit through. The
@@ -56,9 +57,7 @@ DEFAULT_MAX_WAITING_REQUESTS = 512
 # Linear layers hold a second form of their weights for the few-row path (AMX tiles beside oneDNN's
 # layout for bfloat16; the plain weight beside it for float32) only while all linear weights take
 # at most this fraction of the memory available at load: two copies then leave a third or more for
-# the KV cache. Past it (a 7-8B bfloat16 model on a 24 GiB machine) each layer holds one copy, and
-# on AMX the tile kernel runs prompt chunks too: on the 415M model in bfloat16 (Sapphire Rapids VM,
-# 2 threads) 0.6 GiB less memory, a 512-token prefill 4-11% slower, 32 streams offline 4-6% slower.
+# the KV cache. Past it each layer holds one copy (what that costs: docs/defaults.md).
 SECOND_COPY_MAX_MEMORY_FRACTION = 0.33
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
@@ -225,10 +224,17 @@ class ModelConfig:
     gemma: GemmaConfig | None = None
     # The checkpoint's own quantization (config.json's quantization_config), None for float weights.
     quantization: QuantizationConfig | None = None
+    # A folder prepared from a GGUF file: that file, which holds the weights (None: safetensors).
+    gguf_file: str | None = None
 
     @staticmethod
     def from_pretrained(path: str | os.PathLike[str]) -> ModelConfig:
         folder = Path(path)
+        if folder.suffix == ".gguf" and folder.is_file():
+            raise ValueError(
+                f"model path {str(folder)!r} is a GGUF file: LLM(model=...), `tandem serve` and the other "
+                "commands take it as it is; ModelConfig reads the folder tandem.checkpoints.resolve prepares"
+            )
         if not folder.is_dir():
             raise ValueError(f"model path {str(folder)!r} is not a directory")
         config_file = folder / "config.json"
@@ -279,11 +285,32 @@ class ModelConfig:
                 moe=_moe_config(arch, cfg),
                 gemma=parse_gemma(arch, cfg) if arch in GEMMA_ARCHITECTURES else None,
                 quantization=QuantizationConfig.from_hf(cfg.get("quantization_config")),
+                gguf_file=_gguf_file(config_file, cfg.get(GGUF_CONFIG_KEY)),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, ValueError) and ("rope" in str(exc) or "quantization_config" in str(exc)):
+            if isinstance(exc, ValueError) and (
+                "rope" in str(exc) or "quantization_config" in str(exc) or GGUF_CONFIG_KEY in str(exc)
+            ):
                 raise
             raise ValueError(f"{config_file} is missing or has a bad field: {exc!r}") from exc
+
+
+def _gguf_file(config_file: Path, value: Any) -> str | None:
+    """The GGUF file a prepared folder's weights live in, checked to be the file it was made from."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("file"), str):
+        raise ValueError(f"{config_file}: {GGUF_CONFIG_KEY} must be an object with a 'file' path")
+    file = Path(value["file"])
+    if not file.is_file():
+        raise ValueError(f"{config_file}: {GGUF_CONFIG_KEY}: the GGUF file {str(file)!r} is missing")
+    size = value.get("size")
+    if size is not None and file.stat().st_size != size:
+        raise ValueError(
+            f"{config_file}: {GGUF_CONFIG_KEY}: {str(file)!r} has changed since this folder was made "
+            "from it (pass the .gguf file itself to prepare it again)"
+        )
+    return str(file)
 
 
 def _rope(arch: str, cfg: dict[str, Any]) -> RopeConfig:

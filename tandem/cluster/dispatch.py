@@ -21,8 +21,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tandem.cluster.config import ClusterConfig
+from tandem.core.engine_io import EngineCoreRequest
 from tandem.core.prefix_cache import prefix_block_hashes
-from tandem.engine.messages import EngineCoreRequest, Stats
+from tandem.engine.messages import Stats
 
 
 @dataclass(slots=True)

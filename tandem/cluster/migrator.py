@@ -66,7 +66,7 @@ class Migrator:
         plan = self.rebalancer.plan(dispatcher.instances, live, client.draining, views, len(client.moves), incoming)
         started = 0
         for rid, dest in plan:
-            ok = client.migrate_live(rid, dest) if self.config.migration_mode == "live" else client.migrate(rid, dest)
+            ok = client.migrate_live(rid, dest) if self.config.migration_mode == "live" else client.migrate_by_recompute(rid, dest)
             started += ok
         return started
 

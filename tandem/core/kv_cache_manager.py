@@ -39,7 +39,7 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def reserve(self, n: int) -> bool:
+    def make_free(self, n: int) -> bool:
         """Make `n` blocks free (evicting idle cached prefixes if need be); False if they cannot be."""
         if n > self.pool.num_free and self.cache is not None:
             self.cache.evict(n - self.pool.num_free)
@@ -61,7 +61,7 @@ class KVCacheManager:
         first = start // self.block_size
         last = min(len(table), self.blocks_for(end))
         shared = [i for i in range(first, last) if self.pool.refcount(table[i]) > 1]
-        if not self.reserve(num_new + len(shared)):
+        if not self.make_free(num_new + len(shared)):
             return False
         for i in shared:
             (dst,) = self.pool.allocate(1)
@@ -159,6 +159,30 @@ class KVCacheManager:
         if req.prefix_node is not None:
             self.cache.unlock(node)
         req.prefix_node = new
+
+    # -- blocks outside the scheduler's requests (KV transfers): the manager keeps the pool ----------
+
+    def take_blocks(self, n: int) -> list[int] | None:
+        """`n` blocks for KV arriving from elsewhere (one reference each, the caller's), or None if
+        they cannot be had."""
+        return self.pool.allocate(n) if self.make_free(n) else None
+
+    def hold(self, block_ids: list[int]) -> None:
+        """Take one more reference on these blocks."""
+        self.pool.incref(block_ids)
+
+    def drop(self, block_ids: list[int]) -> None:
+        """Give one reference on these blocks back."""
+        self.pool.free(block_ids)
+
+    def give(self, req: Request, block_ids: list[int], add_reference: bool) -> None:
+        """Make these filled blocks `req`'s block table (a request that arrives with its KV): with
+        `add_reference` it takes a reference of its own, else the caller's passes to it."""
+        if req.block_ids:
+            raise RuntimeError(f"request {req.request_id} already has blocks")
+        if add_reference:
+            self.pool.incref(block_ids)
+        req.block_ids = list(block_ids)
 
     def free(self, req: Request, cache: bool = True) -> None:
         """Drop a request's blocks; its computed full blocks go to the prefix cache first."""

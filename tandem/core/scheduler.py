@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from tandem.core.draft_tree import DraftTree
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import check_fits
 from tandem.core.policy import (
@@ -62,7 +63,7 @@ class SpecHook(Protocol):
 
     def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> SpecPlan: ...
 
-    def propose(self, req: Request, k: int) -> list[int] | None: ...
+    def propose(self, req: Request, k: int) -> list[int] | DraftTree | None: ...
 
     # Called for each request that verified drafts, before its new tokens are appended.
     def observe(self, req: Request, num_draft: int, num_accepted: int) -> None: ...
@@ -151,7 +152,8 @@ class Scheduler:
         self.waiting.append(req)
 
     @property
-    def num_running(self) -> int:
+    def num_in_flight(self) -> int:
+        """Requests admitted and not ended: running, or paused while their KV moves elsewhere."""
         return len(self.running) + len(self.paused)
 
     @property
@@ -249,13 +251,19 @@ class Scheduler:
                 out.num_draft[req.request_id] = k
                 if req.request_id in out.draft_tokens:
                     out.draft_tokens[req.request_id] = out.draft_tokens[req.request_id][:k]
+                tree = out.draft_trees.get(req.request_id)
+                if tree is not None and len(tree) > k:  # its first k nodes are a tree (parents first)
+                    out.draft_trees[req.request_id] = DraftTree(tree.tokens[:k], tree.parents[:k])
             else:
                 out.draft_tokens.pop(req.request_id, None)
+                out.draft_trees.pop(req.request_id, None)
             self._schedule(out, req, n)
             budget -= n
             i += 1
         for rid in [rid for rid in out.draft_tokens if rid not in out.num_draft]:
             del out.draft_tokens[rid]
+        for rid in [rid for rid in out.draft_trees if rid not in out.num_draft]:
+            del out.draft_trees[rid]
 
         if len(out.preempted) > num_priority_preempted or stalled:
             return out
@@ -318,8 +326,12 @@ class Scheduler:
             if not k:
                 continue
             proposal = spec.propose(r, k)
-            if proposal is not None:  # n-gram: may find fewer tokens than asked
+            if proposal is not None:  # n-gram, suffix: may find fewer tokens than asked
                 ks[r.request_id] = len(proposal)
+                if isinstance(proposal, DraftTree):
+                    if proposal and not proposal.is_chain:
+                        out.draft_trees[r.request_id] = proposal
+                    proposal = list(proposal.tokens)
                 if proposal:
                     out.draft_tokens[r.request_id] = proposal
         return ks

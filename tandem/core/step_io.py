@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tandem.core.draft_tree import DraftTree
 from tandem.core.request import Request
 
 
@@ -31,8 +32,11 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     # Speculation: draft tokens per request, included in `num_tokens` (1 + k for a decoding request).
     num_draft: dict[str, int] = field(default_factory=dict)
-    # Draft tokens already proposed by the scheduler (n-gram); a draft model proposes in the runner.
+    # Draft tokens already proposed by the scheduler (n-gram, suffix); a draft model proposes in the
+    # runner. A request whose drafts form a tree (not a chain) also has it here, its nodes in order
+    # in `draft_tokens` (tandem/core/draft_tree.py).
     draft_tokens: dict[str, list[int]] = field(default_factory=dict)
+    draft_trees: dict[str, DraftTree] = field(default_factory=dict)
     # The plan the drafts came from, for the speculation planner's feedback after the step.
     spec_plan: SpecPlan | None = None
 
@@ -46,7 +50,7 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class TokenLogprobs:
+class SampledLogprobs:
     """Logprobs of one sampled token: its own, its rank, and the top-k alternatives."""
 
     logprob: float
@@ -76,12 +80,12 @@ class RunnerOutput:
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
     accepted: dict[str, list[int]] = field(default_factory=dict)
     draft_passes: list[DraftPass] = field(default_factory=list)
     # Requests owed prompt logprobs: the index of the first prompt token covered this step, and one
     # entry per token from there (tandem/worker/prompt_logprobs.py).
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[SampledLogprobs]]] = field(default_factory=dict)
     # Requests whose constraints (allowed_token_ids, bad_words, a grammar) left no token to choose
     # at their next position: they end after their accepted drafts, without `sampled`.
     dead_ends: set[str] = field(default_factory=set)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.core.engine_io import EngineCoreRequest, SampleOutput
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import EngineLimits
 from tandem.core.policy import SchedulingConfig, TenantQuota
@@ -22,8 +24,8 @@ from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.core.step_shape import shape_of
-from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.engine.step_trace import StepTrace
+from tandem.kvtransfer.protocol import SampleState
 from tandem.spec.config import AdaptiveConfig, SpeculativeConfig
 from tandem.spec.planner import SpecPlanner
 from tandem.structured.manager import StructuredOutputManager
@@ -162,6 +164,10 @@ class EngineCore:
         k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
         self.runner.warm(min(WARM_MAX_ROWS, config.max_num_seqs * (1 + k)))
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # What a KV transfer needs to know of this engine's blocks (tandem.kvtransfer.host.KVHost).
+        self.block_size = config.block_size
+        self.kv_block_bytes = self.runner.kv_bytes_per_block(mc, config.block_size, self.runner.kv_format)
+        self.kv_format_name = self.runner.kv_format.name
         self.spec: SpecPlanner | None = None
         if self.spec_config is not None:
             self.spec = SpecPlanner(self.spec_config, max_catch_up=config.max_num_batched_tokens)
@@ -296,16 +302,37 @@ class EngineCore:
             return None
         return [None if i is None else self.scheduler.requests.get(i) for i in ids]
 
-    def install(self, req: EngineCoreRequest, members: list[Request | None]) -> None:
-        """Run a request whose samples arrive with their KV computed elsewhere (blocks filled,
-        seats reserved); the leaders among `members` (those no other member will fork) run now."""
+    def install(self, req: EngineCoreRequest, samples: Sequence[SampleState | None]) -> None:
+        """Run a request whose samples arrive with their KV computed elsewhere: each sample's
+        `block_ids` are blocks here, filled, and it takes a reference on them; its seats were
+        reserved. The leaders (those no other sample will fork off) run now."""
         if req.request_id in self._groups:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        forked = {id(c) for r in members if r is not None for c in r.pending_children}
-        for r in members:
-            if r is not None and id(r) not in forked:
-                self.scheduler.adopt(r)
-        self._groups[req.request_id] = [None if r is None else r.request_id for r in members]
+        members: list[Request | None] = []
+        for i, st in enumerate(samples):
+            if st is None:
+                members.append(None)
+                continue
+            r = self.make_member(req, i, st.output_token_ids)
+            r.num_computed_tokens = st.num_computed_tokens
+            r.num_preemptions = st.num_preemptions
+            r.num_cached_tokens = st.num_cached_tokens
+            r.protected_until_outputs = st.protected_until_outputs
+            r.first_scheduled_time = st.first_scheduled_time
+            r.first_token_time = st.first_token_time
+            r.prompt_logprobs_next = max(r.prompt_logprobs_next, st.prompt_logprobs_next)
+            members.append(r)
+        for st, leader in zip(samples, members):
+            if st is not None and leader is not None:
+                leader.pending_children = [c for j in st.pending if (c := members[j]) is not None]
+        forked = {id(c) for m in members if m is not None for c in m.pending_children}
+        for st, member in zip(samples, members):
+            if st is None or member is None:
+                continue
+            self.kv.give(member, list(st.block_ids), add_reference=True)
+            if id(member) not in forked:
+                self.scheduler.adopt(member)
+        self._groups[req.request_id] = [None if m is None else m.request_id for m in members]
         self._incarnations[req.request_id] = req.incarnation
 
     def incarnation(self, request_id: str) -> int | None:
@@ -490,7 +517,7 @@ class EngineCore:
         """Counters and gauges for metrics and offline reports."""
         sched, kv, stats = self.scheduler, self.kv, self.stats
         out: dict[str, Any] = {
-            "num_requests_running": sched.num_running,
+            "num_requests_running": sched.num_in_flight,
             "num_requests_waiting": sched.num_waiting,
             "kv_cache_usage_perc": kv.usage,
             "prefix_cache_queries": kv.num_query_tokens,
@@ -526,6 +553,51 @@ class EngineCore:
         if ids is not None and all(i is None or self.scheduler.requests.get(i) is None for i in ids):
             del self._groups[group_id]
             self._incarnations.pop(group_id, None)
+
+    # -- the KV plane's host (tandem.kvtransfer.host.KVHost) -----------------------
+
+    def pause(self, req: Request) -> None:
+        self.scheduler.pause(req)
+
+    def unpause(self, req: Request) -> None:
+        self.scheduler.unpause(req)
+
+    def admission_error(self, req: EngineCoreRequest) -> str | None:
+        try:
+            self.limits.check(req.prompt_token_ids, req.max_tokens, req.params.n, req.params.stop_ids)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def reserve_seats(self, n: int) -> bool:
+        sched = self.scheduler
+        if sched.seats_taken + n > sched.max_num_seqs:
+            return False
+        sched.reserved_seats += n
+        return True
+
+    def release_seats(self, n: int) -> None:
+        self.scheduler.reserved_seats -= n
+
+    def reserve_blocks(self, n: int) -> list[int] | None:
+        return self.kv.take_blocks(n)
+
+    def hold_blocks(self, block_ids: list[int]) -> None:
+        self.kv.hold(block_ids)
+
+    def drop_blocks(self, block_ids: list[int]) -> None:
+        self.kv.drop(block_ids)
+
+    def read_blocks(self, block_ids: list[int]) -> Any:
+        import torch
+
+        data = self.runner.read_blocks(block_ids)
+        # As a numpy array of bytes (a buffer the transport sends without a copy): bfloat16 has no
+        # numpy dtype.
+        return data.reshape(-1).view(torch.uint8).numpy()
+
+    def write_blocks(self, block_ids: list[int], payload: memoryview) -> None:
+        self.runner.write_blocks(block_ids, payload)
 
     # -- faults ----------------------------------------------------------------
 

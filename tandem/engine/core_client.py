@@ -5,9 +5,10 @@ limits the core sends back at start-up) and the `OutputProcessor` (detokenizatio
 logprobs). A stop string found here is sent to the core as `StopSample`. Each engine instance is
 reached through an `EngineConnection` (engine/connection.py): by default one, a spawned process.
 
-Each request's outputs reach its caller through a `RequestStream`: a one-slot mailbox holding the
-latest cumulative `RequestOutput` (a newer one replaces an unread one, so a slow reader costs no
-memory), plus an `asyncio.Event` that the caller waits on (one event may serve several streams).
+Each request's outputs reach its caller through a `RequestStream`: a mailbox holding the latest
+cumulative `RequestOutput` (a newer one replaces an unread one, so a slow reader costs no memory),
+or the delta outputs not read yet, joined when read (RequestOutputKind.DELTA), plus an
+`asyncio.Event` that the caller waits on (one event may serve several streams).
 A request is routed to one instance at a time; `move` hands it to another (its stream and text
 state stay where they are: they belong to the front end, not to an instance).
 """
@@ -29,7 +30,8 @@ from tandem.engine.connection import EngineConnection, EngineDeadError, ProcessC
 from tandem.engine.messages import EngineCoreRequest
 from tandem.engine.processor import InputProcessor, OutputProcessor
 from tandem.engine.tokenizer import Tokenizer
-from tandem.outputs import RequestOutput
+from tandem.kvtransfer.protocol import MoveOutcome, MoveReport
+from tandem.outputs import RequestOutput, coalesce
 
 __all__ = ["AsyncEngineClient", "EngineDeadError", "RequestAbortedError", "RequestFailedError", "RequestStream"]
 
@@ -77,6 +79,9 @@ class LiveMove:
     after_prefill: bool = False
     # The destination's outputs, held until the source's Migrated says it owns the request.
     held: list[m.SampleOutput] = field(default_factory=list)
+    # When the request's stream last got an output from the source (what a completed move's
+    # downtime runs from).
+    last_delivered: float = 0.0
 
 
 class RequestAbortedError(RuntimeError):
@@ -88,7 +93,7 @@ class RequestFailedError(RuntimeError):
 
 
 class RequestStream:
-    __slots__ = ("_latest", "error", "finished", "notify", "on_finish", "request_id", "started")
+    __slots__ = ("_unread", "error", "finished", "notify", "on_finish", "request_id", "started")
 
     def __init__(
         self,
@@ -100,13 +105,16 @@ class RequestStream:
         self.notify = notify
         # Called with the final output as soon as it arrives, whether or not anyone reads it.
         self.on_finish = on_finish
-        self._latest: RequestOutput | None = None
+        # The newest cumulative output, or the delta outputs not read yet (RequestOutput.delta).
+        self._unread: list[RequestOutput] = []
         self.error: BaseException | None = None
         self.finished = False
         self.started = False  # has produced output (no longer waiting, as the API process sees it)
 
     def put(self, out: RequestOutput) -> None:
-        self._latest = out
+        if not out.delta:
+            self._unread.clear()
+        self._unread.append(out)
         self.started = True
         self.finished = out.finished
         self.notify.set()
@@ -120,8 +128,10 @@ class RequestStream:
             self.notify.set()
 
     def take(self) -> RequestOutput | None:
-        """The newest unread output, or None; raises the stream's error once outputs are read."""
-        out, self._latest = self._latest, None
+        """The newest unread output (unread deltas joined into one), or None; raises the stream's
+        error once outputs are read."""
+        unread, self._unread = self._unread, []
+        out = coalesce(unread) if unread else None
         if self.error is not None:
             if out is None:
                 raise self.error
@@ -138,7 +148,7 @@ class AsyncEngineClient:
         on_dead: Callable[[str], None] | None = None,
         connections: list[EngineConnection] | None = None,
         make_dispatcher: Callable[[list[m.Ready]], DispatchHook] | None = None,
-        on_migrated: Callable[[m.Migrated | m.TransferDropped], None] | None = None,
+        on_migrated: Callable[[MoveReport], None] | None = None,
         disaggregation: Disaggregation | None = None,
         hang_timeout_s: float | None = None,
         on_gone: Callable[[int], None] | None = None,
@@ -148,7 +158,8 @@ class AsyncEngineClient:
         # Told when an instance leaves for good (retired or dead), so its last report stops counting.
         self.on_gone = on_gone
         self.on_dead = on_dead
-        # Told each live migration's outcome (metrics).
+        # Told each move's outcome (metrics); a completed one's once the destination's first output
+        # reached its stream (its downtime is known then).
         self.on_migrated = on_migrated
         self.disaggregation = disaggregation
         # An instance silent this long (after start-up) is taken for hung: its requests move on.
@@ -165,6 +176,11 @@ class AsyncEngineClient:
         self._issued: dict[str, int] = {}
         # request id -> its live migration under way
         self.moves: dict[str, LiveMove] = {}
+        # request id -> a completed move whose destination has not delivered an output yet, and when
+        # the stream got its last output from the source
+        self._landing: dict[str, tuple[MoveReport, float]] = {}
+        # What moves are timed with (a test's own clock in its place).
+        self.clock: Callable[[], float] = time.monotonic
         # each instance's KV inbox (None: it takes no transfers)
         self.kv_addresses: list[str | None] = []
         self.num_resumed = 0
@@ -363,14 +379,12 @@ class AsyncEngineClient:
         move = self.moves.pop(request_id, None)
         if move is not None:  # its destination may hold a copy already
             self._send_to(move.destination, m.Abort([request_id]))
+        landing = self._landing.pop(request_id, None)
+        if landing is not None:  # it ended before the destination's first output
+            self._report(landing[0])
         if self.dispatcher is not None:
             self.dispatcher.release(request_id)
         return self.routes.pop(request_id, None)
-
-    def move(self, request_id: str, instance: int) -> None:
-        """Route a request's control messages (abort, stop) to another instance from now on."""
-        if request_id in self.streams:
-            self.routes[request_id] = instance
 
     def abort(self, request_ids: list[str]) -> None:
         ids = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
@@ -462,6 +476,8 @@ class AsyncEngineClient:
         """Outputs of the runs the client follows, from `instance`, to their streams."""
         if not updates:
             return
+        if self.moves or self._landing:
+            self._mark_moves(updates)
         outs, stops, failed = self._outputs.process(updates)
         for request_id, index, reason in stops:
             self._send_to(self.routes.get(request_id, instance), m.StopSample(request_id, index, reason))
@@ -499,7 +515,7 @@ class AsyncEngineClient:
         ):
             return False
         if self.kv_addresses[instance] is None or self.kv_addresses[source] is None:
-            return self.migrate(request_id, instance)
+            return self.migrate_by_recompute(request_id, instance)
         try:
             self._start_move(request_id, source, instance)
         except (EngineDeadError, ValueError):
@@ -517,57 +533,98 @@ class AsyncEngineClient:
         msg = self._encode(m.MigrateOut(replace(req, incarnation=run), transfer_id, peer, after_prefill))
         self.connections[source].send(msg)
         self._issued[request_id] = run
-        self.moves[request_id] = LiveMove(source, instance, run, transfer_id, time.monotonic(), after_prefill)
+        now = self.clock()
+        self.moves[request_id] = LiveMove(
+            source, instance, run, transfer_id, now, after_prefill, last_delivered=now
+        )
         self.num_moves_started += 1
 
     def _migrated(self, instance: int, msg: m.Migrated) -> None:
-        """A live migration's outcome, from its source (after its last outputs of the request)."""
+        """A move's outcome, from its source (after its last outputs of the request)."""
         move = self.moves.get(msg.request_id)
         if move is None or move.transfer_id != msg.transfer_id or move.source != instance:
             return
         del self.moves[msg.request_id]
         rid = msg.request_id
-        if not msg.ok:
-            self._send_to(move.destination, m.Abort([rid]))  # a copy it may have installed
-            if msg.reason == "not_running":
-                self.migrate(rid, move.destination)
-            else:
-                if msg.refused:
-                    self.num_live_refused += 1
-                else:
-                    self.num_live_aborted += 1
-                logger.info(
-                    "live migration of %s to instance %d %s: %s",
-                    rid,
-                    move.destination,
-                    "refused there" if msg.refused else "abandoned",
-                    msg.reason,
-                )
-                if move.after_prefill:  # the hand-off failed: the decode side computes it all
-                    self.num_pd_fallbacks += 1
-                    self.migrate(rid, self._decode_target(move.destination))
+        report = MoveReport(
+            rid,
+            msg.outcome,
+            move.after_prefill,
+            msg.num_bytes,
+            msg.num_stages,
+            msg.transfer_s,
+            msg.pause_s,
+            reason=msg.reason,
+        )
+        if msg.outcome is MoveOutcome.COMPLETED:
+            self._completed(instance, move, report)
+            return
+        self._send_to(move.destination, m.Abort([rid]))  # a copy it may have installed
+        if msg.outcome is MoveOutcome.RECOMPUTED:
+            self.migrate_by_recompute(rid, move.destination)
         else:
-            self.num_live_migrations += 1
-            self.incarnations[rid] = move.incarnation
-            self.routes[rid] = move.destination
-            req = self.requests.get(rid)
-            if req is not None:
-                self.requests[rid] = replace(req, incarnation=move.incarnation)
-                if self.dispatcher is not None:
-                    self.dispatcher.release(rid)
-                    self.dispatcher.routed(req, move.destination)
-            if move.destination not in self._live:  # it died after taking the request over
-                self._send_to(instance, m.Abort([rid]))
-                if not (self._live and self._resume(rid)):
-                    self._lose(rid, EngineDeadError(f"engine instance {move.destination} died"))
+            refused = msg.outcome is MoveOutcome.REFUSED
+            if refused:
+                self.num_live_refused += 1
             else:
-                self._deliver(move.destination, move.held)
-                group = self._outputs.groups.get(rid)
-                for i, sample in enumerate(group.samples if group is not None else []):
-                    if sample.finish_reason is not None:  # a stop string the front end found meanwhile
-                        self._send_to(move.destination, m.StopSample(rid, i, "stop"))
+                self.num_live_aborted += 1
+            logger.info(
+                "live migration of %s to instance %d %s: %s",
+                rid,
+                move.destination,
+                "refused there" if refused else "abandoned",
+                msg.reason,
+            )
+            if move.after_prefill:  # the hand-off failed: the decode side computes it all
+                self.num_pd_fallbacks += 1
+                self.migrate_by_recompute(rid, self._decode_target(move.destination))
+        self._report(report)
+
+    def _completed(self, source: int, move: LiveMove, report: MoveReport) -> None:
+        """The destination runs the request now: route it there and release its held outputs."""
+        rid = report.request_id
+        self.num_live_migrations += 1
+        self.incarnations[rid] = move.incarnation
+        self.routes[rid] = move.destination
+        req = self.requests.get(rid)
+        if req is not None:
+            self.requests[rid] = replace(req, incarnation=move.incarnation)
+            if self.dispatcher is not None:
+                self.dispatcher.release(rid)
+                self.dispatcher.routed(req, move.destination)
+        if move.destination not in self._live:  # it died after taking the request over
+            self._send_to(source, m.Abort([rid]))
+            self._report(report)
+            if not (self._live and self._resume(rid)):
+                self._lose(rid, EngineDeadError(f"engine instance {move.destination} died"))
+            return
+        earlier = self._landing.pop(rid, None)  # moved on before its previous move landed
+        if earlier is not None:
+            self._report(earlier[0])
+        self._landing[rid] = (report, move.last_delivered)
+        self._deliver(move.destination, move.held)
+        group = self._outputs.groups.get(rid)
+        for i, sample in enumerate(group.samples if group is not None else []):
+            if sample.finish_reason is not None:  # a stop string the front end found meanwhile
+                self._send_to(move.destination, m.StopSample(rid, i, "stop"))
+
+    def _mark_moves(self, updates: list[m.SampleOutput]) -> None:
+        """Outputs about to reach their streams: the last from a move's source, or the first from a
+        completed move's destination (the move's downtime, as the stream sees it, ends here)."""
+        now = self.clock()
+        for so in updates:
+            move = self.moves.get(so.request_id)
+            if move is not None:
+                move.last_delivered = now
+            landing = self._landing.pop(so.request_id, None)
+            if landing is not None:
+                report, since = landing
+                report.downtime_s = now - since
+                self._report(report)
+
+    def _report(self, report: MoveReport) -> None:
         if self.on_migrated is not None:
-            self.on_migrated(msg)
+            self.on_migrated(report)
 
     def _decode_target(self, preferred: int) -> int:
         """`preferred` if it lives, else another live decode instance (any live one without)."""
@@ -588,9 +645,8 @@ class AsyncEngineClient:
         if move.after_prefill:
             self.num_pd_fallbacks += 1
         logger.warning("transfer of %s dropped by instance %d: %s", msg.request_id, instance, msg.reason)
-        self.migrate(msg.request_id, instance)
-        if self.on_migrated is not None:
-            self.on_migrated(msg)
+        self.migrate_by_recompute(msg.request_id, instance)
+        self._report(MoveReport(msg.request_id, MoveOutcome.DROPPED, move.after_prefill, reason=msg.reason))
 
     def _instance_died(self, instance: int, reason: str) -> None:
         """Resume the instance's requests on the others from the tokens they had produced (the
@@ -622,7 +678,7 @@ class AsyncEngineClient:
             if self.on_dead is not None:
                 self.on_dead(reason)
 
-    def migrate(self, request_id: str, instance: int) -> bool:
+    def migrate_by_recompute(self, request_id: str, instance: int) -> bool:
         """Move a running request to another live instance: its source aborts it, the destination
         recomputes its KV from the tokens produced so far and goes on; its stream sees nothing.
         False (and nothing done) if it is not running or already there."""

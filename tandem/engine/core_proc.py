@@ -25,6 +25,7 @@ from typing import Any
 from tandem.config import EngineConfig
 from tandem.engine import messages as m
 from tandem.kvtransfer.plane import KVPlane, inbox_address
+from tandem.kvtransfer.protocol import MoveOutcome
 
 logger = logging.getLogger("tandem.engine")
 
@@ -122,14 +123,15 @@ class EngineLoop:
                 return
         from tandem.engine.core import EngineCore
 
-        self.core = EngineCore(config, tuple(init.extra_eos_token_ids))
-        # What start-up built (the model, tables, caches: some 350k objects) lives as long as this
-        # process. Frozen out of the collector's reach, a full collection scans only what serving
-        # makes; else each one paused the step loop for 25-140 ms under load.
+        core = EngineCore(config, tuple(init.extra_eos_token_ids))
+        self.core = core
+        # What start-up built (the model, tables, caches) lives as long as this process: frozen out
+        # of the collector's reach, a full collection scans only what serving makes
+        # (docs/defaults.md: the step-loop pauses it saves).
         gc.collect()
         gc.freeze()
         if kv_bind is not None:
-            self.kv = KVPlane(self.core, kv_bind, self._send)
+            self.kv = KVPlane.open(core, config, kv_bind, self._send)  # core is its KVHost
             self.poller.register(self.kv.socket, zmq.POLLIN)
         kv_address = None if self.kv is None else self.kv.address
         self._send(m.Ready(os.getpid(), self.core.limits, self.core.kv.cache is not None, kv_address))
@@ -181,7 +183,9 @@ class EngineLoop:
                 if outputs or stats is not None:
                     self._send(m.Outputs(outputs, stats))
                 if self.kv is not None:
-                    self.kv.tick()
+                    # Only here, after a step: a live migration's next stage or its pause always has
+                    # a step of the request's decoding between it and the previous stage.
+                    self.kv.after_step()
                 if steps % 256 == 0 and not self.alive():
                     break
             else:
@@ -214,12 +218,13 @@ class EngineLoop:
             core.stop_sample(msg.request_id, msg.index, msg.reason)
         elif isinstance(msg, m.MigrateOut):
             if self.kv is None:
-                self._send(m.Migrated(msg.request.request_id, msg.transfer_id, False, "no KV transport"))
+                rid = msg.request.request_id
+                self._send(m.Migrated(rid, msg.transfer_id, MoveOutcome.ABORTED, "no KV transport"))
             else:
                 self.kv.sender.start(msg)
         elif isinstance(msg, m.MigrateCancel):
             if self.kv is not None:
-                self.kv.sender.cancel(msg.request_id, msg.transfer_id)
+                self.kv.sender.cancel(msg.transfer_id)
         elif isinstance(msg, m.Shutdown):
             self.stopping = True
 

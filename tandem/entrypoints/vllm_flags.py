@@ -117,7 +117,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
         "--tokenizer-revision",
         "--hf-token",
         "--model-loader-extra-config",
-        reason="checkpoints are local safetensors folders",
+        reason="a model is a local safetensors folder or GGUF file, read as its path says "
+        "(or a name `tandem pull` fetched)",
     ),
     _refused("--tokenizer-mode", reason="Hugging Face fast tokenizers (`tokenizer.json`) only"),
     _refused("--max-parallel-loading-workers", reason="each engine loads its checkpoint in its own process"),

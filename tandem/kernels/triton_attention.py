@@ -15,8 +15,9 @@ kernel combines them.
 
 Masks: causal by position in the sequence; a sliding window (`window`: keys within that many
 positions); logit soft-capping (`softcap`, Gemma 2); and for tree verification a per-query-token
-bitmask of the query tokens it may see (`tree_bits`: bit i = the request's i-th query token), all
-its context before the query tokens being visible.
+bitmask of the query tokens it may see (`tree_bits`: bit i = the request's i-th query token; -1
+for a token outside every tree, whatever its query's length), all its context before the query
+tokens being visible.
 
 Runs on CUDA, and on CPU tensors under the Triton interpreter (`TRITON_INTERPRET=1`), which is how
 the test suite checks it against a torch reference.
@@ -33,7 +34,8 @@ import triton.language as tl
 # Query rows a program takes at least (tl.dot's smallest tile), and the context positions a tile holds.
 MIN_BLOCK_M = 16
 TILE_N = 32
-# The tree mask's bits: at most this many query tokens per request in a tree verification.
+# The tree mask's bits: at most this many query tokens in a tree verification (a token outside
+# every tree has all bits set, -1, and any number of query tokens).
 MAX_TREE_TOKENS = 64
 
 
@@ -72,8 +74,9 @@ def _attend_tiles(
         if TREE:
             rel = k_idx - context_len  # the key's index among the request's query tokens
             in_span = rel >= 0
-            bit = (tree[:, None] >> tl.where(in_span, rel, 0).to(tl.int64)[None, :]) & 1
-            allowed &= ~in_span[None, :] | (bit != 0)
+            shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)  # a wider shift is undefined
+            bit = (tree[:, None] >> shift[None, :]) & 1
+            allowed &= ~in_span[None, :] | (bit != 0) | (tree[:, None] == -1)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
@@ -232,8 +235,6 @@ def paged_attention(
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
-    if tree_bits is not None and max_query_len > MAX_TREE_TOKENS:
-        raise ValueError(f"a tree verification takes at most {MAX_TREE_TOKENS} query tokens, got {max_query_len}")
     out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:

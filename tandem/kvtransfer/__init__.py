@@ -1,8 +1,13 @@
 """Moving a request's KV cache between engine instances (live migration, prefill/decode hand-off).
 
+- `protocol.py`: the migration protocol in one place: every message of a move (front end <->
+  engines, engine <-> engine), the source's states with their transition table, the outcomes.
+- `host.py`: `KVHost`, all the plane asks of the engine it runs in (EngineCore implements it).
 - `transport.py`: how bytes get from one engine process to another (ZeroMQ over tcp:// or ipc://,
   or a same-host shared-memory segment with ZeroMQ carrying only the header).
-- `wire.py`: the messages engines exchange about a transfer.
-- `sender.py` / `receiver.py`: the two ends of a transfer inside an engine loop (staged copy,
-  stop-and-copy, hand-over; preallocated blocks, install, cancel, timeouts).
+- `sender.py` / `receiver.py`: the two ends of a transfer (staged copy while the request decodes,
+  stop-and-copy, hand-over; reservations, install, cancel, timeouts).
+- `plane.py`: an engine's inbox and both ends over it, driven by the engine loop.
+
+Nothing here imports `tandem.engine`: the engine hosts the plane, not the other way round.
 """

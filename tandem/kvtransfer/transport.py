@@ -15,11 +15,12 @@ import contextlib
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 KV_TRANSPORTS = ("zmq", "shm")
 # Senders split KV into messages of at most this many bytes: past ~8 MiB a message's throughput
-# falls on every transport here (fresh receive buffers to page in; benchmarks/kv_transfer.py).
+# falls on every transport here (fresh receive buffers to page in; benchmarks/kv_transfer.py). It
+# also bounds what a live migration's stage gathers in one engine step (one message a step).
 MAX_PAYLOAD_BYTES = 4 << 20
 # Messages that may queue toward one peer, on each side of the connection, before a send fails (a
 # peer that stopped reading, or that nobody listens at, is dead to us).
@@ -42,6 +43,20 @@ class Message:
             # segment must not outlive the message even then.
             shm.unlink()
             shm.close()
+
+
+class Transport(Protocol):
+    """What the KV plane needs of a transport (`KVTransport` here; the tests' in-memory one)."""
+
+    address: str
+    # What the engine loop polls for arrivals (a ZeroMQ socket; None where nothing is polled).
+    socket: Any
+
+    def send(self, peer: str, header: bytes, payload: Any = None) -> None: ...
+
+    def recv(self) -> Message | None: ...
+
+    def close(self) -> None: ...
 
 
 class TransportError(RuntimeError):

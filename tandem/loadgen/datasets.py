@@ -102,7 +102,10 @@ def load_tokenizer(path: str | None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    from tandem.checkpoints.resolve import resolve_model
+
+    # A pulled model's name or a GGUF file: the tokenizer of the folder prepared from it.
+    return AutoTokenizer.from_pretrained(resolve_model(path).path)
 
 
 def _lengths(rng: np.random.Generator, mean: int, range_ratio: float, n: int) -> np.ndarray:

@@ -75,7 +75,7 @@ class _Paged:
 
 
 @dataclass(slots=True)
-class _Group:
+class _QueryGroup:
     q_index: torch.Tensor  # [G, Q] flat token index of each padded query slot
     kv_slots: torch.Tensor  # [G, C] cache slot of each padded key position
     mask: torch.Tensor | None  # [G, 1, Q, C] True where attention is allowed; None = causal, no context
@@ -134,19 +134,23 @@ class TorchAttentionBackend:
 
     def prepare(self, batch: ForwardBatch) -> None:
         short = np.zeros(batch.num_requests, dtype=bool)
-        if self.tiles and batch.input_ids.device.type == "cpu":
+        # Requests verifying a draft tree need its mask: the grouped path (the kernels are causal).
+        tree = _tree_requests(batch)
+        if self.tiles and batch.input_ids.device.type == "cpu" and tree is None:
             batch.attn_metadata = self._paged(batch)
             batch.attn_metadata.tiles = True
             return
         if self.fused and batch.input_ids.device.type == "cpu":
             short = batch.query_lens <= FUSED_MAX_QUERY
+            if tree is not None:
+                short &= ~tree
             if short.all():
                 batch.attn_metadata = self._paged(batch)
                 return
         # Decodes and verifications that share a step with prompt chunks still take the kernel;
         # only the chunks go to SDPA (padding dozens of decodes to a group of their own took most
         # of such a step's attention time).
-        groups: list[_Group | _Paged] = [self._paged(batch, np.flatnonzero(short))] if short.any() else []
+        groups: list[_QueryGroup | _Paged] = [self._paged(batch, np.flatnonzero(short))] if short.any() else []
         # Bucket b holds query lengths in (2^(b-1), 2^b]; decodes are bucket 0.
         rest = np.flatnonzero(~short)
         buckets = np.ceil(np.log2(np.maximum(batch.query_lens[rest], 1))).astype(np.int64)
@@ -177,19 +181,19 @@ class TorchAttentionBackend:
             slot_mapping=slots,
         )
 
-    def _group(self, batch: ForwardBatch, idx: np.ndarray) -> _Group:
+    def _group(self, batch: ForwardBatch, idx: np.ndarray) -> _QueryGroup:
         device = batch.input_ids.device
         q_lens = batch.query_lens[idx]
         seq_lens = batch.seq_lens[idx]
         starts = batch.query_start_loc[idx]
         bs = batch.block_size
         # One fresh prompt with no cached context: plain causal attention on the new K/V.
-        if idx.size == 1 and q_lens[0] == seq_lens[0] and self.sliding_window is None:
+        if idx.size == 1 and q_lens[0] == seq_lens[0] and self.sliding_window is None and batch.tree_bits is None:
             q_index = torch.arange(int(starts[0]), int(starts[0] + q_lens[0]), device=device)
             pos = np.arange(int(q_lens[0]))
             causal = pos[None, :] <= pos[:, None]
             masks = {w: torch.from_numpy(_windowed(causal, pos, pos, w)[None, None]).to(device) for w in self.other_windows}
-            return _Group(q_index[None], torch.empty(0), None, q_index, None, window_masks=masks)
+            return _QueryGroup(q_index[None], torch.empty(0), None, q_index, None, window_masks=masks)
         max_q = int(q_lens.max())
         max_c = int(seq_lens.max())
         j = np.arange(max_q)
@@ -204,13 +208,15 @@ class TorchAttentionBackend:
         # Padded query slots sit past the sequence end, so they see every real key and never
         # produce an all-masked row (which would be NaN).
         causal = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+        if batch.tree_bits is not None:
+            causal &= _tree_mask(batch, idx, q_index, q_pos, k_pos)
         mask = _windowed(causal, q_pos, k_pos, self.sliding_window)
         window_masks = {
             w: torch.from_numpy(_windowed(causal, q_pos, k_pos, w)[:, None]).to(device) for w in self.other_windows
         }
         all_valid = bool(q_valid.all())
         whole = max_q == 1 and idx.size == batch.num_requests == batch.num_tokens
-        return _Group(
+        return _QueryGroup(
             whole_batch=whole,
             q_index=torch.from_numpy(q_index).to(device),
             kv_slots=torch.from_numpy(slots).to(device),
@@ -251,7 +257,7 @@ class TorchAttentionBackend:
         if fmt is not None:  # from here on the step's own K/V are what later steps will read
             k, v = fmt.dequantize(k_rows, self.head_dim), fmt.dequantize(v_rows, self.head_dim)
         groups = batch.attn_metadata
-        if len(groups) == 1 and isinstance(groups[0], _Group) and groups[0].whole_batch:
+        if len(groups) == 1 and isinstance(groups[0], _QueryGroup) and groups[0].whole_batch:
             g = groups[0]
             kg = self._gather(k_cache, g.kv_slots).transpose(1, 2)  # [T, KVH, C, D]
             vg = self._gather(v_cache, g.kv_slots).transpose(1, 2)
@@ -284,7 +290,7 @@ class TorchAttentionBackend:
             out[g.out_index] = o.reshape(-1, *o.shape[2:]) if g.valid is None else o[g.valid]
         return out
 
-    def _mask(self, g: _Group, window: int | None) -> torch.Tensor | None:
+    def _mask(self, g: _QueryGroup, window: int | None) -> torch.Tensor | None:
         return g.mask if window == self.sliding_window else g.window_masks[window]
 
     def _kernel(
@@ -313,6 +319,30 @@ class TorchAttentionBackend:
         """The rows of these slots in the model dtype: `[..., KVH, D]`."""
         rows = cache[slots]
         return rows if self.kv_format is None else self.kv_format.dequantize(rows, self.head_dim)
+
+
+def _tree_requests(batch: ForwardBatch) -> np.ndarray | None:
+    """Which requests verify a draft tree (some query token with a mask of its own), or None."""
+    if batch.tree_bits is None:
+        return None
+    bits = batch.tree_bits.cpu().numpy()
+    own = bits != -1
+    qsl = batch.query_start_loc
+    return np.array([bool(own[qsl[i] : qsl[i + 1]].any()) for i in range(batch.num_requests)])
+
+
+def _tree_mask(
+    batch: ForwardBatch, idx: np.ndarray, q_index: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray
+) -> np.ndarray:
+    """[G, Q, C]: False where a tree's query token may not see one of its request's query tokens
+    (`ForwardBatch.tree_bits`; -1: every one); keys before the query tokens stay visible."""
+    assert batch.tree_bits is not None
+    bits = batch.tree_bits.cpu().numpy()[q_index]  # [G, Q]
+    first = (batch.seq_lens[idx] - batch.query_lens[idx])[:, None, None]  # the first query token's key
+    rel = k_pos[None, None, :] - first  # [G, 1, C]
+    in_span = rel >= 0
+    seen = (bits[:, :, None] >> np.clip(rel, 0, 63)) & 1
+    return ~in_span | (seen != 0) | (bits[:, :, None] == -1)
 
 
 def _windowed(causal: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, window: int | None) -> np.ndarray:

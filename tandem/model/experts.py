@@ -18,28 +18,8 @@ Each product goes through `Experts.expert_mlp`: float experts use the stored wei
 (`linear.plain_product`: Tandem's few-row kernel where it built, MKL otherwise); int8 experts
 (`quantization="int8"`) are one `Int8Linear` per expert and projection, with its row-count paths.
 
-Measured alternatives (`benchmarks/moe_experts.py --threads 1`; one layer of Qwen3-30B-A3B: hidden
-2048, 128 experts, top-8, expert intermediate 768, float32, random routing). Taken on a 2-core AMD
-EPYC (AVX2: none of Tandem's few-row kernels) shared with other jobs: times are per layer, best of
-5 rounds, ratios to Tandem's path from one run; two candidates that run the same code differed by
-up to 27%, so only larger gaps mean anything. (At 2 threads on the loaded machine every multi-row
-product waited on a descheduled thread: 24 ms for 2 rows against 5 ms at 1 thread, which measures
-the load, not the kernels.)
-
-    tokens  experts hit  Tandem ms  grouped  token by token  gathered bmm  _grouped_mm  oneDNN-packed
-         1            8       35.1    1.43x          1.27x        21.08x        1.88x          2.49x
-         8           55        519    1.02x          0.99x        11.24x        0.88x          0.97x
-        32          108       1927    0.95x          1.13x             -        0.88x          0.75x
-       256          128       2887    1.02x          4.13x             -        1.03x          0.88x
-
-(Tandem's path is token by token at 1 token, grouped above.) A dense bmm over the selected
-experts' gathered weights copies those weights before reading them: 11-21x slower at 1-8 tokens,
-with copies growing as tokens x top-k (4.8 GB per layer at 32 tokens). Token by token reads an expert once per
-token that chose it: 4.1x slower at 256 tokens. `torch._grouped_mm` (one call for all groups) is
-within the noise of the grouped loop, but cannot use Tandem's few-row kernels or int8 weights.
-Experts packed for oneDNN were 12-25% faster from 32 tokens but would double the experts' memory,
-the bulk of a MoE checkpoint, so experts keep one plain copy. int8 experts on this CPU (no VNNI:
-weights widened per call) ran 1.3-2.7x slower than float32; with VNNI they take the int8 kernels.
+Why this path and not a gathered bmm, token-by-token products, `torch._grouped_mm` or
+oneDNN-packed experts: the measurements are in docs/moe.md ("Measured choice").
 """
 
 from __future__ import annotations

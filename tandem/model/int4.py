@@ -150,6 +150,47 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         self.scratch = scratch if scratch is not None else DequantScratch()
         self.bind_tensors()
 
+    @classmethod
+    def from_packed(
+        cls,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zs: torch.Tensor | None,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+        scratch: DequantScratch | None = None,
+        use_kernel: bool | None = None,
+    ) -> Int4Linear:
+        """A layer over data already in the internal layout: qweight [N, K/2] uint8, scales and
+        zs (= scale * zero; None: every zero 8) [N, K / group_size] float32. GGUF's 4-bit blocks are
+        converted to it directly (tandem/model/gguf_blocks.py), with no zero points to divide out."""
+        n, half = qweight.shape
+        k = half * 2
+        check_shape(k, group_size, "Int4Linear")
+        groups = k // group_size
+        if qweight.dtype != torch.uint8:
+            raise ValueError(f"Int4Linear: qweight must be uint8, got {qweight.dtype}")
+        for name, t in (("scales", scales), ("zs", zs)):
+            if t is not None and tuple(t.shape) != (n, groups):
+                raise ValueError(f"Int4Linear: {name} must be [{n}, {groups}], got {tuple(t.shape)}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.register_buffer("qweight", qweight.contiguous(), persistent=False)
+        layer.register_buffer("scales", scales.detach().float().contiguous(), persistent=False)
+        zs = None if zs is None else zs.detach().float().contiguous()
+        layer.register_buffer("zs", zs, persistent=False)
+        layer.register_buffer("in_perm", None, persistent=False)
+        if bias is not None:
+            bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        layer.bias = bias
+        layer.in_features, layer.out_features, layer.group_size = k, n, group_size
+        want = use_kernel is not False
+        layer.kernel_max_rows = INT4_KERNEL_MAX_ROWS if want and kernels.has("gemm_int4") else 0
+        layer.compiled_dequant = want and kernels.has("dequant_int4")
+        layer.scratch = scratch if scratch is not None else DequantScratch()
+        layer.bind_tensors()
+        return layer
+
     def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
         """The weight [out, in] in `dtype`, inputs in `in_perm` order if there is one. scratch=True
         writes it into a buffer shared by every layer (valid until the next layer's call): the
@@ -190,19 +231,18 @@ def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
     )
     if not same:
         raise ValueError("layers fused together must share their act-order input permutation")
-    fused = Int4Linear.__new__(Int4Linear)
-    nn.Module.__init__(fused)
-    fused.register_buffer("qweight", torch.cat([p.qweight for p in parts]), persistent=False)
-    fused.register_buffer("scales", torch.cat([p.scales for p in parts]), persistent=False)
     zs = None
     if any(p.zs is not None for p in parts):
         zs = torch.cat([p.zs if p.zs is not None else p.scales * SYMMETRIC_ZERO for p in parts])
-    fused.register_buffer("zs", zs, persistent=False)
+    fused = Int4Linear.from_packed(
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        zs,
+        first.group_size,
+        bias,
+        first.scratch,
+    )
     fused.register_buffer("in_perm", first.in_perm, persistent=False)
-    fused.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
-    fused.in_features, fused.group_size = first.in_features, first.group_size
-    fused.out_features = sum(p.out_features for p in parts)
     fused.kernel_max_rows, fused.compiled_dequant = first.kernel_max_rows, first.compiled_dequant
-    fused.scratch = first.scratch
     fused.bind_tensors()
     return fused

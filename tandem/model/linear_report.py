@@ -104,6 +104,8 @@ def linear_report(model: nn.Module) -> tuple[dict[str, LayerKind], int]:
 def log_linear_paths(model: nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> None:
     kinds, total = linear_report(model)
     source = "float" if cfg.quantization is None else f"{cfg.quantization.method} {cfg.quantization.weights}"
+    if cfg.gguf_file is not None:
+        source = "GGUF"
     parts = [f"{name} x{k.count}: {k.path} ({k.bytes / 2**20:.1f} MiB)" for name, k in kinds.items()]
     logger.info(
         "weights: %.1f MiB (%s checkpoint, %s); linear layers: %s",

@@ -1,4 +1,5 @@
-"""Build a model from a Hugging Face checkpoint folder: architecture registry and safetensors loading."""
+"""Build a model from a Hugging Face checkpoint folder (or one prepared from a GGUF file, whose weights
+the GGUF reader supplies): architecture registry and weight loading."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tandem.config import ModelConfig
+from tandem.config import GGUF_QUANTIZATION, ModelConfig
 from tandem.cpu import cpu_flags
 from tandem.model.attention import get_attention_backend
 from tandem.model.direct_call import bind_submodules
 from tandem.model.experts import prepare_experts
 from tandem.model.fused_ops import use_fused_ops, wants_fused_ops
 from tandem.model.gemma import GemmaForCausalLM
+from tandem.model.gguf_weights import GGUFCheckpoint, gguf_mode
 from tandem.model.huge_pages import huge_pages_available, move_weights_to_huge_pages
 from tandem.model.int4 import Int4Linear
 from tandem.model.interface import CausalLM, CausalLMClass
@@ -89,8 +91,17 @@ def load_model(
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"no model implementation for architecture {cfg.architecture!r}")
-    # "int8" for a float checkpoint, None otherwise; a disagreement with the checkpoint raises.
-    at_load = resolve_method(quantization, cfg.quantization)
+    gguf: GGUFCheckpoint | None = None
+    if cfg.gguf_file is not None:
+        packed, at_load = gguf_mode(quantization)
+        gguf = GGUFCheckpoint(cfg, packed, dtype)
+    elif quantization == GGUF_QUANTIZATION:
+        raise ValueError(
+            f"quantization={quantization!r} needs a GGUF file (model=PATH.gguf); {cfg.path} is not one"
+        )
+    else:
+        # "int8" for a float checkpoint, None otherwise; a disagreement with the checkpoint raises.
+        at_load = resolve_method(quantization, cfg.quantization)
     backend = get_attention_backend(
         attention_backend,
         cfg.num_heads,
@@ -106,10 +117,12 @@ def load_model(
     module = model_module(model).to_empty(device=device)
     folder = Path(cfg.path)
     int4: dict[str, Int4Linear] = {}
-    if cfg.quantization is None:
+    ckpt: GGUFCheckpoint | QuantizedCheckpoint | None = gguf
+    if ckpt is None and cfg.quantization is not None:
+        ckpt = QuantizedCheckpoint(cfg.quantization, folder)
+    if ckpt is None:
         load_weights(module, model, folder)
     else:
-        ckpt = QuantizedCheckpoint(cfg.quantization, folder)
         int4 = ckpt.int4_layers(module, model)
         # The float loader then sees only their biases; the 4-bit layers go in after the cast to
         # `dtype`, which must not touch their float32 scales.
@@ -117,6 +130,9 @@ def load_model(
             swap_module(module, name, BiasOnly(module.get_submodule(name)))
         params = {n for n, _ in module.named_parameters()}
         load_weights(module, model, folder, ckpt.tensors(params, model))
+    if gguf is not None:
+        why = "" if gguf.packed else " (a dtype given, no quantization: 'gguf' keeps 4-bit blocks packed)"
+        logger.info("GGUF %s: %s%s", Path(gguf.file).name, gguf.report.summary(), why)
     module = module.to(dtype=dtype).eval().requires_grad_(False)
     for name, lin in int4.items():
         bias = swap_module(module, name, lin).bias
@@ -127,7 +143,7 @@ def load_model(
     else:
         pack_linears(module)
     prepare_experts(module, at_load)
-    quantized = at_load is not None or cfg.quantization is not None
+    quantized = at_load is not None or cfg.quantization is not None or bool(int4)
     # Before the move to huge pages: fusing SiLU into the gate/up product re-lays those weights out.
     fused = use_fused_ops(module) if wants_fused_ops(dtype, quantized) else []
     if device.type == "cpu" and huge_pages_available():

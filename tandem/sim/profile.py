@@ -171,7 +171,7 @@ class Prober:
 
     def add(self, prompt_len: int, max_tokens: int) -> str:
         """A new request, admitted as any other."""
-        from tandem.engine.messages import EngineCoreRequest
+        from tandem.core.engine_io import EngineCoreRequest
 
         rid = self._new_id()
         req = EngineCoreRequest(
@@ -227,22 +227,21 @@ class Prober:
         distinct memory: every block is written (random values) before it is read."""
         import torch
 
-        from tandem.engine.messages import EngineCoreRequest
+        from tandem.core.engine_io import EngineCoreRequest
+        from tandem.kvtransfer.protocol import SampleState
 
         core, kv = self.core, self.core.kv
         ids = []
         for _ in range(count):
             rid = self._new_id()
             req = EngineCoreRequest(rid, self.prompt(context), self.params(max_tokens), max_tokens, 0.0)
-            member = core.make_member(req, 0, self.prompt(1))
-            blocks = kv.blocks_for(context + 1)
-            if not kv.reserve(blocks):
+            blocks = core.reserve_blocks(kv.blocks_for(context + 1))
+            if blocks is None:
                 raise RuntimeError(
                     f"no room for {count} requests of {context} tokens; the grid outgrew the cache"
                 )
-            member.block_ids = kv.pool.allocate(blocks)
-            member.num_computed_tokens = context
-            core.install(req, [member])
+            core.install(req, [SampleState(self.prompt(1), context, blocks, [])])
+            core.drop_blocks(blocks)  # the request holds them now
             ids.append(rid)
         index = torch.tensor([b for r in core.scheduler.running for b in r.block_ids])
         runner = core.runner

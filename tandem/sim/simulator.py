@@ -6,9 +6,12 @@ load reports built as the engines build theirs (every `REPORT_INTERVAL_S`, prefi
 every `PREFIX_REPORT_INTERVAL_S`, as tandem/engine/core_proc.py does); running requests move by
 the real `Rebalancer`'s plan; with prefill/decode roles, a request prefilled on a prefill instance
 moves to the least loaded decode instance at its first token. A move takes the cost model's
-transfer time for the request's blocks: a live migration keeps the request decoding on its source
-while its full blocks are copied, then pauses it for the transfer of the rest; a hand-off's blocks
-streamed during the prefill, so only the last one is on the critical path.
+transfer time for the request's blocks: a live migration copies them in stages as the engine's
+sender does (tandem/kvtransfer/protocol.py), the request decoding on its source meanwhile, each
+stage the full blocks filled since the last, until no more than `migration_stop_blocks` were
+filled during one or `migration_max_stages` went (the engine's defaults); then it pauses the
+request for the transfer of the rest; a hand-off's blocks streamed during the prefill, so only the
+last one is on the critical path.
 
 The front end and the engine loop take the cost model's times, measured on a served engine: the
 front end takes a request in as it arrives (refusing it past `max_waiting_requests`, placing it)
@@ -31,15 +34,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tandem.cluster.config import ClusterConfig
 from tandem.cluster.dispatch import Dispatcher
 from tandem.cluster.rebalance import Rebalancer, RequestView
-from tandem.config import DEFAULT_MAX_WAITING_REQUESTS
+from tandem.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
+from tandem.core.engine_io import EngineCoreRequest
 from tandem.core.request import Request, RequestStatus
-from tandem.engine.messages import EngineCoreRequest, Stats
+from tandem.engine.messages import Stats
 from tandem.sampling_params import SamplingParams
 from tandem.sim.cost import CostModel
 from tandem.sim.frontend import FrontEnd
@@ -78,6 +82,19 @@ class Move:
     source: int
     destination: int
     handoff: bool
+    sent: int = 0  # full blocks copied by the stages so far
+    stages: int = 0
+
+
+def _engine_default(name: str) -> int:
+    value = next(f.default for f in fields(EngineConfig) if f.name == name)
+    assert isinstance(value, int)
+    return value
+
+
+# A live migration's staging, as the engines run it by default.
+MIGRATION_MAX_STAGES = _engine_default("migration_max_stages")
+MIGRATION_STOP_BLOCKS = _engine_default("migration_stop_blocks")
 
 
 @dataclass
@@ -368,7 +385,7 @@ class ClusterSim:
                 self._prefix_versions[inst.index] = cache.version
                 self._last_prefix_report[inst.index] = now
             stats = Stats(
-                num_running=inst.scheduler.num_running,
+                num_running=inst.scheduler.num_in_flight,
                 num_waiting=inst.scheduler.num_waiting,
                 kv_usage=inst.kv.usage,
                 num_preemptions=inst.scheduler.num_preemptions,
@@ -413,18 +430,29 @@ class ClusterSim:
             self._start_move(rid, dest, handoff=False)
 
     def _start_move(self, rid: str, dest: int, handoff: bool) -> None:
-        """Copy the request's full blocks while it runs on (none left to copy for a hand-off: they
-        streamed during the prefill), then pause it for the last ones."""
+        """A live migration's first stage, or a hand-off's pause (its blocks streamed during the
+        prefill: none left to copy but the last)."""
         source = self.where[rid]
         req = self.requests[rid]
         if req.status != RequestStatus.RUNNING or source == dest:
             return
-        bs = self.spec.block_size
-        full = req.num_computed_tokens // bs
         move = Move(rid, source, dest, handoff)
         self.moving[rid] = move
-        copy = 0.0 if handoff else self.cost.transfer_seconds(full)
-        self._at(self.clock[0] + copy, MOVED, (move, "pause"))
+        if handoff:
+            self._at(self.clock[0], MOVED, (move, "pause"))
+        else:
+            self._stage_or_pause(move, req)
+
+    def _stage_or_pause(self, move: Move, req: Request) -> None:
+        """As the engine's sender after a stage landed: another stage if enough blocks were filled
+        meanwhile and stages are left, else the pause."""
+        new = req.num_computed_tokens // self.spec.block_size - move.sent
+        if new > MIGRATION_STOP_BLOCKS and move.stages < MIGRATION_MAX_STAGES:
+            move.sent += new
+            move.stages += 1
+            self._at(self.clock[0] + self.cost.transfer_seconds(new), MOVED, (move, "stage"))
+        else:
+            self._at(self.clock[0], MOVED, (move, "pause"))
 
     def _moved(self, payload: tuple[Move, str]) -> None:
         move, phase = payload
@@ -432,17 +460,19 @@ class ClusterSim:
             return  # the request finished meanwhile
         req = self.requests[move.request_id]
         src = self.instances[move.source]
-        if phase == "pause":
-            if req.status != RequestStatus.RUNNING:  # preempted meanwhile: given up
-                del self.moving[move.request_id]
-                self.migrations_aborted += 1
-                return
+        if req.status != RequestStatus.RUNNING and phase != "install":  # preempted meanwhile: given up
+            del self.moving[move.request_id]
+            self.migrations_aborted += 1
+            return
+        if phase == "stage":
+            self._stage_or_pause(move, req)
+        elif phase == "pause":
             src.scheduler.pause(req)
             bs = self.spec.block_size
-            last = -(-req.num_computed_tokens // bs) - (0 if move.handoff else req.num_computed_tokens // bs)
+            last = -(-req.num_computed_tokens // bs) - (0 if move.handoff else move.sent)
             self._at(self.clock[0] + self.cost.transfer_seconds(max(1, last)), MOVED, (move, "install"))
-            return
-        self._install(move, req)
+        else:
+            self._install(move, req)
 
     def _install(self, move: Move, req: Request) -> None:
         src, dst = self.instances[move.source], self.instances[move.destination]
@@ -450,14 +480,15 @@ class ClusterSim:
         bs = self.spec.block_size
         need = -(-req.num_computed_tokens // bs)
         core = self.core_reqs[move.request_id]
-        if dst.scheduler.seats_taken + 1 > dst.spec.max_num_seqs or not dst.kv.reserve(need):
+        blocks = dst.kv.take_blocks(need) if dst.scheduler.seats_taken + 1 <= dst.spec.max_num_seqs else None
+        if blocks is None:
             src.scheduler.unpause(req)  # no room there: it goes on here
             self.migrations_aborted += 1
             self._kick(src)
             return
         moved = self._request(core, req.output_token_ids)
         moved.num_computed_tokens = req.num_computed_tokens
-        moved.block_ids = dst.kv.pool.allocate(need)
+        dst.kv.give(moved, blocks, add_reference=False)
         moved.first_scheduled_time = req.first_scheduled_time
         moved.first_token_time = req.first_token_time
         moved.num_preemptions = req.num_preemptions

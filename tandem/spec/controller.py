@@ -60,10 +60,6 @@ class AdaptiveSpeculation:
         n = a + r + pa + pr
         return (a + pa) / n, n
 
-    def alpha(self, request_id: str) -> float:
-        """The request's estimated per-token acceptance: the mean of its Beta posterior."""
-        return self._posterior(request_id)[0]
-
     def optimistic_alpha(self, request_id: str) -> float:
         """The acceptance the plan prices a request's drafts at: the posterior mean plus `explore_z`
         standard deviations. With little evidence (a new request, or an old one whose history has

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tandem.core.draft_tree import DraftTree
 from tandem.core.request import Request
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.spec.config import SpeculativeConfig
@@ -96,10 +97,12 @@ class SpecPlanner:
                 out[rid] = ks[rid]
         return out
 
-    def propose(self, req: Request, k: int) -> list[int] | None:
-        """n-gram lookup and suffix speculation propose here (may find fewer than k); a draft model
-        proposes in the runner."""
+    def propose(self, req: Request, k: int) -> list[int] | DraftTree | None:
+        """n-gram lookup and suffix speculation propose here (may find fewer than k; suffix a tree
+        of at most k nodes); a draft model proposes in the runner."""
         if self.suffix is not None:
+            if self.config.suffix.tree:
+                return self.suffix.propose_tree(req, k) or []
             return self.suffix.propose(req, k)
         if self.config.method != "ngram":
             return None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.spec.tree import DraftTree
+from tandem.core.draft_tree import DraftTree
 
 
 def rejection_sample(

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tandem.core.draft_tree import DraftTree
 from tandem.core.request import Request
-from tandem.spec.tree import DraftTree
 
 # Separates cached outputs in a key's corpus: never a token id, so no match runs across two.
 _SEPARATOR = -1
@@ -39,6 +39,8 @@ class SuffixConfig:
     max_cached_requests: int = 1000  # recent outputs kept per isolation key (0: own context only)
     max_spec_factor: float = 1.0  # draft at most this many tokens per matched token
     min_token_prob: float = 0.1  # stop a draft at a continuation rarer than this
+    # Draft a tree of the most probable continuations (verified in one pass), not one chain.
+    tree: bool = True
 
 
 def longest_match(text: np.ndarray, context: np.ndarray, max_depth: int, exclude_tail: bool) -> tuple[int, np.ndarray]:
@@ -221,6 +223,7 @@ def parse_suffix_config(spec: dict, prefix: str = "suffix_decoding_") -> SuffixC
          "a positive number"),
         ("min_token_prob", isinstance(cfg.min_token_prob, (int, float)) and 0 <= cfg.min_token_prob <= 1,
          "a number in [0, 1]"),
+        ("tree", isinstance(cfg.tree, bool), "true or false"),
     ]
     for name, ok, what in checks:
         if not ok:

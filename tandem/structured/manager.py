@@ -229,10 +229,12 @@ class StructuredOutputManager:
     def token_bitmask(self, rows: Sequence[tuple[Request, list[int]]]) -> tuple[list[int], np.ndarray] | None:
         """The constrained rows among a step's logits rows (a request and the draft tokens before
         the row) and their allowed tokens as a bitmask `[len(constrained), words]`; None if no row
-        is constrained. A request's rows are consecutive with growing drafts: the matcher walks
-        the drafts as far as the grammar allows, masking each row from its state there, and is
-        rolled back after; rows after a draft the grammar refuses are left unconstrained (the
-        verifier never accepts past a token its masked row could not produce)."""
+        is constrained. A request's rows are consecutive, each with the drafts before it (a chain's
+        grow by one; a tree's are each node's path): the matcher walks each row's drafts from where
+        the previous row's left it (rolled back to their common part), masking the row from its
+        state there, and is rolled back after; a row behind a draft the grammar refuses is left
+        unconstrained (the verifier never accepts past a token its masked row could not
+        produce)."""
         if not any(r.sampling.structured_outputs is not None for r, _ in rows):
             return None
         start = time.perf_counter()
@@ -260,18 +262,32 @@ class StructuredOutputManager:
                 constrained.append(i)
                 i += 1
                 continue
-            walked = 0  # drafts consumed so far
-            valid = True
+            # The drafts walked so far, each with whether the matcher consumed it (an EOS after
+            # the grammar is complete, under ignore_eos, is walked over without being consumed).
+            walked: list[tuple[int, bool]] = []
             while i < len(rows) and rows[i][0] is req:
-                drafts = rows[i][1]
-                if valid and len(drafts) > walked:
-                    valid = m.accept(drafts[walked])
-                    walked += valid
+                history = rows[i][1]
+                same = 0  # a tree's next row may branch off: keep the common part, undo the rest
+                while same < min(len(walked), len(history)) and walked[same][0] == history[same]:
+                    same += 1
+                undo = sum(consumed for _, consumed in walked[same:])
+                if undo:
+                    m.rollback(undo)
+                del walked[same:]
+                valid = True
+                for token in history[same:]:
+                    if m.is_terminated() and token in self.eos_token_ids:
+                        walked.append((token, False))
+                    elif m.accept(token):
+                        walked.append((token, True))
+                    else:
+                        valid = False
+                        break
                 if valid:
                     m.fill_bitmask(bitmask, len(constrained))
                     constrained.append(i)
                 i += 1
-            m.rollback(walked)
+            m.rollback(sum(consumed for _, consumed in walked))
         if batched:
             self.backend.fill_bitmasks(batched, bitmask)
         bitmask = bitmask[: len(constrained)]

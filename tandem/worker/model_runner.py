@@ -16,8 +16,9 @@ from tandem.sampling_params import SamplingParams
 from tandem.worker import prompt_logprobs
 from tandem.worker.batch import SampleRow, build_batch
 from tandem.worker.drafter import Drafter
-from tandem.worker.sampler import Sampler, SamplingBatch
+from tandem.worker.sampler import PenaltyState, Sampler, SamplingBatch
 from tandem.worker.token_mask import GrammarHook, token_mask
+from tandem.worker.tree_verify import compact_accepted, lay_out_trees, path_history, verify_trees
 
 logger = logging.getLogger("tandem.worker")
 
@@ -42,14 +43,32 @@ def dead_rows(sb: SamplingBatch) -> list[bool] | None:
     return dead.tolist()
 
 
-def end_dead(dead: list[bool], spans: list[tuple[Request, int, int]], out: RunnerOutput) -> None:
-    """Samples that reach a dead row end there: the drafts accepted before it stay, nothing after."""
-    for member, first, k in spans:
-        stop = next((j for j in range(k + 1) if dead[first + j]), None)
-        rid = member.request_id
+def blocked_word_ends(req: Request, history: list[int], words: list[list[int]]) -> list[int]:
+    """The last tokens of the bad words whose other tokens end the output (drafts `history`
+    included): those the next position may not take. Reads only the output's last tokens, as many
+    as the longest word needs, not the whole output."""
+    num_out = req.num_output_tokens + len(history)
+    need = max(len(w) for w in words) - 1
+    tail: list[int] = []
+    if need:
+        start = max(req.num_prompt_tokens, req.num_tokens - need)
+        tail = (req.token_ids[start:] + history)[-need:]
+    return [
+        w[-1]
+        for w in words
+        if len(w) - 1 <= num_out and (len(w) == 1 or tail[len(tail) - len(w) + 1 :] == w[:-1])
+    ]
+
+
+def end_dead(dead: list[bool], used_rows: dict[str, list[int]], out: RunnerOutput) -> None:
+    """Samples that reach a dead row end there: the drafts accepted before it stay, nothing after.
+    used_rows: per sample, the row each token it emitted came from (its accepted drafts', then the
+    last one's)."""
+    for rid, rows in used_rows.items():
+        stop = next((j for j, row in enumerate(rows) if dead[row]), None)
         accepted = out.accepted.get(rid, [])
-        if stop is None or len(accepted) < stop:
-            continue  # no dead row, or the sample stops at a rejected draft before it
+        if stop is None:
+            continue
         out.dead_ends.add(rid)
         if stop:
             out.accepted[rid] = accepted[:stop]
@@ -60,6 +79,9 @@ def end_dead(dead: list[bool], spans: list[tuple[Request, int, int]], out: Runne
 
 
 class ModelRunner:
+    # The penalties' per-request state, made on first use from the vocabulary and device alone.
+    _penalty_state: PenaltyState | None = None
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -190,6 +212,12 @@ class ModelRunner:
         for layer, dst in enumerate(self.kv_caches):
             dst.index_copy_(1, ids, src[layer].to(self.device))
 
+    @property
+    def penalty_state(self) -> PenaltyState:
+        if self._penalty_state is None:
+            self._penalty_state = PenaltyState(self.vocab_size, self.device)
+        return self._penalty_state
+
     def forget_drafts(self, request_ids: list[str]) -> None:
         """The draft KV of these requests is no longer trusted (a step over them failed part-way):
         their next proposal feeds the draft from the start."""
@@ -203,6 +231,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.finished_ids:
             self.generators.pop(rid, None)
+        if self._penalty_state is not None:
+            self._penalty_state.forget(sched.finished_ids)
         if self.drafter is not None:
             self.drafter.sync(sched.requests, sched.preempted, sched.finished_ids)
         if sched.block_copies:
@@ -226,6 +256,9 @@ class ModelRunner:
             drafts.update(proposed)
 
         batch, ends = build_batch(sched.requests, sched.num_tokens, self.block_size, self.device, drafts)
+        trees = sched.draft_trees
+        if trees:
+            lay_out_trees(batch, sched.requests, ends, trees)
         rows: list[SampleRow] = []
         logits_rows: list[int] = []
         spans: list[tuple[Request, int, int]] = []  # (member, first row, number of drafts)
@@ -234,10 +267,11 @@ class ModelRunner:
             if req.num_computed_tokens + sched.num_tokens[i] < req.num_tokens:
                 continue  # a prompt chunk that does not reach the end: nothing to sample
             d = drafts.get(req.request_id, [])
+            tree = trees.get(req.request_id)
             for member in (req, *req.pending_children):
                 spans.append((member, len(rows), len(d)))
                 for j in range(len(d) + 1):
-                    rows.append(SampleRow(member, d[:j]))
+                    rows.append(SampleRow(member, d[:j] if tree is None else path_history(tree, j)))
                     logits_rows.append(end - 1 - len(d) + j)
         batch.logits_indices = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         self.backend.prepare(batch)
@@ -260,16 +294,26 @@ class ModelRunner:
             if masked is not None:
                 sb.grammar_forbidden = token_mask(*masked, len(rows), logits.shape[1], self.device)
         dead = dead_rows(sb)
+        used_rows: dict[str, list[int]] = {}  # per sample: the rows its emitted tokens came from
+        paths: dict[str, list[int]] = {}
         if not drafts:
             tokens, logprobs = self.sampler(logits, sb)
-            for (member, _, _), tok, lp in zip(spans, tokens, logprobs):
+            for (member, first, _), tok, lp in zip(spans, tokens, logprobs):
                 out.sampled[member.request_id] = tok
+                used_rows[member.request_id] = [first]
                 if lp is not None:
                     out.logprobs[member.request_id] = [lp]
         else:
-            self._verify(logits, sb, spans, drafts, draft_probs, out)
+            chains = [s for s in spans if s[0].request_id not in trees]
+            if chains:
+                self._verify(logits, sb, chains, drafts, draft_probs, out, used_rows)
+            if trees:
+                tree_spans = [(m, first, trees[m.request_id]) for m, first, _ in spans if m.request_id in trees]
+                paths = verify_trees(self.sampler, logits, sb, tree_spans, out, used_rows)
         if dead is not None:
-            end_dead(dead, spans, out)
+            end_dead(dead, used_rows, out)
+        if paths:
+            compact_accepted(self.kv_caches, sched.requests, paths, out, self.block_size)
         return out
 
     def _verify(
@@ -280,6 +324,7 @@ class ModelRunner:
         drafts: dict[str, list[int]],
         draft_probs: dict[str, torch.Tensor],
         out: RunnerOutput,
+        used_rows: dict[str, list[int]],
     ) -> None:
         logits = logits.float()
         if sb.all_greedy:
@@ -296,6 +341,7 @@ class ModelRunner:
             if a:
                 out.accepted[rid] = emitted[:a]
             out.sampled[rid] = emitted[a]
+            used_rows[rid] = list(range(first, first + a + 1))
             if raw is not None and member.sampling.logprobs is not None:
                 idx = torch.arange(first, first + a + 1)
                 lps = self.sampler.logprobs(
@@ -375,19 +421,12 @@ class ModelRunner:
             min_p = torch.tensor([p.min_p for p in params], device=dev)
 
         presence = frequency = repetition = counts = prompt_mask = None
-        if any(p.uses_penalties for p in params):
+        penalized = [p.uses_penalties for p in params]
+        if any(penalized):
             presence = torch.tensor([p.presence_penalty for p in params], device=dev)
             frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
             repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
-            counts = torch.zeros(len(rows), vocab, dtype=torch.int32, device=dev)
-            prompt_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
-            for i, row in enumerate(rows):
-                r = row.request
-                out_ids = r.output_token_ids + row.history
-                if out_ids:
-                    ids = torch.tensor(out_ids, device=dev)
-                    counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-                prompt_mask[i, torch.tensor(r.prompt_token_ids, device=dev)] = True
+            counts, prompt_mask = self.penalty_state.rows([(r.request, r.history) for r in rows], penalized)
 
         held_stops = None
         for i, row in enumerate(rows):
@@ -460,13 +499,7 @@ class ModelRunner:
                 allowed[torch.tensor(sp.allowed_token_ids, device=dev)] = True
                 block()[i] |= ~allowed
             if sp.bad_words_token_ids:
-                out = row.request.output_token_ids + row.history
-                # A word's last token is blocked when the output ends with the rest of the word.
-                last = [
-                    w[-1]
-                    for w in sp.bad_words_token_ids
-                    if len(w) - 1 <= len(out) and (len(w) == 1 or out[len(out) - len(w) + 1 :] == w[:-1])
-                ]
+                last = blocked_word_ends(row.request, row.history, sp.bad_words_token_ids)
                 if last:
                     block()[i, torch.tensor(last, device=dev)] = True
         return bias, blocked

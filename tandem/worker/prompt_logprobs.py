@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tandem.core.request import Request
-from tandem.core.step_io import TokenLogprobs
+from tandem.core.step_io import SampledLogprobs
 from tandem.worker.sampler import Sampler
 
 # Full-vocabulary logits rows held at once (a long prompt goes through in slices of this many):
@@ -54,15 +54,15 @@ def plan(reqs: list[Request], num_tokens: list[int], ends: np.ndarray) -> list[P
 
 def compute(
     slices: list[PromptSlice], hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]
-) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+) -> dict[str, tuple[int, list[SampledLogprobs]]]:
     """Per request id: the index of its first prompt token covered and the logprobs of each
     (the token's own, its rank, and the request's top-k), from the raw model distribution."""
-    out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+    out: dict[str, tuple[int, list[SampledLogprobs]]] = {}
     for sl in slices:
         req = sl.request
         k = req.sampling.prompt_logprobs
         targets = req.prompt_token_ids[sl.first_token : sl.first_token + sl.count]
-        lps: list[TokenLogprobs] = []
+        lps: list[SampledLogprobs] = []
         for off in range(0, sl.count, PROMPT_LOGPROBS_ROWS):
             m = min(PROMPT_LOGPROBS_ROWS, sl.count - off)
             rows = hidden[sl.first_row + off : sl.first_row + off + m]

@@ -11,11 +11,13 @@ Returned logprobs are those of the raw model distribution, as in vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from tandem.core.step_io import TokenLogprobs
+from tandem.core.request import Request
+from tandem.core.step_io import SampledLogprobs
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -50,13 +52,82 @@ class SamplingBatch:
     held_stops: torch.Tensor | None = None
 
 
+@dataclass(slots=True)
+class _Counted:
+    """One request's penalty inputs, as of its first `num_counted` output tokens."""
+
+    # The request object counted: one that left and came back (moved, resumed elsewhere and back)
+    # is a new object under the same id, whose tokens these counts know nothing about.
+    request: Request
+    counts: torch.Tensor  # [V] int32: occurrences of each token in the output
+    prompt_mask: torch.Tensor  # [V] bool: token occurs in the prompt
+    num_counted: int
+
+
+class PenaltyState:
+    """The penalties' per-request inputs, kept across steps: each step adds only the output tokens
+    appended since the last, so a row costs O(V) whatever the request's length (rebuilt from the
+    whole output and prompt every step, it cost O(L) a token and O(L^2) a request).
+
+    Only requests using penalties have an entry ([V] int32 plus [V] bool, 5 bytes a vocabulary
+    entry); the runner drops it when the request ends. Output tokens are only ever appended
+    (rejected drafts never join them; drafts before a row are added to that row alone), so an entry
+    stays valid across preemption and resumption; a request object it has not seen, or one with
+    fewer outputs than counted, is counted afresh.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.entries: dict[str, _Counted] = {}
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self.entries.pop(rid, None)
+
+    def _entry(self, req: Request) -> _Counted:
+        e = self.entries.get(req.request_id)
+        num_out = req.num_output_tokens
+        if e is None or e.request is not req or e.num_counted > num_out:
+            dev, vocab = self.device, self.vocab_size
+            prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            prompt_mask[torch.tensor(req.prompt_token_ids, device=dev)] = True
+            e = _Counted(req, torch.zeros(vocab, dtype=torch.int32, device=dev), prompt_mask, 0)
+            self.entries[req.request_id] = e
+        if e.num_counted < num_out:
+            new = torch.tensor(req.token_ids[req.num_prompt_tokens + e.num_counted :], device=self.device)
+            e.counts.index_add_(0, new, torch.ones_like(new, dtype=torch.int32))
+            e.num_counted = num_out
+        return e
+
+    def rows(
+        self, members: list[tuple[Request, list[int]]], penalized: list[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[R, V]` output counts and prompt masks for rows of (request, draft tokens before the
+        row): a row counts its drafts as output. Rows not `penalized` stay zero (their penalties
+        are neutral, so what they count changes nothing)."""
+        dev, vocab = self.device, self.vocab_size
+        counts = torch.zeros(len(members), vocab, dtype=torch.int32, device=dev)
+        prompt_mask = torch.zeros(len(members), vocab, dtype=torch.bool, device=dev)
+        for i, ((req, history), on) in enumerate(zip(members, penalized)):
+            if not on:
+                continue
+            e = self._entry(req)
+            counts[i] = e.counts
+            prompt_mask[i] = e.prompt_mask
+            if history:
+                ids = torch.tensor(history, device=dev)
+                counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        return counts, prompt_mask
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
 
     def __call__(
         self, logits: torch.Tensor, sb: SamplingBatch
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    ) -> tuple[list[int], list[SampledLogprobs | None]]:
         logits = logits.float()
         want_lp = any(k is not None for k in sb.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
@@ -67,7 +138,7 @@ class Sampler:
             probs = self._probs(logits[rows], sb, rows)
             tokens[rows] = self._draw(probs, sb, rows)
         token_list = tokens.tolist()
-        lps: list[TokenLogprobs | None] = [None] * len(token_list)
+        lps: list[SampledLogprobs | None] = [None] * len(token_list)
         if raw_logprobs is not None:
             lps = self.logprobs(raw_logprobs, tokens, sb.num_logprobs)
         return token_list, lps
@@ -174,17 +245,17 @@ class Sampler:
     @staticmethod
     def logprobs(
         raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
-    ) -> list[TokenLogprobs | None]:
+    ) -> list[SampledLogprobs | None]:
         k_max = max(k for k in num_logprobs if k is not None)
         chosen = raw.gather(1, tokens[:, None]).squeeze(1)
         ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
         top_vals, top_ids = raw.topk(k_max, dim=-1) if k_max > 0 else (raw[:, :0], tokens[:, None][:, :0])
         chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
         vals_l, ids_l = top_vals.tolist(), top_ids.tolist()
-        out: list[TokenLogprobs | None] = []
+        out: list[SampledLogprobs | None] = []
         for i, k in enumerate(num_logprobs):
             if k is None:
                 out.append(None)
             else:
-                out.append(TokenLogprobs(chosen_l[i], ranks_l[i], ids_l[i][:k], vals_l[i][:k]))
+                out.append(SampledLogprobs(chosen_l[i], ranks_l[i], ids_l[i][:k], vals_l[i][:k]))
         return out

@@ -542,3 +542,25 @@ TestKVMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_only_the_core_touches_the_pool_and_block_tables():
+    """The KV manager owns the pool and every request's block table: other packages go through
+    its methods (take_blocks, hold, drop, give), so its invariants have one keeper."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "tandem"
+    # Synthetic requests that time a forward pass over made-up blocks, never the pool's.
+    synthetic = {"worker/model_runner.py"}
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("core/"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\.pool\.", line) or (
+                rel not in synthetic and re.search(r"\.block_ids\s*(=|\+=)|\.block_ids\.(append|extend)", line)
+            ):
+                offenders.append(f"tandem/{rel}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)

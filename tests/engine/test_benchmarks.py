@@ -132,22 +132,28 @@ def test_prefix_cache_quick(tmp_path: Path) -> None:
 
 
 def test_migration_cost_part_of_cluster_benchmark(tmp_path: Path) -> None:
-    out = tmp_path / "cluster.json"
+    out, plot = tmp_path / "cluster.json", tmp_path / "migration_cost.png"
     run_script(
         "cluster.py",
         "--policies",
         "",
         "--downtime-lengths",
-        "64",
+        "96",
         "--repeats",
         "1",
         "--result-json",
         str(out),
+        "--plot",
+        str(plot),
     )
     rows = json.loads(out.read_text())["migration_cost"]
-    live = next(r for r in rows if r["mode"] == "live")
-    assert live["stop_copy_ms"] > 0 and live["kv_bytes"] > 0
-    assert {r["mode"] for r in rows} == {"live", "recompute"}
+    assert [r["mode"] for r in rows] == ["live", "stop-and-copy", "recompute"]
+    assert all(r["context_tokens"] == 96 and r["gap_over_itl"] > 0 and r["gap_ms"] > 0 for r in rows)
+    live, stop_copy, _ = rows
+    # A live move copied its full blocks in a stage while it decoded; stop-and-copy in none.
+    assert live["stages"] >= 1 and stop_copy["stages"] == 0
+    assert live["kv_bytes"] > 0 and stop_copy["kv_bytes"] > 0 and live["pause_ms"] > 0
+    assert plot.stat().st_size > 0
 
 
 def test_pd_threshold_part_of_pd_benchmark(tmp_path: Path) -> None:
@@ -221,3 +227,26 @@ def test_reliability_attacks_quick(tmp_path: Path) -> None:
     assert enums["statuses"] == [200]
     # 16 grammars of ~40 MB each: bounded by the cache's bytes, not held all.
     assert enums["engine_rss_mb"][-1] - enums["engine_rss_mb"][0] < 400, enums["engine_rss_mb"]
+
+
+def test_per_token_cpu_quick(tmp_path: Path) -> None:
+    """benchmarks/per_token_cpu.py end to end: the long-context model builds, every stream carries
+    its tokens one per chunk, every window has both processes' figures (their values are the
+    benchmark's, read on an idle machine)."""
+    result_json = tmp_path / "per_token_cpu.json"
+    proc = run_script(
+        "per_token_cpu.py", "--quick", "--cache-dir", str(tmp_path / "cache"), "--result-json", str(result_json),
+        timeout=600,
+    )
+    assert "longest / shortest" in proc.stdout
+    r = json.loads(result_json.read_text())
+    assert r["quick"] is True and r["lengths"] == [100, 800] and r["repeats"] == 1
+    assert [w["length"] for w in r["windows"]] == [100, 800]
+    for w in r["windows"]:
+        assert w["window"][0] < w["window"][1] == w["length"]
+        assert w["api_us_per_token"] > 0 and w["engine_us_per_token"] > 0
+        assert all(run["tokens"] >= w["window"][1] - w["window"][0] for run in w["runs"])
+    (request,) = r["requests"]
+    # Each chunk holds what is new: never more chunks than tokens (and the finish).
+    assert request["tokens"] == 800 and 0 < request["chunks"] <= 801
+    assert set(r["ratio_longest_over_shortest"]) == {"api", "engine"}

@@ -54,7 +54,7 @@ async def run(config: EngineConfig, seed: int, live: bool) -> tuple[dict[int, li
             for i, stream in enumerate(streams):
                 rid = f"r{i}"
                 if rid in client.routes and rng.random() < 0.4:
-                    move = client.migrate_live if live else client.migrate
+                    move = client.migrate_live if live else client.migrate_by_recompute
                     move(rid, 1 - client.routes[rid])
                 out = stream.take()
                 if out is not None and out.finished:

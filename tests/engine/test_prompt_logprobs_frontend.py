@@ -3,7 +3,7 @@ prompt's logprobs again and the repeats are skipped; a gap fails the request rat
 
 from __future__ import annotations
 
-from tandem.core.step_io import TokenLogprobs
+from tandem.core.step_io import SampledLogprobs
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.engine.processor import OutputProcessor
 from tandem.engine.tokenizer import Tokenizer
@@ -12,8 +12,8 @@ from tandem.sampling_params import SamplingParams
 PROMPT = [10, 11, 12, 13, 14]
 
 
-def lp(v: float) -> TokenLogprobs:
-    return TokenLogprobs(logprob=v, rank=2, top_ids=[7], top_logprobs=[-0.5])
+def lp(v: float) -> SampledLogprobs:
+    return SampledLogprobs(logprob=v, rank=2, top_ids=[7], top_logprobs=[-0.5])
 
 
 def processor(tokenizer_dir) -> OutputProcessor:

@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from tandem.kernels.triton_attention import MAX_TREE_TOKENS, TILE_N, paged_attention  # noqa: E402
+from tandem.kernels.triton_attention import TILE_N, paged_attention  # noqa: E402
 
 
 def make_batch(q_lens, ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0):
@@ -114,11 +114,12 @@ def test_a_tree_verification_mask():
     run([1, 5, 5], [20, 31, 2], tree=tree)
 
 
-def test_tree_verifications_are_bounded():
-    q, kc, vc, tables, seq_lens, qsl = make_batch([MAX_TREE_TOKENS + 1], [3], 16, 2, 2, 16, torch.float32)
-    tree = torch.ones(MAX_TREE_TOKENS + 1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="at most 64 query tokens"):
-        paged_attention(q, kc, vc, tables, seq_lens, qsl, MAX_TREE_TOKENS + 1, 0.25, tree_bits=tree)
+def test_a_tree_beside_a_long_chunk():
+    """Tokens outside every tree carry all bits (-1), whatever their query's length."""
+    ancestors = [[0], [0, 1], [0, 1, 2], [0, 3]]
+    bits = [sum(1 << i for i in a) for a in ancestors]
+    tree = torch.tensor([*bits, *([-1] * 90)], dtype=torch.int64)
+    run([4, 90], [10, 5], tree=tree)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])

@@ -73,3 +73,19 @@ def test_a_cached_prefix_is_read_through_the_kernel(model_factory):
     plain = LLM(str(model_dir), attention_backend="triton", dtype="float32", enable_prefix_caching=False)
     ref = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [first[0].outputs[0].token_ids, second[0].outputs[0].token_ids] == [r.outputs[0].token_ids for r in ref]
+
+
+def test_draft_trees_verify_through_the_kernel(model_factory):
+    """Suffix speculation's trees over motifs that repeat with different continuations: the
+    kernel's tree mask gives the tokens a run without speculation gives."""
+    model_dir = model_factory("llama", initializer_range=0.05)
+    motif = [11, 12, 13]
+    prompts = [[*motif, 20 + i, *motif, 30 + i, *motif] for i in range(3)]
+    spec = {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_min_token_prob": 0.0,
+            "suffix_decoding_max_spec_factor": 4.0, "adaptive": False}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = LLM(str(model_dir), dtype="float32").generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm = LLM(str(model_dir), attention_backend="triton", dtype="float32", speculative_config=spec)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.core.spec.num_draft_tokens > 0

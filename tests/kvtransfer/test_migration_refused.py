@@ -1,6 +1,6 @@
 """A destination that refuses a live migration up front (no free sequence seat, no room for the
-blocks) makes the source report a refusal (`Migrated.refused`), which the front end counts apart
-from transfers that failed after they began (tests/core/test_migration_refusals.py)."""
+blocks) makes the source report a refusal (`MoveOutcome.REFUSED`), which the front end counts apart
+from transfers that failed after they began (tests/cluster/test_migration_refusals.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from cluster_harness import Cluster
 
 from tandem import SamplingParams
 from tandem.config import EngineConfig
-from tandem.engine.messages import EngineCoreRequest, Migrated
+from tandem.core.engine_io import EngineCoreRequest
+from tandem.kvtransfer.protocol import Migrated, MoveOutcome
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 
@@ -28,13 +29,12 @@ def test_a_destination_without_room_reports_a_refusal(llama_dir, tmp_path, short
         else:
             hog = b.core.kv.pool.allocate(b.core.kv.pool.num_free)
         assert cluster.migrate("r0", 1)
-        a.pump_until(lambda: bool(a.reports) or (b.pump() or False), "the refusal")
-        (report,) = a.reports
-        assert isinstance(report, Migrated) and not report.ok
-        assert report.refused, report
+        cluster.deliver()  # the Begin, refused there, and the answer
+        (report,) = cluster.reports
+        assert isinstance(report, Migrated) and report.outcome is MoveOutcome.REFUSED, report
+        assert report.num_bytes == 0  # nothing was copied
         assert ("no free sequence slot" in report.reason) == (short == "seats")
-        cluster._reports(a)
-        assert cluster.requests["r0"].node == 0
+        assert cluster.requests["r0"].node == 0 and not a.core.scheduler.paused
         if short == "seats":
             b.core.scheduler.reserved_seats = 0
         else:

@@ -1,20 +1,20 @@
 """Prefill/decode hand-off between engine cores: the prefill engine computes the prompt (its KV
 streamed to the decode engine chunk by chunk as it is computed) and the first token, then the
 decode engine goes on. Greedy tokens and logprobs equal the single engine's across prompt lengths,
-chunked prefill, prefix hits on either side, n > 1 and speculative decoding; a prefill engine that
-goes silent is detected by the decode side, which frees what it reserved."""
+chunked prefill, prefix hits on either side, n > 1 and speculative decoding; the decode engine
+computes only the tokens sampled there (never the prompt: the harness checks every hand-off); a
+prefill engine that goes silent is detected by the decode side, which frees what it reserved."""
 
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 from cluster_harness import Cluster
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
-from tandem.engine.messages import EngineCoreRequest
+from tandem.core.engine_io import EngineCoreRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
@@ -81,6 +81,11 @@ def test_handoff_matches_the_single_engine(long_dir, tmp_path, length):
     check(cluster, cfg, cases)
     # Chunked (256 tokens a step): a stage went out after each chunk, while the prefill ran on.
     assert cluster.stages == ([length // 256] if length >= 4 else [0]), cluster.stages
+    # The decode engine computed no prompt token: it started from the prompt (the first token's
+    # KV is its first step's) and computed one token a step, the 11 it sampled.
+    steps = cluster.nodes[1].computed["r0"]
+    assert steps[0][0] == length and [n for _, n in steps] == [1] * (GREEDY.max_tokens - 1)
+    assert sum(n for _, n in cluster.nodes[0].computed["r0"]) == length
 
 
 def test_handoff_with_n_prefix_hits_and_speculation(llama_dir, tmp_path):
@@ -105,11 +110,13 @@ def test_silent_prefill_engine_is_detected(llama_dir, tmp_path):
     try:
         b = cluster.nodes[1]
         cluster.add_disaggregated(EngineCoreRequest("r0", list(range(3, 40)), GREEDY, 12, 0.0), 0, 1)
-        b.pump_until(lambda: b.plane.active, "the reservation")
-        time.sleep(0.35)  # the prefill engine says nothing (hung)
-        b.pump()
+        with cluster.holding(0):
+            cluster.deliver()
+            assert b.plane.active
+            cluster.advance(0.35)  # the prefill engine says nothing (hung)
+            assert b.plane.tick()
+            cluster.deliver()
         assert not b.plane.active and b.core.scheduler.reserved_seats == 0
-        cluster._reports(b)
         assert [d.request_id for d in cluster.dropped] == ["r0"]
         assert b.core.kv.num_available == b.core.kv.num_blocks
     finally:
@@ -124,11 +131,12 @@ def test_waiting_prefill_keeps_the_reservation_alive(llama_dir, tmp_path):
     try:
         cluster.add(EngineCoreRequest("busy", [5, 6, 7], GREEDY, 60, 0.0), 0)
         cluster.add_disaggregated(EngineCoreRequest("r0", [8, 9, 10], GREEDY, 12, 0.0), 0, 1)
-        start = time.monotonic()
+        waited = 0.0
         while not cluster.done():
+            cluster.advance(0.05)
+            waited += 0.05
             cluster.tick()
-            time.sleep(0.01)
-        assert time.monotonic() - start > 0.6
+        assert waited > 2.0  # 60 steps of 0.05 s: the reservation outlived several timeouts
         assert cluster.migrated == 1 and not cluster.dropped
         cluster.settle()
         check(cluster, cfg, [([8, 9, 10], GREEDY)])

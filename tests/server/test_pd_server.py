@@ -1,6 +1,6 @@
 """`tandem serve --prefill-instances 1 --decode-instances 1` on Ray: every request is prefilled on
 one instance and decoded on the other (its KV handed over at the first token), with the single
-engine's output, and the metrics count the hand-offs and no fallback."""
+engine's output, and the metrics count the hand-offs, no fallback, and no prompt computed twice."""
 
 from __future__ import annotations
 
@@ -52,5 +52,9 @@ def test_prefilled_on_one_instance_decoded_on_the_other(llama_dir):
         assert m['tandem:migrations_total{outcome="completed"}'] == len(PROMPTS), m
         assert m["tandem:pd_fallbacks"] == 0
         assert m["tandem:kv_transfer_seconds_count"] == len(PROMPTS)
+        assert m["tandem:migration_downtime_seconds_count"] == len(PROMPTS)
+        # The decode instance took each request in with its KV: no prompt was admitted (and so
+        # computed) there; every prompt token counted is the prefill instance's.
+        assert m["tandem:prompt_tokens_total"] == sum(len(p) for p in PROMPTS)
         dispatched = [m[f'tandem:instance_requests_dispatched{{instance="{i}"}}'] for i in (0, 1)]
         assert dispatched[0] == len(PROMPTS)  # every request started on the prefill instance

@@ -25,6 +25,8 @@ SKIPPED = {
     'pip install -e ".[dev]"': "installs the package and runs the whole test suite",
     "python -m pytest tests/core                      # the torch-free core, about 15 s": "runs the test suite",
     'pip install -e ".[cluster]"   # Ray (the dev extra includes it)': "installs Ray and starts a Ray cluster",
+    "tandem pull smollm2-135m-instruct": "downloads a 98 MB model; tests/engine/test_chat.py chats with it in a "
+    "pseudo-terminal and tests/engine/test_pull.py pulls from a local index",
 }
 COMMAND_TIMEOUT = 180
 # As tests/server/server_utils.py allows a server to start on a loaded machine.
@@ -127,9 +129,10 @@ def test_readme_blocks_run_verbatim(tmp_path):
                     servers.start(cmd, port)
                     print(f"{time.monotonic() - t0:5.1f}s {cmd[:80]}")
                     continue
+                # No input: an interactive command (`tandem chat`) sees its end at once.
                 proc = subprocess.run(
                     ["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True,
-                    timeout=COMMAND_TIMEOUT,
+                    timeout=COMMAND_TIMEOUT, stdin=subprocess.DEVNULL,
                 )  # fmt: skip
                 assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
                 assert proc.stdout.strip(), f"{cmd} printed nothing"

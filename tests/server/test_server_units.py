@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.core.limits import EngineLimits
-from tandem.core.step_io import TokenLogprobs
+from tandem.core.step_io import SampledLogprobs
 from tandem.engine import messages as m
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
 from tandem.entrypoints.openai.errors import validation_error
@@ -14,7 +14,7 @@ from tandem.sampling_params import SamplingParams
 def test_messages_round_trip():
     params = SamplingParams(n=2, temperature=0.5, seed=3, stop="\n", stop_token_ids=[7], logprobs=2)
     req = EngineCoreRequest("r", [1, 2, 3], params, 9, 12.5, priority=2, tenant="t", cache_salt="s")
-    out = SampleOutput("r", 1, [4, 5], [TokenLogprobs(-0.1, 1, [4], [-0.1])] * 2, "stop", "\n")
+    out = SampleOutput("r", 1, [4, 5], [SampledLogprobs(-0.1, 1, [4], [-0.1])] * 2, "stop", "\n")
     stats = m.Stats(1, 2, 0.5, 3, 40, 16, 10, 20, [8, 1, 1])
     sent = [
         m.Init([2]),

@@ -328,3 +328,31 @@ def test_step_trace_holds_every_working_step(tmp_path):
     for inst in sim.instances:
         starts = [s for s, *_ in inst.steps or []]
         assert starts == sorted(starts)
+
+
+@dataclass
+class SlowLink(LinearToy):
+    """KV transfers take 20 ms a block: a long context's copy spans many decode steps."""
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        return 0.02 * num_blocks
+
+
+def test_a_live_move_copies_in_stages_while_the_request_decodes():
+    """The moved request keeps decoding while its blocks are copied, stage after stage, and pauses
+    only for what is left: its largest gap between tokens is far below what copying its whole
+    context would have stopped it for (a stop-and-copy's pause)."""
+    # Round robin puts the two long requests on instance 0 and the short one on 1, which ends soon:
+    # the imbalance moves the newest long one (a 640-token context: 40 blocks, 0.8 s to copy).
+    trace = Trace([TraceRequest(0.0, 600, 400), TraceRequest(0.001, 8, 2), TraceRequest(0.002, 600, 400)])
+    sim = ClusterSim(
+        trace,
+        SlowLink(),
+        SPEC,
+        ClusterConfig(num_instances=2, dispatch_policy="round_robin", migration_triggers=("imbalance",)),
+    )
+    result = sim.run()
+    (moved,) = [rec for rec in result.records if rec.num_moves]
+    assert result.migrations == 1 and moved.prompt_len == 600
+    largest = max(b - a for a, b in zip(moved.token_times, moved.token_times[1:]))
+    assert largest < 0.25 < SlowLink().transfer_seconds(640 // SPEC.block_size)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tandem.core.draft_tree import DraftTree, verify_greedy
 from tandem.spec import rejection
 from tandem.spec.rejection import verify_tree_sampled
-from tandem.spec.tree import DraftTree, verify_greedy
 
 # Root -> nodes 0 ("a"), 1 ("b"), 2 ("c"); node 0 -> 3 ("d"), 4 ("e"); node 3 -> 5.
 TREE = DraftTree(tokens=(0, 1, 2, 3, 4, 1), parents=(-1, -1, -1, 0, 0, 3))

@@ -467,7 +467,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     name = names[0]
     state = ServerState(
         model_name=name,
-        model_aliases=frozenset({config.model, *names[1:]}),
+        # (model_aliases: what `tandem serve` was given when it named a GGUF file or a pulled model.)
+        model_aliases=frozenset({config.model, *names[1:], *getattr(args, "model_aliases", ())}),
         extra_model_names=tuple(n for n in dict.fromkeys(names[1:]) if n != name),
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         max_logprobs=args.max_logprobs,

@@ -13,11 +13,14 @@ import itertools
 import time
 from typing import Any
 
+from tandem.kvtransfer.protocol import MoveOutcome, MoveReport
 from tandem.outputs import RequestOutput
 
 # vLLM's buckets.
 TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MIGRATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Stages a move copied while its request ran (0: a plain stop-and-copy); migration_max_stages bounds it.
+STAGE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 TTFT_BUCKETS: tuple[float, ...] = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TTFT_BUCKETS += (20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -136,8 +139,17 @@ class ServerMetrics:
         )
         self.migration_downtime = hist(
             "migration_downtime_seconds",
-            "A live migration's stop-and-copy: the request paused until its destination took it over.",
+            "What a completed live migration or prefill/decode hand-off cost its request, as its stream "
+            "saw it: from its last output from the source instance to its first from the destination "
+            "(the stages copied while it decoded are not in it; the pause, the last blocks' copy, the "
+            "install and the destination's first step are).",
             MIGRATION_BUCKETS,
+        )
+        self.migration_stages = hist(
+            "migration_stages",
+            "Stages a completed move copied while its request kept decoding on the source, before the "
+            "stop-and-copy (0: it was paused for the whole copy).",
+            STAGE_BUCKETS,
         )
         self.kv_transfer_bytes = counter("kv_transfer_bytes_total", "KV cache bytes sent between instances.")
         self.kv_transfer_time = hist(
@@ -192,7 +204,7 @@ class ServerMetrics:
         """A request group that finished in the engine (any finish reason but a front-end abort)."""
         reason = out.outputs[0].finish_reason or "abort"
         self.request_success.labels(self.model_name, reason).inc()
-        self.observe_tokens(tenant, len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        self.observe_tokens(tenant, len(out.prompt_token_ids), out.num_generation_tokens)
         self.tenant_requests.labels(self.model_name, tenant, "finished").inc()
         rm = out.metrics
         if rm is None:
@@ -281,23 +293,15 @@ class ServerMetrics:
             registry=self.registry,
         ).labels(self.model_name).set_function(resumed)
 
-    def observe_migration(self, msg: Any) -> None:
-        """A live migration's (or prefill/decode hand-off's) outcome: engine.messages.Migrated, or
-        TransferDropped (the destination gave up on a silent source)."""
-        if not hasattr(msg, "ok"):
-            self.migrations.labels(self.model_name, "dropped").inc()
-            return
-        if msg.ok:
-            self.migrations.labels(self.model_name, "completed").inc()
-            self.migration_downtime.observe(msg.downtime_s)
-            self.kv_transfer_time.observe(msg.transfer_s)
-        elif msg.reason == "not_running":
-            self.migrations.labels(self.model_name, "recomputed").inc()
-        elif getattr(msg, "refused", False):
-            self.migrations.labels(self.model_name, "refused").inc()
-        else:
-            self.migrations.labels(self.model_name, "aborted").inc()
-        self.kv_transfer_bytes.inc(msg.num_bytes)
+    def observe_migration(self, report: MoveReport) -> None:
+        """A live migration's (or prefill/decode hand-off's) outcome, as the engine client reports it."""
+        self.migrations.labels(self.model_name, report.outcome.value).inc()
+        self.kv_transfer_bytes.inc(report.num_bytes)
+        if report.outcome is MoveOutcome.COMPLETED:
+            self.kv_transfer_time.observe(report.transfer_s)
+            self.migration_stages.observe(report.num_stages)
+            if report.downtime_s is not None:
+                self.migration_downtime.observe(report.downtime_s)
 
     def observe_rejected(self, tenant: str) -> None:
         self.tenant_requests.labels(self.model_name, tenant, "rejected").inc()

@@ -7,7 +7,7 @@ import hashlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from tandem.engine.core_client import (
@@ -24,8 +24,8 @@ from tandem.entrypoints.openai.errors import OpenAIError, bad_request
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from tandem.entrypoints.openai.tenants import Tenant, Tenants
-from tandem.outputs import Logprob, RequestOutput
-from tandem.sampling_params import MAX_LOGPROBS, MAX_TOKEN_CONTROLS, SamplingParams
+from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.sampling_params import MAX_LOGPROBS, MAX_TOKEN_CONTROLS, RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
@@ -224,6 +224,11 @@ def sampling_params(
             bad_words=body.bad_words,
             truncate_prompt_tokens=body.truncate_prompt_tokens,
             prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            # Streamed or not, the engine hands over what is new (`OutputSoFar` keeps the whole for
+            # a response): each output then costs what it holds, not the length so far. Nothing
+            # until the end (vLLM's FINAL_ONLY) would hide a running request's progress from the
+            # admission count and the tenant's token charge.
+            output_kind=RequestOutputKind.DELTA,
         )
     except ValueError as exc:
         raise bad_request(exc) from exc
@@ -328,6 +333,85 @@ class ClientDisconnected(Exception):
     pass
 
 
+@dataclass(slots=True)
+class _SampleSoFar:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    text: list[str] = field(default_factory=list)
+    num_chars: int = 0
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OutputSoFar:
+    """One engine request's outputs as read so far. Each output read, cumulative or delta, becomes
+    a delta (what a streaming response sends), and the whole is kept for a response sent at the
+    end; a delta costs what it holds (a cumulative one is compared with what came before)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[int, _SampleSoFar] = {}
+        self.latest: RequestOutput | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples.values())
+
+    @property
+    def started(self) -> bool:
+        """A token has come, or a sample has ended."""
+        return any(s.token_ids or s.finish_reason is not None for s in self.samples.values())
+
+    def add(self, out: RequestOutput) -> RequestOutput:
+        """Take the next output in; returns what it adds, as a delta."""
+        deltas = []
+        for c in out.outputs:
+            s = self.samples.get(c.index)
+            if s is None:
+                s = self.samples[c.index] = _SampleSoFar(c.index)
+            if out.delta:
+                ids, logprobs, text = c.token_ids, c.logprobs, c.text
+            else:
+                ids = c.token_ids[len(s.token_ids) :]
+                logprobs = None if c.logprobs is None else c.logprobs[len(s.logprobs or ()) :]
+                text = c.text[s.num_chars :]
+            s.token_ids += ids
+            if logprobs is not None:
+                if s.logprobs is None:
+                    s.logprobs = []
+                s.logprobs += logprobs
+            if text:
+                s.text.append(text)
+                s.num_chars += len(text)
+            s.cumulative_logprob, s.finish_reason, s.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+            deltas.append(replace(c, text=text, token_ids=ids, logprobs=logprobs))
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        view = replace(out, outputs=deltas, delta=True)
+        self.latest = view
+        return view
+
+    def whole(self) -> RequestOutput:
+        """Everything read, as one cumulative output (the last output's state and metrics)."""
+        if self.latest is None:
+            raise RuntimeError("no output has been read")
+        samples = [
+            CompletionOutput(
+                index=s.index,
+                text="".join(s.text),
+                token_ids=s.token_ids,
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(self.samples.values(), key=lambda s: s.index)
+        ]
+        return replace(self.latest, outputs=samples, prompt_logprobs=self.prompt_logprobs, delta=False)
+
+
 class EngineCall:
     """The engine requests of one HTTP request: admitted together, followed together, ended together.
 
@@ -353,8 +437,8 @@ class EngineCall:
         self.prepared = prepared
         self.notify = asyncio.Event()
         self.streams: list[RequestStream] = []
-        # The newest output read by the caller, and the final one as it arrived from the engine.
-        self.last: list[RequestOutput | None] = [None] * len(prepared)
+        # Per prompt: what the caller has read, and the final output as it arrived from the engine.
+        self.so_far = [OutputSoFar() for _ in prepared]
         self.final: list[RequestOutput | None] = [None] * len(prepared)
         self.admitted = False
         # Generated tokens charged to the tenant so far, per prompt (charged as they arrive).
@@ -388,7 +472,8 @@ class EngineCall:
 
     def usage(self, completion_tokens: int) -> UsageInfo:
         """Token counts, with the prompt tokens the engine found in its prefix cache."""
-        cached = sum(o.metrics.num_cached_tokens for o in self.last if o is not None and o.metrics is not None)
+        latest = [s.latest for s in self.so_far]
+        cached = sum(o.metrics.num_cached_tokens for o in latest if o is not None and o.metrics is not None)
         prompt_tokens = self.num_prompt_tokens
         return UsageInfo(
             prompt_tokens=prompt_tokens,
@@ -430,11 +515,10 @@ class EngineCall:
         self._watcher = asyncio.ensure_future(watcher())
 
     def outputs(self) -> list[RequestOutput]:
-        """The final outputs, once `finish` has returned True (every request has finished)."""
-        outs = [out for out in self.last if out is not None]
-        if len(outs) != len(self.last):
+        """The whole outputs, once `finish` has returned True (every request has finished)."""
+        if any(s.latest is None for s in self.so_far):
             raise RuntimeError("the engine call has not finished")
-        return outs
+        return [s.whole() for s in self.so_far]
 
     async def finish(self, receive: Callable[[], Awaitable[dict[str, Any]]]) -> bool:
         """Wait until every request has finished (a non-streaming response). False if the client
@@ -457,7 +541,8 @@ class EngineCall:
         return on_finish
 
     async def updates(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
-        """Yield batches of (prompt index, newest cumulative output) until every request has finished.
+        """Yield batches of (prompt index, what its request's outputs added since the last batch, as
+        a delta output) until every request has finished; `so_far` holds the whole.
 
         Raises EngineDeadError, RequestAbortedError, RequestFailedError or ValueError (the core
         refused a request), or ClientDisconnected once `watch` has seen the client go.
@@ -475,19 +560,19 @@ class EngineCall:
                 out = stream.take()
                 if out is None:
                     continue
-                self.last[i] = out
-                self._charge(i, out)
+                added = self.so_far[i].add(out)
+                self._charge(i)
                 done[i] = out.finished
-                batch.append((i, out))
+                batch.append((i, added))
             if batch:
                 yield batch
 
-    def _charge(self, i: int, out: RequestOutput) -> None:
+    def _charge(self, i: int) -> None:
         """Charge the tenant for prompt i's tokens generated since the last output, as they come:
         a running request holds back its tenant's next admission at once, not only when it ends."""
         if self.tenant is None or not self.admitted:
             return
-        tokens = sum(len(c.token_ids) for c in out.outputs)
+        tokens = self.so_far[i].num_tokens
         if tokens > self.charged[i]:
             self.state.tenants.charge(self.tenant, tokens - self.charged[i])
             self.charged[i] = tokens
@@ -503,8 +588,8 @@ class EngineCall:
         generated = 0
         try:
             for i, stream in enumerate(self.streams):
-                out = self.final[i] or self.last[i]
-                tokens = 0 if out is None else sum(len(c.token_ids) for c in out.outputs)
+                final = self.final[i]
+                tokens = max(self.so_far[i].num_tokens, 0 if final is None else final.num_generation_tokens)
                 generated += tokens
                 if stream.error is not None:
                     state.metrics.observe_failed(self.label)

@@ -169,12 +169,11 @@ async def chat_prompt_ids(
         raise bad_request(exc, param) from exc
 
 
-def _logprobs(c: CompletionOutput, start: int, end: int, k: int, decode: TokenText) -> ChatLogprobs:
+def _logprobs(c: CompletionOutput, k: int, decode: TokenText) -> ChatLogprobs:
+    """Chat-style logprobs of a sample's tokens (of a delta output, the new ones)."""
     content = []
-    logprobs = c.logprobs or []
-    for pos in range(start, min(end, len(logprobs))):
-        token = c.token_ids[pos]
-        sampled, ranked = sampled_and_top(logprobs[pos], token)
+    for token, entry in zip(c.token_ids, c.logprobs or [], strict=False):
+        sampled, ranked = sampled_and_top(entry, token)
         text = decode(token, sampled)
         top = [
             TopLogprob(token=(s := decode(t, p)), logprob=p.logprob, bytes=list(s.encode()))
@@ -239,7 +238,7 @@ async def create_chat_completion(
             ChatChoice(
                 index=c.index,
                 message=message,
-                logprobs=_logprobs(c, 0, len(c.token_ids), logprobs, decode) if logprobs is not None else None,
+                logprobs=_logprobs(c, logprobs, decode) if logprobs is not None else None,
                 finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -267,8 +266,6 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
     readers = [tools.reader() for _ in range(n)] if tools.reads_calls else None
-    sent_text = [0] * n
-    sent_tokens = [0] * n
     finished = [False] * n
     completion_tokens = 0
 
@@ -283,18 +280,19 @@ async def _stream(
             yield chunk(ChatStreamChoice(index=k, delta=first))
         async for batch in call.updates():
             for _, out in batch:
-                for c in out.outputs:
+                for c in out.outputs:  # each holds what is new (EngineCall.updates)
                     k = c.index
                     if finished[k]:
                         continue
-                    delta = c.text[sent_text[k] :]
+                    delta = c.text
+                    completion_tokens += len(c.token_ids)
                     lp = None
-                    if logprobs is not None and len(c.token_ids) > sent_tokens[k]:
-                        lp = _logprobs(c, sent_tokens[k], len(c.token_ids), logprobs, decode)
+                    if logprobs is not None and c.token_ids:
+                        lp = _logprobs(c, logprobs, decode)
                     done = c.finish_reason is not None
                     message, finish_reason = DeltaMessage(content=delta), c.finish_reason
                     if readers is not None:
-                        delta, calls = readers[k].feed(c.text) if delta else ("", [])
+                        delta, calls = readers[k].append(delta) if delta else ("", [])
                         if done:
                             more, more_calls = readers[k].finish()
                             delta, calls = delta + more, calls + more_calls
@@ -311,11 +309,8 @@ async def _stream(
                                 stop_reason=c.stop_reason,
                             )
                         )
-                    sent_text[k] = max(sent_text[k], len(c.text))
-                    sent_tokens[k] = len(c.token_ids)
                     if done:
                         finished[k] = True
-                        completion_tokens += len(c.token_ids)
         if include_usage:
             usage = call.usage(completion_tokens)
             last = ChatCompletionChunk(

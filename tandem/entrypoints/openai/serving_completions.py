@@ -70,12 +70,10 @@ def _append_logprobs(
     return offset
 
 
-def _logprobs(c: CompletionOutput, start: int, end: int, offset: int, decode: TokenText) -> tuple[Any, int]:
-    """Completion-style logprobs of tokens [start, end) of a sample; returns them and the next text offset."""
+def _logprobs(c: CompletionOutput, offset: int, decode: TokenText) -> tuple[Any, int]:
+    """Completion-style logprobs of a (delta) sample's tokens; returns them and the next text offset."""
     lp = CompletionLogprobs()
-    logprobs = c.logprobs or []
-    end = min(end, len(logprobs))
-    offset = _append_logprobs(lp, c.token_ids[start:end], list(logprobs[start:end]), offset, decode)
+    offset = _append_logprobs(lp, c.token_ids, list(c.logprobs or []), offset, decode)
     return lp, offset
 
 
@@ -288,8 +286,7 @@ async def _stream(
     finish, nothing generated; `held`: each prompt's last token held back from the engine
     (`_hold_back_last_tokens`), whose logprobs come with the generated token."""
     created = int(time.time())
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
+    done: set[int] = set()  # choices whose finish was sent
     offsets: dict[int, int] = {}
     completion_tokens = 0
     unechoed: set[int] = set()  # prompts whose echo waits for their logprobs
@@ -310,10 +307,10 @@ async def _stream(
             for i, out in batch:
                 if i in unechoed and echo is not None:
                     held_token = held[i] if held is not None else None
-                    started = any(c.token_ids or c.finish_reason for c in out.outputs)
+                    started = call.so_far[i].started
                     if held_token is not None and not started:
                         continue  # the held token's logprobs come with the generated token
-                    prompt_ids, entries = _whole_prompt(out, held_token)
+                    prompt_ids, entries = _whole_prompt(call.so_far[i].whole(), held_token)
                     entries = entries or []
                     if len(entries) < len(prompt_ids) and not started:
                         continue  # the prompt is still being computed
@@ -323,38 +320,32 @@ async def _stream(
                     for k in range(n):
                         offsets[i * n + k] = offset
                         yield chunk(CompletionChoice(index=i * n + k, text=echo[i], logprobs=echoed))
-                for c in out.outputs:
+                for c in out.outputs:  # each holds what is new (EngineCall.updates)
                     key = i * n + c.index
-                    if key in sent_tokens and sent_tokens[key] < 0:
-                        continue  # already finished
+                    if key in done:
+                        continue
+                    finished = c.finish_reason is not None
                     if prompt_only:
-                        if c.finish_reason is not None:
-                            sent_tokens[key] = -1
+                        if finished:
+                            done.add(key)
                             yield chunk(CompletionChoice(index=key, text="", finish_reason="length"))
                         continue
-                    start_tok = sent_tokens.get(key, 0)
-                    start_txt = sent_text.get(key, 0)
-                    delta = c.text[start_txt:] if len(c.text) > start_txt else ""
+                    completion_tokens += len(c.token_ids)
                     lp = None
-                    if want_logprobs and len(c.token_ids) > start_tok:
-                        lp, offsets[key] = _logprobs(
-                            c, start_tok, len(c.token_ids), offsets.get(key, 0), decode
-                        )
-                    finished = c.finish_reason is not None
-                    if delta or lp is not None or finished:
+                    if want_logprobs and c.token_ids:
+                        lp, offsets[key] = _logprobs(c, offsets.get(key, 0), decode)
+                    if c.text or lp is not None or finished:
                         yield chunk(
                             CompletionChoice(
                                 index=key,
-                                text=delta,
+                                text=c.text,
                                 logprobs=lp,
                                 finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason,
                             )
                         )
-                    sent_text[key] = max(start_txt, len(c.text))
-                    sent_tokens[key] = -1 if finished else len(c.token_ids)
                     if finished:
-                        completion_tokens += len(c.token_ids)
+                        done.add(key)
         if include_usage:
             usage = call.usage(completion_tokens)
             last = CompletionChunk(

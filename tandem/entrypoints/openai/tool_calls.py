@@ -116,19 +116,18 @@ class NamedReader:
         self.name = name
         self.calls: list[ParsedCall] = []
         self.broken = False
+        self.parts: list[str] = []  # the arguments so far (joined into the call's at the finish)
 
-    def feed(self, text: str) -> Delta:
+    def append(self, piece: str) -> Delta:
+        """Read the text's next piece."""
         out = Delta()
+        if not piece:
+            return out
         if not self.calls:
-            if not text:
-                return out
             self.calls.append(ParsedCall(call_id(), self.name, ""))
             out.add_call(ToolCallDelta(0, "", self.calls[0].id, self.name))
-        call = self.calls[0]
-        if len(text) > len(call.arguments):
-            piece = text[len(call.arguments) :]
-            call.arguments = text
-            out.add_call(ToolCallDelta(0, piece))
+        self.parts.append(piece)
+        out.add_call(ToolCallDelta(0, piece))
         return out
 
     def finish(self) -> Delta:
@@ -136,6 +135,7 @@ class NamedReader:
         if not self.calls:  # nothing written: the call, with empty arguments
             self.calls.append(ParsedCall(call_id(), self.name, ""))
             out.add_call(ToolCallDelta(0, "", self.calls[0].id, self.name))
+        self.calls[0].arguments = "".join(self.parts)
         return out
 
 
@@ -187,7 +187,7 @@ class ToolPlan:
 
 
 class ChoiceTools:
-    """One streamed choice's tool calls: feed the whole text so far, get (content, call deltas)."""
+    """One streamed choice's tool calls: append each new piece of text, get (content, call deltas)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -202,8 +202,8 @@ class ChoiceTools:
     def called(self) -> bool:
         return bool(self.reader.calls)
 
-    def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
-        return self._convert(self.reader.feed(text))
+    def append(self, piece: str) -> tuple[str, list[DeltaToolCall]]:
+        return self._convert(self.reader.append(piece))
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         return self._convert(self.reader.finish())

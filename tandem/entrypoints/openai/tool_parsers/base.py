@@ -143,11 +143,17 @@ CONTENT, OPEN, OBJECT, ARGS, TAIL, WHOLE, AFTER, PLAIN, BROKEN = range(9)
 
 
 class CallReader:
-    """Reads one message's text as it grows; `feed` the whole text so far, then `finish`."""
+    """Reads one message's text as it grows: `append` each new piece (or `feed` the whole text so
+    far), then `finish`.
+
+    Text that no state can read again (sent as content, or a call's arguments sent) is let go, and
+    positions count from what is kept, so a piece costs what it holds plus the text not yet decided
+    (a marker's possible start, a call object being read), not the message's length."""
 
     def __init__(self, fmt: CallFormat) -> None:
         self.fmt = fmt
-        self.text = ""
+        self.text = ""  # the message from `base` on
+        self.base = 0  # characters of the message let go
         self.pos = 0  # everything before has been sent or dropped
         self.state = CONTENT
         self.after_block = False  # whitespace right after a section is not content
@@ -157,19 +163,60 @@ class CallReader:
         self.content_last = False  # the last text sent was content (no section since)
         self.calls: list[ParsedCall] = []
         self.scanner: JsonScanner | None = None
-        self.args_start = 0
         self.sent_args = 0
+        # The arguments of the call being read, as sent (joined into its `arguments` once read).
+        self.arg_parts: list[str] = []
 
     @property
     def broken(self) -> bool:
         return self.state == BROKEN
 
     def feed(self, text: str) -> Delta:
-        self.text = text
+        """Read the whole text so far (it extends the text fed before)."""
+        return self.append(text[self.base + len(self.text) :])
+
+    def append(self, piece: str) -> Delta:
+        """Read the text's next piece."""
+        self._let_go()
+        self.text += piece
         out = Delta()
         while self._step(out, final=False):
             pass
         return out
+
+    def _let_go(self) -> None:
+        """Drop the text before the first position the current state may still read."""
+        state = self.state
+        if state in (OPEN, OBJECT, WHOLE):
+            keep = min(self.pos, self.resume)  # the section may yet turn out to be content
+        elif state == ARGS:
+            keep = self.sent_args
+        elif state == TAIL:
+            assert self.scanner is not None
+            keep = self.scanner.pos
+        elif state == PLAIN:
+            keep = self.resume
+        elif state == BROKEN:
+            keep = len(self.text)
+        else:  # CONTENT, AFTER
+            keep = self.pos
+        if keep <= 0:
+            return
+        self.text = self.text[keep:]
+        self.base += keep
+        # Positions a state no longer reads may fall before the kept text: they are reset before use.
+        self.pos = max(0, self.pos - keep)
+        self.resume = max(0, self.resume - keep)
+        self.sent_args = max(0, self.sent_args - keep)
+        if self.scanner is not None:
+            self.scanner.pos = max(0, self.scanner.pos - keep)
+            if self.scanner.end is not None:
+                self.scanner.end = max(0, self.scanner.end - keep)
+
+    def _close_args(self) -> None:
+        """The current call's arguments are all read (or never will be): join them."""
+        self.calls[-1].arguments = "".join(self.arg_parts)
+        self.arg_parts = []
 
     def finish(self) -> Delta:
         out = Delta()
@@ -184,6 +231,8 @@ class CallReader:
         elif self.state in (OPEN, OBJECT, WHOLE):
             self._plain(out)
         elif self.state in (ARGS, TAIL):
+            if self.state == ARGS:
+                self._close_args()
             self.state = BROKEN
         self.pos = len(self.text)
         return out
@@ -229,8 +278,8 @@ class CallReader:
             call = ParsedCall(fmt.make_id(), name, "")
             self.calls.append(call)
             out.add_call(ToolCallDelta(len(self.calls) - 1, "", call.id, name))
-            self.args_start = self.sent_args = m.end() - 1
-            self.scanner = JsonScanner(self.args_start)
+            self.sent_args = m.end() - 1
+            self.scanner = JsonScanner(self.sent_args)
             self.state = ARGS
             return True
         if self.state == ARGS:
@@ -240,14 +289,16 @@ class CallReader:
             upto = sc.end if sc.end is not None else sc.pos
             if upto > self.sent_args:
                 piece = text[self.sent_args : upto]
-                self.calls[-1].arguments += piece
+                self.arg_parts.append(piece)
                 out.add_call(ToolCallDelta(len(self.calls) - 1, piece))
                 self.sent_args = upto
             if sc.bad:
+                self._close_args()
                 self.state = BROKEN
                 return False
             if sc.end is None:
                 return False
+            self._close_args()
             self.scanner = JsonScanner(sc.end, "{")  # the rest of the call object
             self.state = TAIL
             return True

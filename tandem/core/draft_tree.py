@@ -9,7 +9,7 @@ then the nodes in order, each at position `root + depth`, each seeing its ancest
 Verification walks down from the root. Greedy (`verify_greedy`): the target's argmax at the
 current node; the child holding it is accepted and the walk goes on, else that argmax is the
 step's last token. Sampling: `tandem.spec.rejection.verify_tree_sampled` (torch, worker side).
-Pure Python: the scheduler's side imports this.
+Plain data and pure Python: the scheduler plans with it, the runner verifies it.
 """
 
 from __future__ import annotations

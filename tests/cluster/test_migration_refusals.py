@@ -10,10 +10,11 @@ import logging
 
 import pytest
 
+from tandem.core.engine_io import EngineCoreRequest
 from tandem.engine import messages as m
 from tandem.engine.core_client import AsyncEngineClient, LiveMove
-from tandem.engine.messages import EngineCoreRequest
 from tandem.entrypoints.openai.metrics import ServerMetrics
+from tandem.kvtransfer.protocol import MoveOutcome
 from tandem.sampling_params import SamplingParams
 
 
@@ -49,7 +50,7 @@ def test_a_refusal_is_counted_and_logged_as_a_refusal(caplog: pytest.LogCaptureF
     metrics = ServerMetrics("m")
     c = client_moving("r")
     c.on_migrated = metrics.observe_migration
-    refusal = m.Migrated("r", "r@1", False, "no free sequence slot", refused=True)
+    refusal = m.Migrated("r", "r@1", MoveOutcome.REFUSED, "no free sequence slot")
     with caplog.at_level(logging.INFO, logger="tandem.client"):
         c._migrated(0, refusal)
     assert c.num_live_refused == 1 and c.num_live_aborted == 0
@@ -62,14 +63,14 @@ def test_a_transfer_that_failed_is_still_an_abort() -> None:
     metrics = ServerMetrics("m")
     c = client_moving("r")
     c.on_migrated = metrics.observe_migration
-    c._migrated(0, m.Migrated("r", "r@1", False, "the destination stopped answering"))
+    c._migrated(0, m.Migrated("r", "r@1", MoveOutcome.ABORTED, "the destination stopped answering"))
     assert c.num_live_aborted == 1 and c.num_live_refused == 0
     assert outcomes(metrics).get("aborted") == 1 and outcomes(metrics).get("refused", 0) == 0
 
 
-def test_the_refused_flag_crosses_the_wire() -> None:
+def test_the_outcome_crosses_the_wire() -> None:
     enc, dec = m.encoder(), m.client_decoder()
-    msg = m.Migrated("r", "r@1", False, "no free sequence slot", refused=True)
+    msg = m.Migrated("r", "r@1", MoveOutcome.REFUSED, "no free sequence slot")
     assert dec.decode(enc.encode(msg)) == msg
     stats = m.Stats(1, 0, 0.1, 0, 0, 0, 0, 0, [], num_seats_taken=3, max_num_seqs=8)
     assert dec.decode(enc.encode(m.Outputs([], stats))).stats == stats

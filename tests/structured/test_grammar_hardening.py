@@ -237,20 +237,19 @@ def test_a_moved_request_whose_tokens_break_its_grammar_ends_without_a_fault(eng
 
 
 def test_end_dead_keeps_the_drafts_accepted_before_the_dead_row():
-    from tandem.core.request import Request
     from tandem.core.step_io import RunnerOutput
     from tandem.worker.model_runner import end_dead
 
-    reqs = [Request(request_id=f"r{i}", prompt_token_ids=[1], sampling=SamplingParams(), max_tokens=4) for i in range(3)]
     out = RunnerOutput(
         sampled={"r0": 9, "r1": 9, "r2": 9},
         accepted={"r0": [5, 6, 7], "r1": [5], "r2": [5, 6]},
     )
     # r0's third row (after two drafts) is dead, r1 rejected its second draft before its dead
     # row, r2's first row is dead.
-    spans = [(reqs[0], 0, 3), (reqs[1], 4, 3), (reqs[2], 8, 2)]
+    # The rows each emitted token came from: r0's four (three drafts, then one), r1's two, r2's three.
+    used_rows = {"r0": [0, 1, 2, 3], "r1": [4, 5], "r2": [8, 9, 10]}
     dead = [False, False, True, False, *[False, False, True, True], *[True, False, False]]
-    end_dead(dead, spans, out)
+    end_dead(dead, used_rows, out)
     assert out.dead_ends == {"r0", "r2"}
     assert out.accepted == {"r0": [5, 6], "r1": [5]}
 
