@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -49,6 +48,8 @@ sys.path.insert(0, str(HERE / "peers"))
 sys.path.insert(0, str(HERE.parent))
 
 import run_peers  # noqa: E402 (benchmarks/peers/run_peers.py)
+
+from tandem.cpu import cpu_flags, cpu_model  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 LLAMA = "llamacpp-gguf"  # run_peers' system name for --gguf gguf=PATH
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                                             levels, workload, ["--vllm-model", str(vllm_model)])  # fmt: skip
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+        "machine": {"cpu": cpu_model(), "amx": "amx_bf16" in cpu_flags(), "threads": args.threads},
         "model": str(gguf),
         "tandem_dtype": args.dtype,
         "quick": args.quick,

@@ -148,6 +148,8 @@ class GGUFCheckpoint:
         self._layer_names = {**_LAYER, **_ARCH_LAYER.get(self.arch, {})}
         # GGUF names the 4-bit layers took; the float loader skips them.
         self._taken: set[str] = set()
+        # Model parameter -> the ggml types of the tensors it was read from (those dequantized).
+        self._source_types: dict[str, set[str]] = {}
 
     # -- names ------------------------------------------------------------------------------------
 
@@ -213,6 +215,14 @@ class GGUFCheckpoint:
             layers[param.removesuffix(".weight")] = pieces[0] if len(pieces) == 1 else fuse_int4(pieces, None)
         return layers
 
+    def eight_bit_params(self) -> set[str]:
+        """Parameters read only from 8-bit blocks (Q8_0): with the 4-bit blocks packed, their
+        linear layers run as int8 (one byte a weight, as the file stores them) rather than at
+        twice that in the serving dtype. SmolLM2's tied LM head is one."""
+        if not self.packed:
+            return set()
+        return {param for param, kinds in self._source_types.items() if kinds == {"Q8_0"}}
+
     def _int4(self, tensor: Any) -> Int4Linear:
         qweight, scales, zs = int4_parts(tensor)
         order = self._row_order(tensor.name, qweight.shape[0])
@@ -239,6 +249,9 @@ class GGUFCheckpoint:
                 continue
             value = dequantize(t)
             self.report.add_dequantized(type_name(t), value.numel())
+            target = mapping.checkpoint_target(names[0]) if len(names) == 1 else None
+            if target is not None:
+                self._source_types.setdefault(target.param, set()).add(type_name(t))
             order = self._row_order(t.name, value.shape[0])
             if order is not None:
                 value = value[order]

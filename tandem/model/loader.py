@@ -28,7 +28,7 @@ from tandem.model.linear_report import log_linear_paths
 from tandem.model.llama import LlamaForCausalLM
 from tandem.model.moe import MoEForCausalLM
 from tandem.model.phi3 import Phi3ForCausalLM
-from tandem.model.quant import quantize_model
+from tandem.model.quant import cpu_has_vnni, quantize_model, quantize_selected
 from tandem.model.quantized_weights import BiasOnly, QuantizedCheckpoint, swap_module
 from tandem.model.weights import load_weights
 from tandem.quantization_config import resolve_method
@@ -141,6 +141,11 @@ def load_model(
     if at_load is not None:
         quantize_model(module, at_load)
     else:
+        if gguf is not None and cpu_has_vnni():
+            swapped = quantize_selected(module, gguf.eight_bit_params())
+            if swapped:
+                more = f" and {len(swapped) - 3} more" if len(swapped) > 3 else ""
+                logger.info("GGUF: layers stored in 8-bit blocks run as int8: %s%s", ", ".join(swapped[:3]), more)
         pack_linears(module)
     prepare_experts(module, at_load)
     quantized = at_load is not None or cfg.quantization is not None or bool(int4)

@@ -227,3 +227,22 @@ def quantize_model(model: M, method: str | None, use_kernel: bool | None = None)
         else:
             logger.warning("this CPU has no VNNI: int8 runs weight-only, slower than float32")
     return replace_linears(model, lambda w, b: Int8Linear(w, b, use_kernel))
+
+
+def quantize_selected(model: M, params: set[str], use_kernel: bool | None = None) -> list[str]:
+    """Swap the linear layers whose weight is one of `params` (names in `model`, ".weight" ended)
+    for their int8 form, in place; a tied LM head follows the embedding's name. Returns the
+    layers swapped."""
+    wanted = {p.removesuffix(".weight") for p in params}
+    swapped = []
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.Linear) and full in wanted:
+                setattr(parent, name, Int8Linear(child.weight, child.bias, use_kernel))
+                swapped.append(full)
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", "absent") is None and embed is not None and "embed_tokens" in wanted:
+        model.lm_head = Int8Linear(embed.weight, None, use_kernel)
+        swapped.append("lm_head")
+    return swapped

@@ -34,10 +34,11 @@ QUESTIONS = [
 MAX_TOKENS = 32
 TOL = 1e-4
 ENGINE = dict(max_model_len=512, kv_cache_memory=256 << 20)
-# The packed path's tolerance against the exact one on the 205 questions (docs/gguf.md has the
-# figures measured: 200 of 205 answers the same, top-1 agreement 98.3%, mean |dLL| 0.14).
+# The packed path's tolerance against the exact one on the 205 questions, its Q8_0 head as int8
+# (docs/gguf.md has the figures measured: 200 of 205 answers the same, top-1 agreement 96.8%,
+# mean |dLL| 0.20).
 PACKED_SAME_ANSWERS = 0.95
-PACKED_TOP1_AGREEMENT = 0.97
+PACKED_TOP1_AGREEMENT = 0.96
 PACKED_MEAN_LL_DIFF = 0.25
 PACKED_ACCURACY_POINTS = 0.02
 
@@ -173,6 +174,7 @@ def test_packed_path_within_its_tolerance(smollm2_gguf, exact_scores, mc_request
     agree = sum(x == y for a, b in zip(top1, ref_top1) for x, y in zip(a, b)) / sum(len(a) for a in top1)
     mean_diff = sum(abs(a - b) for a, b in zip(scores, ref_scores)) / len(scores)
     acc, ref_acc = _accuracy(_answers(mc_requests, scores)), _accuracy(_answers(mc_requests, ref_scores))
+    print(f"packed: same {same}/{len(_items())}, top-1 agreement {agree:.4f}, mean |dLL| {mean_diff:.3f}, accuracy {acc:.3f} vs {ref_acc:.3f}")
     assert same >= PACKED_SAME_ANSWERS * len(_items()), same
     assert agree >= PACKED_TOP1_AGREEMENT, agree
     assert mean_diff <= PACKED_MEAN_LL_DIFF, mean_diff
