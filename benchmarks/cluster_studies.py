@@ -57,8 +57,8 @@ def run(
     result = sim.run()
     figures = summary(result, SLO)
     figures["wall_s"] = round(time.perf_counter() - start, 1)
-    hit = sum(i.kv.num_hit_tokens for i in sim.instances)
-    query = sum(i.kv.num_query_tokens for i in sim.instances)
+    hit = sum(i.scheduler.counters.prefix_cache_hits for i in sim.instances)
+    query = sum(i.scheduler.counters.prefix_cache_queries for i in sim.instances)
     figures["prefix_hit_rate"] = hit / query if query else 0.0
     return figures, sim, result
 
@@ -119,7 +119,10 @@ def study_dispatch(quick: bool) -> dict[str, Any]:
             ("round_robin", {"dispatch_policy": "round_robin"}),
             ("least_load", {"dispatch_policy": "least_load"}),
             ("prefix_aware", {"dispatch_policy": "prefix_aware"}),
-            ("least_load + migration", {"dispatch_policy": "least_load", "migration_triggers": ("imbalance",)}),
+            (
+                "least_load + migration",
+                {"dispatch_policy": "least_load", "migration_triggers": ("imbalance",)},
+            ),
         ):
             f, _, _ = run(trace, instances, **kw)
             out["rows"].append({"instances": instances, **row(name, f)})
@@ -142,7 +145,9 @@ def study_pd(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": []}
     configs: list[tuple[str, dict[str, Any]]] = [("16 colocated", {"dispatch_policy": "least_load"})]
     for p in (2, 4, 6, 8, 10):
-        configs.append((f"{p}P:{instances - p}D", {"prefill_instances": p, "decode_instances": instances - p}))
+        configs.append(
+            (f"{p}P:{instances - p}D", {"prefill_instances": p, "decode_instances": instances - p})
+        )
     for name, kw in configs:
         f, _, _ = run(trace, instances, **kw)
         out["rows"].append(row(name, f))
@@ -221,7 +226,10 @@ def study_flood(quick: bool) -> dict[str, Any]:
     def add(name: str, trace: Trace, scheduling: SchedulingConfig, strip_tenants: bool = False) -> None:
         t = Trace([replace(r, tenant=None) for r in trace.requests], 16, "blind") if strip_tenants else trace
         _, _, result = run(t, 1, spec=replace(spec, scheduling=scheduling))
-        r = {"config": name, **{f"{k}_{m}": v for k, d in per_tenant(trace, result).items() for m, v in d.items()}}
+        r = {
+            "config": name,
+            **{f"{k}_{m}": v for k, d in per_tenant(trace, result).items() for m, v in d.items()},
+        }
         out["rows"].append(r)
         print(f"flood {name}: {r}", flush=True)
 
@@ -279,7 +287,11 @@ def plot(name: str, data: dict[str, Any], out_dir: Path) -> Path:
             groups.setdefault(f"{r['instances']} instances" if "instances" in r else "", []).append(r)
         for ax, (metric, label) in zip(
             axes,
-            (("ttft_p99_ms", "TTFT p99 (ms)"), ("itl_p99_ms", "ITL p99 (ms)"), ("goodput_req_s", "goodput (req/s)")),
+            (
+                ("ttft_p99_ms", "TTFT p99 (ms)"),
+                ("itl_p99_ms", "ITL p99 (ms)"),
+                ("goodput_req_s", "goodput (req/s)"),
+            ),
             strict=True,
         ):
             width = 0.8 / max(1, len(groups))

@@ -117,9 +117,9 @@ def throughput(
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / seconds,
         "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
-        "num_steps": after["num_steps"] - before["num_steps"],
-        "forward_fraction": (after["forward_time_s"] - before["forward_time_s"])
-        / max(1e-9, after["step_time_s"] - before["step_time_s"]),
+        "num_steps": after["engine_steps"] - before["engine_steps"],
+        "forward_fraction": (after["engine_forward_seconds"] - before["engine_forward_seconds"])
+        / max(1e-9, after["engine_step_seconds"] - before["engine_step_seconds"]),
     }
     del llm
     gc.collect()

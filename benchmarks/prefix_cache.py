@@ -120,9 +120,9 @@ def run_engine(
         llm.generate({"prompt_token_ids": warm_prefix}, one, use_tqdm=False)
 
     engine = llm.engine
-    kv, stats = engine.kv, engine.stats
-    hits0, queries0 = kv.num_hit_tokens, kv.num_query_tokens
-    steps0, batched0, preempt0 = stats.num_steps, stats.num_batched_tokens, engine.scheduler.num_preemptions
+    kv, stats = engine.kv, engine.counters
+    hits0, queries0 = stats.prefix_cache_hits, stats.prefix_cache_queries
+    steps0, batched0, preempt0 = stats.engine_steps, stats.num_batched_tokens, stats.num_preemptions
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
     start = time.perf_counter()
@@ -135,16 +135,16 @@ def run_engine(
         if m is None or m.first_token_time is None:
             raise RuntimeError(f"request {o.request_id} has no first-token time")
         ttft.append(m.first_token_time - m.arrival_time)
-    hit_tokens = kv.num_hit_tokens - hits0
-    query_tokens = kv.num_query_tokens - queries0
+    hit_tokens = stats.prefix_cache_hits - hits0
+    query_tokens = stats.prefix_cache_queries - queries0
     extra: dict[str, Any] = {
         "enable_prefix_caching": caching,
         "load_time_s": load_s,
         "engine_args": {"dtype": "float32", **engine_args},
         "num_kv_blocks_allocated": engine.num_blocks,
-        "engine_steps": stats.num_steps - steps0,
+        "engine_steps": stats.engine_steps - steps0,
         "num_batched_tokens": stats.num_batched_tokens - batched0,
-        "num_preemptions": engine.scheduler.num_preemptions - preempt0,
+        "num_preemptions": stats.num_preemptions - preempt0,
         "prefix_hit_tokens": hit_tokens,
         "prefix_query_tokens": query_tokens,
         "prefix_hit_rate": hit_tokens / query_tokens if query_tokens else 0.0,

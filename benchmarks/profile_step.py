@@ -123,7 +123,9 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "steps": args.steps,
     }
-    report = timed_steps(engine, args, settings) if args.no_profile else profiled_steps(engine, args, settings)
+    report = (
+        timed_steps(engine, args, settings) if args.no_profile else profiled_steps(engine, args, settings)
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
@@ -138,7 +140,7 @@ def timed_steps(engine: Any, args: argparse.Namespace, settings: dict[str, Any])
         engine.step(emit_unfinished=False)
     wall = (time.perf_counter() - t0) / args.steps
     after = core.snapshot()
-    forward = (after["forward_time_s"] - before["forward_time_s"]) / args.steps
+    forward = (after["engine_forward_seconds"] - before["engine_forward_seconds"]) / args.steps
     report = {
         **settings,
         "step_ms": 1e3 * wall,
@@ -146,9 +148,11 @@ def timed_steps(engine: Any, args: argparse.Namespace, settings: dict[str, Any])
         "outside_forward_ms": 1e3 * (wall - forward),
         "outside_forward_fraction": (wall - forward) / wall,
     }
-    print(f"{report['model']} {args.dtype} q={args.quantization} c={args.concurrency}: step "
-          f"{report['step_ms']:.2f} ms, forward + logits {report['forward_ms']:.2f} ms, outside "
-          f"{report['outside_forward_ms']:.2f} ms ({100 * report['outside_forward_fraction']:.1f}%)")
+    print(
+        f"{report['model']} {args.dtype} q={args.quantization} c={args.concurrency}: step "
+        f"{report['step_ms']:.2f} ms, forward + logits {report['forward_ms']:.2f} ms, outside "
+        f"{report['outside_forward_ms']:.2f} ms ({100 * report['outside_forward_fraction']:.1f}%)"
+    )
     return report
 
 
@@ -167,8 +171,8 @@ def profiled_steps(engine: Any, args: argparse.Namespace, settings: dict[str, An
     totals: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         totals[group_of(evt.key)] += evt.self_cpu_time_total / 1e6
-    step = (after["step_time_s"] - before["step_time_s"]) / args.steps
-    forward = (after["forward_time_s"] - before["forward_time_s"]) / args.steps
+    step = (after["engine_step_seconds"] - before["engine_step_seconds"]) / args.steps
+    forward = (after["engine_forward_seconds"] - before["engine_forward_seconds"]) / args.steps
     profiled = sum(totals.values())
     report = {
         **settings,

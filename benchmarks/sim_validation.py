@@ -147,15 +147,20 @@ def engine_view(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def simulated(trace: str, instances: int, cost: str | None, step_trace: str | None = None) -> dict[str, float]:
+def simulated(
+    trace: str, instances: int, cost: str | None, step_trace: str | None = None, replay: str | None = None
+) -> dict[str, float]:
     """The trace through `tandem simulate` with the real run's settings; the instances share one host,
-    as the real ones share this machine."""
+    as the real ones share this machine. `replay`: a real run's step trace, whose recorded step
+    durations time the simulated steps (they ran beside the other engines already: no host sharing)."""
     from tandem.entrypoints.cli import build_parser
     from tandem.sim.cli import build, write_step_trace
     from tandem.sim.report import summary
 
     argv = ["simulate", "--trace", trace, "--instances", str(instances), "--policy", "least_load"]
-    argv += ["--instances-per-host", str(instances)]
+    argv += ["--instances-per-host", "1" if replay else str(instances)]
+    if replay:
+        argv += ["--replay-steps", replay]
     argv += ["--num-kv-blocks", "2048", "--block-size", "16", "--max-num-seqs", "32"]
     argv += ["--max-num-batched-tokens", "512", "--max-model-len", "2048", "--vocab-size", "4096"]
     if cost:
@@ -167,7 +172,24 @@ def simulated(trace: str, instances: int, cost: str | None, step_trace: str | No
     if step_trace:
         write_step_trace(sim, step_trace)
     busy = sum(f * result.duration_s for f in result.busy_fraction)
-    return {**figures(summary(result)), "engine_steps": result.steps, "engine_busy_s": busy}
+    out = {**figures(summary(result)), "engine_steps": result.steps, "engine_busy_s": busy}
+    if replay:  # how many simulated steps had another shape than the recorded ones (0: the same schedule)
+        replayed = [inst.cost.steps for inst in sim.instances]
+        out["replay_diverged_steps"] = sum(s.diverged for s in replayed)
+        out["replay_unrecorded_steps"] = sum(s.extra for s in replayed)
+    return out
+
+
+def replayed(trace: str, instances: int, cost: str | None, real_steps: list[str],
+             runs: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """Replay fidelity: each real run simulated with its own recorded step durations (and the cost
+    model's front-end times), against that run's figures."""
+    out = []
+    for steps, run in zip(real_steps, runs):
+        sim = simulated(trace, instances, cost, replay=steps)
+        err = {k: (sim[k] - run[k]) / run[k] if run.get(k) else float("nan") for k in METRIC_KEYS}
+        out.append({"simulated": sim, "error": err})
+    return out
 
 
 def in_sample(trace: str, instances: int, real_steps: list[str], cost: str | None, tmp: str) -> dict[str, float]:
@@ -256,7 +278,7 @@ def fit_calibration(
 
 
 def compare(n: int, rate: float, path: str, real_steps: list[str], runs: list[dict[str, float]],
-            cost: str | None, keep: Path, tmp: str) -> dict[str, Any]:
+            cost: str | None, keep: Path, tmp: str, replay: bool = False) -> dict[str, Any]:
     """One row: the level's real runs against its simulation (and the in-sample one), printed; the
     row's JSON."""
     print(f"\n== {n} instance(s), {rate * n:g} req/s", flush=True)
@@ -270,6 +292,7 @@ def compare(n: int, rate: float, path: str, real_steps: list[str], runs: list[di
     steps = {"real": step_view(real_steps[0], cost), "simulated": step_view(sim_steps, cost)}
     own = in_sample(path, n, real_steps, cost, tmp)
     own_err = {k: (own[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
+    replays = replayed(path, n, cost, real_steps, runs) if replay else []
     for key, title in METRICS:
         print(f"  {title:<14} real {got[key]:9.1f} (runs within {spread.get(key, 0):5.1%})  sim {sim[key]:9.1f}"
               f"  error {err[key]:+7.1%}", flush=True)
@@ -281,6 +304,11 @@ def compare(n: int, rate: float, path: str, real_steps: list[str], runs: list[di
     print(f"  CPU time over the run of {got['duration_s']:.1f} s: {cpu}", flush=True)
     print("  in-sample (cost fitted on this run's own steps): "
           + ", ".join(f"{title} {own_err[key]:+.1%}" for key, title in METRICS), flush=True)
+    for i, rp in enumerate(replays):
+        print(f"  replay of run {i + 1} (its own step durations): "
+              + ", ".join(f"{title} {rp['error'][key]:+.1%}" for key, title in METRICS)
+              + f"; steps of another shape {rp['simulated']['replay_diverged_steps']},"
+              f" unrecorded {rp['simulated']['replay_unrecorded_steps']}", flush=True)
     rs, ss = steps["real"], steps["simulated"]
     if rs and ss:
         print(f"  steps real / sim: {rs['trace_steps']} / {ss['trace_steps']}, tokens per step "
@@ -292,7 +320,8 @@ def compare(n: int, rate: float, path: str, real_steps: list[str], runs: list[di
               f" decode-only {rs['decode_step_over_model']:.2f}, with prefill "
               f"{rs['prefill_step_over_model']:.2f})", flush=True)
     return {"instances": n, "rate": rate * n, "real": got, "real_runs": runs, "real_spread": spread,
-            "simulated": sim, "error": err, "steps": steps, "simulated_in_sample": own, "error_in_sample": own_err}
+            "simulated": sim, "error": err, "steps": steps, "simulated_in_sample": own, "error_in_sample": own_err,
+            "replay": replays}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--result-json", default=None)
     p.add_argument("--step-trace-dir", default=None, help="keep both sides' step traces here")
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="also simulate each real run with its own recorded step durations (replay fidelity: "
+        "tandem/sim/replay.py) and compare it with that run",
+    )
     p.add_argument(
         "--alone-cost",
         default=None,
@@ -377,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             keys = ("name", "coefficients", "fit_error", *SERVING_FIELDS, "meta")
             costs_used[n] = {k: cost_used[k] for k in keys if k in cost_used}
             for rate, path, real_steps, runs in served:
-                rows.append(compare(n, rate, path, real_steps, runs, a.cost, keep, tmp))
+                rows.append(compare(n, rate, path, real_steps, runs, a.cost, keep, tmp, a.replay))
     results = {
         "command_line": shlex.join(["python", *sys.argv]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},

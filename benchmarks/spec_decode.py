@@ -147,9 +147,13 @@ def run_methods(
             "output_tok_s": tokens / busy[name],
             "token_ids": [o.outputs[0].token_ids for o in ordered],
         }
-        snap = llm.get_stats().get("spec_decode")
-        if snap:
-            results[name]["spec"] = snap
+        stats = llm.get_stats()
+        if stats["spec_decode_num_drafts"]:
+            results[name]["spec"] = {
+                key.removeprefix("spec_decode_"): value
+                for key, value in stats.items()
+                if key.startswith("spec_decode_")
+            }
     return results
 
 
@@ -227,6 +231,11 @@ def main() -> None:
             "num_speculative_tokens": min(32, 4 * args.k),
             "suffix_decoding_tree": False,
         },
+        # The heads shipped for the default model (`--model` elsewhere: `tandem train-draft` first,
+        # the head in the folder beside the model); a tree of 8 nodes, the engine's default.
+        "eagle": {"method": "eagle"},
+        "eagle-fixed": {"method": "eagle", "adaptive": False},
+        "medusa": {"method": "medusa"},
         "draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k},
         "draft-fixed-k": {
             "method": "draft_model",
@@ -237,7 +246,9 @@ def main() -> None:
     }
     methods = {name: spec for name, spec in methods.items() if name in args.methods}
     results: list[dict[str, Any]] = []
-    print(f"{'workload':<8} {'conc':>4} {'method':<14} {'tok/s':>8} {'vs off':>7} {'accept':>7} {'same':>5}")
+    print(
+        f"{'workload':<8} {'conc':>4} {'method':<14} {'tok/s':>8} {'vs off':>7} {'accept':>7} {'acc len':>7} {'same':>5}"
+    )
     for wl in args.workloads:
         for li, conc in enumerate(args.concurrency):
             n = args.requests_per_level[li] if args.requests_per_level else max(8, 4 * conc)
@@ -277,8 +288,9 @@ def main() -> None:
                 ratio = pairs[len(pairs) // 2]
                 same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"])) / len(prompts)
                 acc = r.get("spec", {}).get("acceptance_rate", float("nan"))
+                acc_len = r.get("spec", {}).get("mean_acceptance_length", float("nan"))
                 print(
-                    f"{wl:<8} {conc:>4} {name:<14} {r['output_tok_s']:>8.1f} {ratio:>6.2f}x {acc:>7.2f} {same:>5.2f}",
+                    f"{wl:<8} {conc:>4} {name:<14} {r['output_tok_s']:>8.1f} {ratio:>6.2f}x {acc:>7.2f} {acc_len:>7.2f} {same:>5.2f}",
                     flush=True,
                 )
                 results.append(

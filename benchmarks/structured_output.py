@@ -36,18 +36,20 @@ SCHEMA: dict[str, Any] = {
 
 def run(llm: LLM, concurrency: int, num_requests: int, max_tokens: int, constrained: bool) -> dict[str, Any]:
     sp = StructuredOutputsParams(json=SCHEMA) if constrained else None
-    params = SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=sp)
+    params = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=sp
+    )
     prompts = [f"Record {i} as JSON:" for i in range(num_requests)]
     core = llm.engine.core
     mask0, rows0 = core.structured.mask_time_s, core.structured.num_masked_rows
-    step0, steps0 = core.stats.step_time_s, core.stats.num_steps
+    step0, steps0 = core.counters.engine_step_seconds, core.counters.engine_steps
     start = time.perf_counter()
     outs = []
     for i in range(0, num_requests, concurrency):
         outs += llm.generate(prompts[i : i + concurrency], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    step_s = core.stats.step_time_s - step0
+    step_s = core.counters.engine_step_seconds - step0
     mask_s = core.structured.mask_time_s - mask0
     return {
         "concurrency": concurrency,
@@ -56,7 +58,7 @@ def run(llm: LLM, concurrency: int, num_requests: int, max_tokens: int, constrai
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
-        "steps": core.stats.num_steps - steps0,
+        "steps": core.counters.engine_steps - steps0,
         "step_time_s": step_s,
         "mask_time_s": mask_s,
         "masked_rows": core.structured.num_masked_rows - rows0,

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.core.policy import FCFS, SCHEDULING_POLICIES
+from tandem.core.preemption import PREEMPTION_MODES
 from tandem.quantization_config import CHECKPOINT_METHODS, METHOD_ALIASES, QuantizationConfig
+
+if TYPE_CHECKING:
+    from tandem.spec.config import SpeculativeConfig
 
 # Mixture-of-experts architectures (tandem/model/moe.py); their router settings: MoEConfig.
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -31,6 +35,29 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # At-load quantization of a float checkpoint (tandem/model/quant.py).
 QUANTIZATION_METHODS = ("int8",)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+# Where the engine runs (tandem/worker/device.py resolves "auto": CUDA when a GPU is visible, else CPU).
+DEVICES = ("auto", "cuda", "cpu")
+# Attention backends: "auto" is "torch" on CPU and "triton" on CUDA (tandem/worker/device.py).
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton", "flashinfer")
+# How the weights are read: "auto" (the folder's safetensors or GGUF file) or "dummy" (vLLM's name:
+# random weights of config.json's shape made on the device, no weight file; for benchmarks).
+LOAD_FORMATS = ("auto", "dummy")
+# How KV blocks move between instances (tandem/kvtransfer/transport.py).
+KV_TRANSPORTS = ("zmq", "shm")
+# KV cache bytes on a CPU when neither kv_cache_memory nor num_kv_blocks is given.
+DEFAULT_KV_CACHE_MEMORY = 2 << 30
+# The fraction of a GPU's memory the engine may take (weights, activations, KV cache), as vLLM's
+# `--gpu-memory-utilization`; the KV cache gets what the weights and the profiled peak leave.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# Preemption by swap (tandem/core/preemption.py; why these values: docs/defaults.md). The swap space
+# in GiB where `swap_space` is not given (a CPU's KV cache is in host memory already: none there),
+# and the cost model's constants where not given: the host link's bandwidth each way (GB/s) and the
+# FLOP rate a prefill reaches (TFLOP/s), on CUDA and on a CPU.
+DEFAULT_SWAP_SPACE_GIB_CUDA = 4.0
+DEFAULT_SWAP_BANDWIDTH_GBPS_CUDA = 25.0
+DEFAULT_SWAP_BANDWIDTH_GBPS_CPU = 10.0
+DEFAULT_RECOMPUTE_TFLOPS_CUDA = 400.0
+DEFAULT_RECOMPUTE_TFLOPS_CPU = 1.0
 # A GGUF file's 4-bit blocks kept packed (tandem/model/gguf_weights.py), vLLM's name for its GGUF kernels.
 GGUF_QUANTIZATION = "gguf"
 # Every accepted `quantization` value: at load, or naming the checkpoint's own format (checked).
@@ -38,6 +65,59 @@ QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, *CHECKPOINT_METHODS, *METHOD_ALIA
 # The key of config.json that marks a folder prepared from a GGUF file (tandem/model/gguf_folder.py):
 # {"file": absolute path, "size": bytes}; the weights are read from that file.
 GGUF_CONFIG_KEY = "tandem_gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """How a config field is set on the command line (vLLM's EngineArgs does the same from its
+    fields): `--field-name` (or `flag`) plus `aliases`, this help and these choices; the default is
+    the field's own. `parse` turns the flag's text into the value (unset: from the field's type: a
+    dict field takes JSON). `group` names the `tandem serve --help` section it is listed in."""
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    flag: str | None = None
+    aliases: tuple[str, ...] = ()
+    metavar: str | None = None
+    group: str = "engine"
+
+    def flag_name(self, field_name: str) -> str:
+        return self.flag or "--" + field_name.replace("_", "-")
+
+
+def option(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    choices: tuple[str, ...] | None = None,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+    group: str = "engine",
+) -> Any:
+    """A config field that is also a command-line option (`Option`), with its one default."""
+    meta = {"option": Option(help, choices, flag, aliases, metavar, group)}
+    return field(default=default, metadata=meta)
+
+
+def options(cls: type) -> list[tuple[str, Any, str, Option]]:
+    """The command-line options of a config dataclass: (field name, default, type as written, Option)."""
+    from dataclasses import fields
+
+    return [
+        (f.name, f.default, str(f.type), f.metadata["option"]) for f in fields(cls) if "option" in f.metadata
+    ]
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (for a copy of a config's knobs elsewhere, such
+    as the simulator's InstanceSpec, that must not restate it)."""
+    from dataclasses import fields
+
+    (f,) = [f for f in fields(cls) if f.name == name]
+    if f.default is MISSING:
+        raise ValueError(f"{cls.__name__}.{name} has no plain default")
+    return f.default
 
 
 def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -105,14 +185,18 @@ class RopeConfig:
             )
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         # As transformers: a top-level original_max_position_embeddings wins over the rope dict's.
-        original = _first(cfg, "original_max_position_embeddings", default=params.get("original_max_position_embeddings"))
+        original = _first(
+            cfg, "original_max_position_embeddings", default=params.get("original_max_position_embeddings")
+        )
         if original is None and rope_type in ("llama3", "yarn", "longrope"):
             original = max_pos
         factor = params.get("factor")
         if factor is None:
             # yarn and longrope without a factor stretch the original length to the model's.
             factor = max_pos / original if rope_type in ("yarn", "longrope") and original else 1.0
-        partial = _first(params, "partial_rotary_factor", default=_first(cfg, "partial_rotary_factor", default=1.0))
+        partial = _first(
+            params, "partial_rotary_factor", default=_first(cfg, "partial_rotary_factor", default=1.0)
+        )
         attention_factor = params.get("attention_factor")
         return RopeConfig(
             theta=theta,
@@ -353,8 +437,12 @@ def parse_gemma(arch: str, cfg: dict[str, Any]) -> GemmaConfig:
     if layer_types is None:
         # Older configs: Gemma 2 alternates (even layers local); Gemma 3 has one global layer in
         # every `sliding_window_pattern`.
-        pattern = int(_first(cfg, "sliding_window_pattern", "_sliding_window_pattern", default=6)) if gemma3 else 2
-        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+        pattern = (
+            int(_first(cfg, "sliding_window_pattern", "_sliding_window_pattern", default=6)) if gemma3 else 2
+        )
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+        ]
     if len(layer_types) != num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     window = cfg.get("sliding_window", 4096)
@@ -369,9 +457,7 @@ def parse_gemma(arch: str, cfg: dict[str, Any]) -> GemmaConfig:
         sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
         attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
-        final_logit_softcapping=_optional_float(
-            cfg.get("final_logit_softcapping", None if gemma3 else 30.0)
-        ),
+        final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping", None if gemma3 else 30.0)),
         hidden_activation=str(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
         qk_norm=gemma3,
         local_rope=local,
@@ -418,42 +504,147 @@ class EngineConfig:
     """Engine arguments, named as vLLM names them."""
 
     model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    block_size: int = 16
-    kv_cache_memory: int = 2 << 30
-    num_kv_blocks: int | None = None
-    attention_backend: str = "torch"
+    tokenizer: str | None = option(
+        None,
+        "tokenizer folder (unset: the model folder's, or a GGUF file's own from its metadata)",
+    )
+    dtype: str = option(
+        "auto",
+        "weights and activations. auto: bfloat16 on CUDA, and where the CPU has AMX-BF16 or AVX512-BF16 "
+        "(amx_bf16 or avx512_bf16 in /proc/cpuinfo: Xeons from Cooper Lake and Sapphire Rapids on, "
+        "AMD EPYC from Zen 4 on), float32 on other CPUs (AVX2-only, or AVX-512 without BF16); "
+        "TANDEM_AUTO_DTYPE=float32|bfloat16 overrides it, and the start-up log says which",
+        choices=DTYPES,
+    )
+    seed: int = option(0, "seed of the engine's sampling generator")
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (unset: the model's)")
+    max_num_seqs: int = option(256, "sequences running at once")
+    max_num_batched_tokens: int = option(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        "token budget of one step, shared by prefill chunks and decodes",
+    )
+    block_size: int = option(16, "tokens per KV-cache block")
+    # KV cache bytes (None: DEFAULT_KV_CACHE_MEMORY on a CPU; on CUDA what gpu_memory_utilization
+    # leaves); num_kv_blocks, where given, overrides both.
+    kv_cache_memory: int | None = option(
+        None,
+        "KV cache size in bytes (unset: 2 GiB on a CPU; on CUDA, from --gpu-memory-utilization)",
+    )
+    num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides memory)")
+    # "auto": "torch" on CPU, "triton" on CUDA; "flashinfer" where that package is installed (CUDA).
+    attention_backend: str = option(
+        "auto",
+        "auto: torch on a CPU, triton on CUDA; flashinfer where that package is installed (CUDA)",
+        choices=ATTENTION_BACKEND_CHOICES,
+    )
+    # "auto": CUDA when torch sees a GPU, else the CPU; "cuda" without a GPU is a ValueError.
+    device: str = option(
+        "auto",
+        "where the model runs. auto: CUDA when torch sees a GPU, else the CPU; cuda without a GPU "
+        "is an error (docs/gpu.md)",
+        choices=DEVICES,
+    )
+    # "auto": the checkpoint's weights; "dummy": random weights of config.json's shape (seeded by
+    # `seed`), made on the device: a folder with config.json (and a tokenizer) is enough.
+    load_format: str = option(
+        "auto",
+        "auto: the checkpoint's weights; dummy: random weights of config.json's shape made on the "
+        "device (seeded by --seed), no weight file: for benchmarks",
+        choices=LOAD_FORMATS,
+    )
+    # CUDA only: the fraction of the GPU's total memory this engine may use (vLLM's meaning).
+    gpu_memory_utilization: float = option(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        "CUDA: the fraction of the GPU's total memory the engine takes; the KV cache gets what the "
+        "weights and the profiled peak leave (unless --kv-cache-memory or --num-kv-blocks is given)",
+    )
+    # CUDA only: no CUDA graphs (every decode step runs eagerly, as on a CPU).
+    enforce_eager: bool = option(False, "CUDA: no CUDA graphs for decode batches (a CPU never uses them)")
     # Quantization of the linear layers: None (the checkpoint's own, if any), "int8" (a float
     # checkpoint quantized at load, tandem/model/quant.py; on a 4-bit checkpoint, the layers it
     # keeps in float, such as the LM head), or the checkpoint's method named ("awq", "gptq",
     # "compressed-tensors", "fp8"; vLLM's aliases too), checked against it.
-    quantization: str | None = None
+    quantization: str | None = option(
+        None,
+        "int8: quantize a float checkpoint's linear layers at load (on a 4-bit checkpoint, the "
+        "layers it keeps in float, such as the LM head); awq, gptq, compressed-tensors, "
+        "fp8: the checkpoint's own format (read from config.json when unset; checked when given); "
+        "gguf: keep a GGUF file's Q4_0/Q4_1/Q4_K blocks packed for the 4-bit kernels (the default "
+        "with --dtype auto; an explicit --dtype without it dequantizes every tensor to that dtype)",
+        choices=QUANTIZATION_CHOICES,
+        aliases=("-q",),
+    )
     # How the KV cache holds K and V: "auto" (the model dtype), or "int8" / "fp8" (= "fp8_e4m3"): one
     # byte per value plus a float32 scale per token and KV head, about half of bfloat16's bytes, so
     # the same kv_cache_memory holds about twice the tokens (tandem/model/kv_quant.py).
-    kv_cache_dtype: str = "auto"
-    num_threads: int | None = None
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = FCFS
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the model dtype), or int8 / fp8 (= fp8_e4m3) with a scale per token "
+        "and KV head, about twice bfloat16's tokens in the same --kv-cache-memory",
+        choices=KV_CACHE_DTYPES,
+    )
+    # Preemption (tandem/core/preemption.py), vLLM's `preemption_mode`: "auto" swaps or recomputes each
+    # victim by which costs less, "swap" swaps whenever the swap space has room, "recompute" never swaps.
+    preemption_mode: str = option(
+        "auto",
+        "auto: swap or recompute each preempted request by which costs less (docs/defaults.md); "
+        "swap: whenever the swap space has room; recompute: never swap",
+        choices=PREEMPTION_MODES,
+    )
+    # Host memory for swapped-out requests' KV, in GiB (vLLM's `--swap-space`); 0: no swap, every
+    # preemption recomputes. None: DEFAULT_SWAP_SPACE_GIB_CUDA on CUDA, 0 on a CPU.
+    swap_space: float | None = option(
+        None,
+        "GiB of host memory for the KV of requests preempted by swap; 0: every preemption "
+        "recomputes (unset: 4 on CUDA, 0 on a CPU)",
+    )
+    # The cost model's constants (None: the device's default above): the host link's bandwidth each
+    # way in GB/s, and the FLOP rate a prefill reaches in TFLOP/s.
+    swap_bandwidth_gbps: float | None = option(
+        None,
+        "the preemption cost model's host link bandwidth each way, GB/s (unset: the device's default)",
+    )
+    recompute_tflops: float | None = option(
+        None,
+        "the preemption cost model's prefill FLOP rate, TFLOP/s (unset: the device's default)",
+    )
+    num_threads: int | None = option(None, "torch CPU threads (unset: torch's default)")
+    enable_prefix_caching: bool = option(True, "reuse the KV cache of shared prompt prefixes")
+    scheduling_policy: str = option(
+        FCFS,
+        "which waiting request runs first: arrival order, priority, or longest prefix match",
+        choices=SCHEDULING_POLICIES,
+    )
     # A waiting request older than this outranks all others (the documented starvation bound).
-    starvation_timeout_s: float = 30.0
-    # tenant -> {"weight": float, "max_running": int, "max_blocks": int}
-    tenant_quotas: dict[str, dict[str, Any]] | None = None
+    starvation_timeout_s: float = option(
+        30.0,
+        "a request waiting longer than this goes first within its tenant's share",
+    )
+    # Given as tenant -> {"weight": float, "max_running": int, "max_blocks": int}; held parsed, as
+    # tenant -> tandem.core.policy.TenantQuota (a ValueError at construction names what is wrong).
+    tenant_quotas: dict[str, Any] | None = option(
+        None,
+        'JSON: {"tenant": {"weight": 1.0, "max_running": 8, "max_blocks": 1000}}',
+    )
     # As vLLM: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     # "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH, "num_speculative_tokens": k};
-    # plus "adaptive": true, false or a dict of tandem.spec.config.AdaptiveConfig's settings.
-    speculative_config: dict[str, Any] | None = None
+    # plus "adaptive": true, false or a dict of tandem.spec.config.AdaptiveConfig's settings. Held
+    # parsed, as a tandem.spec.config.SpeculativeConfig (a ValueError at construction names the key).
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = option(
+        None,
+        'JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, ...}',
+    )
     # Moving a request's KV to another instance (tandem/kvtransfer): the transport ("zmq": frames
     # over tcp:// or ipc://; "shm": a shared-memory segment per message, same host only); how long
     # either end waits on the other before giving the transfer up; and the staged copy of a live
     # migration: copy stages while more than `migration_stop_blocks` full blocks are new since
     # the last one, at most `migration_max_stages`, then pause the request and copy the rest.
-    kv_transport: str = "zmq"
+    kv_transport: str = option(
+        "zmq",
+        "how KV blocks move between instances: zmq (tcp/ipc frames) or shm (shared memory, one host)",
+        choices=KV_TRANSPORTS,
+        group="cluster (Ray)",
+    )
     kv_transfer_timeout_s: float = 10.0
     migration_max_stages: int = 4
     migration_stop_blocks: int = 2
@@ -468,9 +659,23 @@ class EngineConfig:
     structured_outputs_check_timeout_s: float = 5.0
     # A file each engine appends one JSON line per step to (start, seconds, planned shape; see
     # tandem/engine/step_trace.py); None: no trace.
-    step_trace: str | None = None
+    step_trace: str | None = option(
+        None,
+        "append one JSON line per engine step (start, seconds, planned shape) to FILE",
+        metavar="FILE",
+    )
 
     def __post_init__(self) -> None:
+        # The two structured arguments are parsed once, here: a bad one fails where it is given.
+        from tandem.core.policy import parse_tenant_quotas
+        from tandem.spec.config import SpeculativeConfig
+
+        if self.tenant_quotas is not None:
+            object.__setattr__(self, "tenant_quotas", parse_tenant_quotas(self.tenant_quotas))
+        if self.speculative_config is not None:
+            object.__setattr__(
+                self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config)
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -479,11 +684,23 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES}, got {self.attention_backend!r}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        gpu = self.gpu_memory_utilization
+        if isinstance(gpu, bool) or not isinstance(gpu, (int, float)) or not 0.0 < gpu <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a boolean, got {self.enforce_eager!r}")
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
             "block_size",
-            "kv_cache_memory",
             "structured_outputs_cache_size",
             "structured_outputs_cache_bytes",
         ):
@@ -494,8 +711,8 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
-        if self.kv_transport not in ("zmq", "shm"):
-            raise ValueError(f"kv_transport must be 'zmq' or 'shm', got {self.kv_transport!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s!r}")
         if self.migration_max_stages < 0 or self.migration_stop_blocks < 0:
@@ -507,7 +724,22 @@ class EngineConfig:
             )
         if not self.starvation_timeout_s > 0:
             raise ValueError(f"starvation_timeout_s must be positive, got {self.starvation_timeout_s!r}")
-        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        for name in ("swap_space", "swap_bandwidth_gbps", "recompute_tflops"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not ((value >= 0 if name == "swap_space" else value > 0) and value != float("inf"))
+            ):
+                kind = "a number >= 0" if name == "swap_space" else "a positive number"
+                raise ValueError(f"{name} must be {kind} or None, got {value!r}")
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_blocks", "num_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")

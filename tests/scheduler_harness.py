@@ -25,6 +25,12 @@ only growing while a request runs, drafts only on decoding requests and only as 
 `update` rewinding over rejected drafts without freeing a block; and, through the scheduler's
 `on_preempt` hook, every victim choice against the documented victim rules (drafts never make a
 request wait for blocks or preempt another). At the end every block is released.
+
+Swap (`Harness(num_swap_blocks=..., preemption=...)`): the fake runner keeps a host store beside the
+device one and performs the step's swap-outs, copy-on-write copies and swap-ins in the runner's
+order, poisoning a device block it copied out once nobody holds it and a host block once copied
+back in, so a swapped-in request that reads anything but its own KV fails its reads. The state check
+counts swapped requests' kept device blocks and host blocks: every host block has one owner.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.policy import PRIORITY, SchedulingConfig
+from tandem.core.preemption import PreemptionCost
 from tandem.core.prefix_cache import Node
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Preemption, Scheduler, SpecHook
@@ -235,8 +242,12 @@ class FakeRunner:
         self.store: list[list[tuple[int, int, int] | None]] = [
             [None] * kv.block_size for _ in range(kv.num_blocks)
         ]
+        self.host_store: list[list[tuple[int, int, int] | None]] = [
+            [None] * kv.block_size for _ in range(kv.num_swap_blocks)
+        ]
         self.active: dict[str, Request] = {}  # per-request state a real runner would keep
         self.num_copies = 0
+        self.num_swapped_out = self.num_swapped_in = 0
 
     def slot(self, req: Request, pos: int) -> tuple[int, int]:
         bs = self.kv.block_size
@@ -259,10 +270,31 @@ class FakeRunner:
         bs = self.kv.block_size
         for rid in sched.finished_ids:
             self.active.pop(rid, None)
+        swap_pool = self.kv.swap_pool
+        back_in = {h for h, _ in sched.swap_in}  # a victim of this step may come back in it too
+        assert len({h for _, h in sched.swap_out}) == len(sched.swap_out), "two swap-outs into one host block"
+        for dev, host in sched.swap_out:  # first: their device blocks may be reused in this step
+            assert swap_pool is not None, "a swap-out without a swap space"
+            assert swap_pool.refcount(host) == 1 or host in back_in, "swap-out into a free host block"
+            assert any(slot is not None for slot in self.store[dev]), "swap-out of a block never written"
+            self.host_store[host] = list(self.store[dev])
+            self.num_swapped_out += 1
+        for dev, _ in sched.swap_out:
+            if pool.refcount(dev) == 0:
+                self.store[dev] = [None] * bs  # nobody holds it: whoever reads it now is wrong
         for src, dst in sched.block_copies:
             assert pool.refcount(dst) == 1, "copy into a block that is free or shared"
             self.store[dst] = list(self.store[src])
             self.num_copies += 1
+        for host, dev in sched.swap_in:
+            assert swap_pool is not None and swap_pool.refcount(host) == 0, "a swapped-in host block kept"
+            assert pool.refcount(dev) == 1, "swap-in into a block that is free or shared"
+            assert any(slot is not None for slot in self.host_store[host]), (
+                "swap-in of a host block never written"
+            )
+            self.store[dev] = list(self.host_store[host])
+            self.host_store[host] = [None] * bs
+            self.num_swapped_in += 1
         out = RunnerOutput()
         for req, n in zip(sched.requests, sched.num_tokens):
             rid = req.request_id
@@ -309,15 +341,47 @@ class FakeRunner:
 
 
 class CheckedKV(KVCacheManager):
-    """Checks, whenever blocks may go into the prefix cache, that they hold only verified tokens' KV."""
+    """Checks, whenever blocks may go into the prefix cache, that they hold only verified tokens' KV;
+    records swaps, and checks that a request is swapped back in with the tokens it had computed."""
 
     runner: FakeRunner
+    swapped_computed: dict[str, int]
+    swapped_in: list[Request]
 
     def cache_computed(self, req: Request) -> None:
         assert req.num_computed_tokens <= req.num_tokens, "computed past the known tokens"
         full = req.num_computed_tokens // self.block_size * self.block_size
         self.runner.check_read(req, req.token_ids[:full])
         super().cache_computed(req)
+
+    def swap_out(self, req: Request, copies: list[tuple[int, int]]) -> bool:
+        # Everything it computed is read back intact first: what goes to host memory is its own KV.
+        self.runner.check_read(req, req.token_ids[: req.num_computed_tokens])
+        if not super().swap_out(req, copies):
+            return False
+        self.swapped_computed[req.request_id] = req.num_computed_tokens
+        return True
+
+    def swap_in(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        copies: list[tuple[int, int]],
+        swap_copies: list[tuple[int, int]],
+    ) -> bool:
+        computed, table, host = req.num_computed_tokens, list(req.block_ids), list(req.host_block_ids)
+        if not super().swap_in(req, num_new_tokens, copies, swap_copies):
+            assert (req.num_computed_tokens, req.block_ids, req.host_block_ids) == (computed, table, host), (
+                "a failed swap-in changed the request"
+            )
+            return False
+        assert self.swapped_computed.pop(req.request_id) == req.num_computed_tokens == computed
+        self.swapped_in.append(req)
+        return True
+
+    def free(self, req: Request, cache: bool = True) -> None:
+        self.swapped_computed.pop(req.request_id, None)  # a swapped request may end without coming back
+        super().free(req, cache)
 
 
 def fits(kv: KVCacheManager, req: Request, n: int) -> bool:
@@ -381,6 +445,9 @@ class Harness:
     seed: int = 0
     target: Target = next_token
     spec: SpecHook | None = None  # a SpecHook to use instead of RandomDrafts
+    # Swap: host blocks of swap space, and the cost model choosing swap or recompute (None: recompute).
+    num_swap_blocks: int = 0
+    preemption: PreemptionCost | None = None
     kv: CheckedKV = field(init=False)
     sched: Scheduler = field(init=False)
     runner: FakeRunner = field(init=False)
@@ -409,10 +476,14 @@ class Harness:
     num_accepted: int = 0
     num_rewound: int = 0  # verifies that rejected at least one draft
     num_extra_blocks: int = 0  # steps ending with a request holding blocks past what it computed
+    # Per sample, the tokens each step handed out as new (as the engine core's outputs take them).
+    delivered: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
-        self.kv = CheckedKV(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        self.kv = CheckedKV(
+            self.num_blocks, self.block_size, self.enable_prefix_caching, self.num_swap_blocks
+        )
         if self.spec is None and self.mode is not None:
             self.spec = RandomDrafts(self.mode, self.max_k, random.Random(rng.random()), self.target)
         kwargs = {} if self.clock is None else {"clock": self.clock}
@@ -424,10 +495,12 @@ class Harness:
             config=self.config,
             spec=self.spec,
             on_preempt=self.check_preemption,
+            preemption=self.preemption,
             **kwargs,
         )
         self.runner = FakeRunner(self.kv, self.target, random.Random(rng.random()), self.deterministic)
         self.kv.runner = self.runner
+        self.kv.swapped_computed, self.kv.swapped_in = {}, []
         self.planned: dict[str, int] = {}
         self.proposed: dict[str, list[int]] = {}
         self.observed: list[tuple[str, int, int]] = []
@@ -535,8 +608,10 @@ class Harness:
         for rid, r in sched.requests.items():
             assert r.request_id == rid and not r.is_finished
             assert self.members.get(rid) is r
-        # Every reference to a block is held by exactly one live request's block table, or by the cache.
-        holders = Counter(b for r in running for b in r.block_ids)
+        swapped = [r for r in waiting if r.status == RequestStatus.SWAPPED]
+        # Every reference to a block is held by exactly one live request's block table (a swapped
+        # request's kept blocks too), or by the cache.
+        holders = Counter(b for r in running + swapped for b in r.block_ids)
         owned = self.check_tree(holders) if kv.cache is not None else set()
         for b in range(pool.num_blocks):
             assert pool.refcount(b) == holders[b] + (b in owned), (
@@ -544,6 +619,14 @@ class Harness:
             )
         # Conservation: free + cached only + held by requests == all blocks.
         assert pool.num_free + len(owned - set(holders)) + len(holders) == pool.num_blocks
+        # Every host block in use has exactly one owner, a swapped request; none leaks.
+        host_holders = Counter(h for r in swapped for h in r.host_block_ids)
+        assert all(c == 1 for c in host_holders.values()), "a host block owned twice"
+        if kv.swap_pool is None:
+            assert not host_holders
+        else:
+            for h in range(kv.swap_pool.num_blocks):
+                assert kv.swap_pool.refcount(h) == host_holders[h], f"host block {h} leaked or double-owned"
         assert sum(r.num_seats for r in running) <= sched.max_num_seqs
         # A step admits only after serving every running request in full (each then samples), and
         # only the last request it admits can be left partly computed: so at most one running request
@@ -561,8 +644,14 @@ class Harness:
                 assert len(r.block_ids) >= kv.blocks_for(r.num_computed_tokens)
                 assert len(r.block_ids) <= kv.blocks_for(r.num_prompt_tokens + r.max_tokens)
         for r in waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+            if r.status == RequestStatus.SWAPPED:
+                # Its computed KV is kept whole: leading device blocks shared with others, the rest on host.
+                assert 0 < r.num_computed_tokens < r.num_tokens and r.num_preemptions > 0
+                assert len(r.block_ids) + len(r.host_block_ids) == kv.blocks_for(r.num_computed_tokens)
+                continue
             assert r.block_ids == [] and r.num_computed_tokens == 0 and r.prefix_node is None
+            assert not r.host_block_ids
             assert (r.status == RequestStatus.PREEMPTED) == (r.num_preemptions > 0)
         for c in pending:
             assert c.status == RequestStatus.WAITING
@@ -580,10 +669,13 @@ class Harness:
         owned: set[int] = set()
         unlocked: set[int] = set()
         expected_lock: Counter = Counter()
-        for r in self.sched.running:
+        holding = self.sched.running + [r for r in self.sched.waiting if r.status == RequestStatus.SWAPPED]
+        for r in holding:
             node = r.prefix_node
             assert isinstance(node, Node), f"running {r.request_id} has no prefix-cache node"
             assert node.end % bs == 0 and node.end <= r.num_computed_tokens
+            # A swapped request locks only the path its kept device blocks lie on.
+            assert node.end <= len(r.block_ids) * bs
             assert path_tokens(node) == r.token_ids[: node.end], f"{r.request_id} locks a foreign path"
             # It reads the cached blocks of the path it locks (no private duplicate of cached KV).
             assert r.block_ids[: node.end // bs] == path_blocks(node), f"{r.request_id} duplicates cached KV"
@@ -609,7 +701,7 @@ class Harness:
                         f"cached block {b} does not hold the KV of its path at position {pos}"
                     )
         assert len(owned) == cache.num_cached_blocks and len(unlocked) == cache.num_unlocked_blocks
-        for r in self.sched.running:
+        for r in holding:
             # Cached blocks a request holds all lie on the path it locks.
             assert not owned & set(r.block_ids[r.prefix_node.end // bs :]), (  # type: ignore[union-attr]
                 f"{r.request_id} holds cached blocks beyond the path it locks"
@@ -653,6 +745,8 @@ class Harness:
             for r in changed:
                 self.resumed_unsampled.discard(r.request_id)
                 assert r.num_output_tokens >= 1
+                start = lengths.get(r.request_id, r.num_prompt_tokens)  # a forked child: from its prompt
+                self.delivered.setdefault(r.request_id, []).extend(r.token_ids[start:])
             self._check_update(out, result, starts, lengths, tables, observed)
         bs = self.block_size
         for r in out.requests:
@@ -741,6 +835,9 @@ class Harness:
                 pos = [id(r) for r in out.requests]
                 assert id(cand) in pos and pos.index(id(cand)) < pos.index(id(v)), "a pointless preemption"
                 assert v.status == RequestStatus.RUNNING
+            elif v.status == RequestStatus.SWAPPED:
+                assert v.request_id in self.kv.swapped_computed, "swapped without swap_out"
+                assert any(v is w for w in sched.waiting)
             else:
                 assert (
                     v.status == RequestStatus.PREEMPTED and v.block_ids == [] and v.num_computed_tokens == 0
@@ -764,7 +861,11 @@ class Harness:
             if any(is_decode):
                 self.num_mixed += 1
         preempted_ids = {id(r) for r in out.preempted}
+        swapped_in = {id(r) for r in self.kv.swapped_in}
+        self.kv.swapped_in = []
         for r in out.requests:
+            if id(r) in swapped_in:
+                continue  # resumed with its own KV, nothing from the cache (checked in CheckedKV.swap_in)
             if id(r) not in before_running or id(r) in preempted_ids:
                 # Admitted this step: what it was given from the cache, against what an ideal cache holds.
                 matched, ideal = r.num_computed_tokens, self.ideal_match(r)
@@ -878,11 +979,17 @@ class Harness:
         self.kv.check_invariants()
         for rid, r in self.members.items():
             assert r.is_finished, f"{rid} never finished"
-            assert r.block_ids == []
+            assert r.block_ids == [] and r.host_block_ids == []
+            if self.id_uses[rid] == 1:
+                # Every output token was handed out exactly once, in order.
+                assert self.delivered.get(rid, []) == r.output_token_ids, f"{rid} delivered other tokens"
             n = self.finished_reported[rid]
             assert n == self.id_uses[rid], f"{rid} reported finished {n} times"
         assert set(self.finished_reported) == set(self.members)
         assert self.num_thrash == self.protected_victims
+        if self.kv.swap_pool is not None:
+            assert self.kv.swap_pool.num_free == self.kv.num_swap_blocks, "host blocks leaked"
+        assert not self.kv.swapped_computed, "a swapped-out request never came back nor finished"
 
 
 def outputs(h: Harness) -> dict[str, list[int]]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from tandem.checkpoints.cache import cached_model, model_cache_dir
 from tandem.checkpoints.registry import load_registry
 from tandem.config import GGUF_CONFIG_KEY, GGUF_QUANTIZATION, EngineConfig
+from tandem.spec.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +91,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     quantization = config.quantization
     if model.gguf_file is not None and quantization is None and config.dtype == "auto":
         quantization = GGUF_QUANTIZATION
-    spec = config.speculative_config
-    if spec is not None and isinstance(spec.get("model"), str):
-        spec = {**spec, "model": resolve_model(spec["model"]).path}
+    spec = config.speculative_config  # a SpeculativeConfig (EngineConfig parses it)
+    if isinstance(spec, SpeculativeConfig) and isinstance(spec.model, str):
+        spec = dataclasses.replace(spec, model=resolve_model(spec.model).path)
     changed = (model.path, tokenizer, quantization, spec) != (
         config.model,
         config.tokenizer,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.config import option
+
 DISPATCH_POLICIES = ("round_robin", "least_load", "prefix_aware")
 MIGRATION_TRIGGERS = ("imbalance", "priority")
 MIGRATION_MODES = ("live", "recompute")
@@ -11,10 +13,21 @@ MIGRATION_MODES = ("live", "recompute")
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    num_instances: int = 1
+    num_instances: int = option(
+        1,
+        "engine instances, each a Ray actor with its own KV cache (1: no Ray, one engine process)",
+        group="cluster (Ray)",
+    )
     # Ray cluster to join ("auto": the one `ray start` made on this host); None starts a local one.
-    ray_address: str | None = None
-    dispatch_policy: str = "least_load"
+    ray_address: str | None = option(
+        None, "join this Ray cluster ('auto': the one on this host)", group="cluster (Ray)"
+    )
+    dispatch_policy: str = option(
+        "least_load",
+        "how new requests are spread over the instances",
+        choices=DISPATCH_POLICIES,
+        group="cluster (Ray)",
+    )
     # CPUs each instance's actor reserves (its torch threads; the engine config's num_threads).
     cpus_per_instance: float = 1.0
     # least_load: a request whose priority is below 0 (ahead of the default) counts its KV demand
@@ -36,9 +49,19 @@ class ClusterConfig:
     # always migrates. Mode "live" copies the KV (tandem/kvtransfer); "recompute" resends the
     # request, which recomputes its KV where it lands.
     migration_triggers: tuple[str, ...] = ()
-    migration_mode: str = "live"
+    migration_mode: str = option(
+        "live",
+        "live: copy the KV cache between instances; recompute: resend the request",
+        choices=MIGRATION_MODES,
+        group="cluster (Ray)",
+    )
     migration_interval_s: float = 0.05
-    imbalance_threshold: float = 0.2
+    imbalance_threshold: float = option(
+        0.2,
+        "the imbalance trigger fires when the busiest instance's load (KV demand over KV size) "
+        "exceeds the idlest's by more than this",
+        group="cluster (Ray)",
+    )
     max_concurrent_migrations: int = 4
     # An instance that says nothing for this long is taken for hung (it reports at least every
     # second; one engine step must fit well within it): its requests resume elsewhere, it is stopped.
@@ -46,9 +69,19 @@ class ClusterConfig:
     # Prefill/decode disaggregation: instances 0..P-1 prefill, P..P+D-1 decode (num_instances = P+D).
     # Prompts shorter than `pd_min_prompt_tokens` skip it (prefilled where they decode): their
     # transfer would cost more than it saves (benchmarks/pd.py measures the crossover).
-    prefill_instances: int = 0
-    decode_instances: int = 0
-    pd_min_prompt_tokens: int = 0
+    prefill_instances: int = option(
+        0,
+        "prefill/decode disaggregation: this many instances prefill (with --decode-instances)",
+        group="cluster (Ray)",
+    )
+    decode_instances: int = option(
+        0, "instances that decode (with --prefill-instances)", group="cluster (Ray)"
+    )
+    pd_min_prompt_tokens: int = option(
+        0,
+        "shorter prompts skip disaggregation: prefilled on the decode instance itself",
+        group="cluster (Ray)",
+    )
 
     @property
     def disaggregated(self) -> bool:

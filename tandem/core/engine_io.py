@@ -3,12 +3,17 @@ tokenized, validated request) and `SampleOutput` (what one sample gained in a st
 
 They live below both the engine and the KV plane (tandem/kvtransfer carries a request between
 engines) so that neither needs the other's modules to name them; tandem/engine/messages.py
-wraps them into the messages that cross the process boundary."""
+wraps them into the messages that cross the process boundary. `sample_request` makes the
+scheduler's `Request` for one sample of an `EngineCoreRequest`: the one way a request is built,
+by the engine core and by the cluster simulator alike."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.core.request import Request
 from tandem.core.step_io import SampledLogprobs
 from tandem.sampling_params import SamplingParams
 
@@ -59,3 +64,40 @@ class SampleOutput:
     # per token from the prompt's token `prompt_logprobs_start` on.
     prompt_logprobs: list[SampledLogprobs] | None = None
     prompt_logprobs_start: int = 0
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample 0 uses the request's seed; others get distinct streams derived from (seed, index)."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample_request(
+    req: EngineCoreRequest,
+    index: int = 0,
+    outputs: list[int] | None = None,
+    eos_token_ids: Sequence[int] = (),
+) -> Request:
+    """The scheduler's Request for sample `index` of `req`, with `outputs` already produced."""
+    params = req.params
+    member = Request(
+        request_id=req.request_id if index == 0 else f"{req.request_id}#{index}",
+        prompt_token_ids=req.prompt_token_ids,
+        sampling=params,
+        max_tokens=req.max_tokens,
+        eos_token_ids=tuple(eos_token_ids),
+        arrival_time=req.arrival_time,
+        priority=req.priority,
+        tenant=req.tenant,
+        cache_salt=req.cache_salt,
+        group_id=req.request_id,
+        sample_index=index,
+        seed=sample_seed(params.seed, index),
+        token_ids=[*req.prompt_token_ids, *outputs] if outputs else [],
+    )
+    if outputs or index > 0:
+        # Prompt logprobs are the leader's, and a sample with output had its prompt's sent already.
+        member.prompt_logprobs_next = len(req.prompt_token_ids)
+    return member

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tandem.core.block_pool import BlockPool
 from tandem.core.prefix_cache import Node, PrefixCache
-from tandem.core.request import Request
+from tandem.core.request import Request, RequestStatus
 
 
 def cdiv(a: int, b: int) -> int:
@@ -12,14 +12,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    __slots__ = ("block_size", "cache", "num_hit_tokens", "num_query_tokens", "pool")
+    __slots__ = ("block_size", "cache", "pool", "swap_pool")
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False, num_swap_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
-        self.num_query_tokens = 0
-        self.num_hit_tokens = 0
+        # The swap space: host blocks holding swapped-out requests' KV (None: no swap).
+        self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks > 0 else None
 
     @property
     def num_blocks(self) -> int:
@@ -76,6 +78,8 @@ class KVCacheManager:
 
     def match_len(self, req: Request) -> int:
         """Tokens of `req` a cached prefix would cover (read-only; for ordering the queue)."""
+        if req.status == RequestStatus.SWAPPED:
+            return req.num_computed_tokens  # all of its KV is kept
         if self.cache is None or req.owes_prompt_logprobs:
             return 0
         return self.cache.match_len(req.token_ids[: req.num_tokens - 1], req.cache_salt)
@@ -83,7 +87,14 @@ class KVCacheManager:
     def blocks_to_admit(self, req: Request) -> int:
         """Blocks that admitting `req` (with no blocks) and computing its tokens takes out of
         `num_available`: those beyond its cached prefix, plus the prefix blocks idle now (matching
-        locks them, so they stop counting as available)."""
+        locks them, so they stop counting as available). A swapped request needs its swapped blocks
+        back, those its remaining tokens take and copies of kept shared blocks it writes into (at
+        most: swap-in may find some of its blocks still cached)."""
+        if req.status == RequestStatus.SWAPPED:
+            kept, table = req.block_ids, len(req.block_ids) + len(req.host_block_ids)
+            first = req.num_computed_tokens // self.block_size
+            shared = sum(self.pool.refcount(kept[i]) > 1 for i in range(first, len(kept)))
+            return len(req.host_block_ids) + max(0, self.blocks_for(req.num_tokens) - table) + shared
         if self.cache is None or req.owes_prompt_logprobs:
             return self.blocks_for(req.num_tokens)
         matched, idle = self.cache.match_stats(req.token_ids[: req.num_tokens - 1], req.cache_salt)
@@ -185,9 +196,10 @@ class KVCacheManager:
         req.block_ids = list(block_ids)
 
     def free(self, req: Request, cache: bool = True) -> None:
-        """Drop a request's blocks; its computed full blocks go to the prefix cache first."""
+        """Drop a request's blocks; its computed full blocks go to the prefix cache first (not those
+        of a swapped-out request: its table is partly in host blocks, which are dropped too)."""
         if self.cache is not None:
-            if cache:
+            if cache and not req.host_block_ids:
                 self.cache_computed(req)
             node = req.prefix_node
             if isinstance(node, Node):
@@ -195,8 +207,137 @@ class KVCacheManager:
             req.prefix_node = None
         self.pool.free(req.block_ids)
         req.block_ids = []
+        if req.host_block_ids:
+            assert self.swap_pool is not None, "host blocks without a swap space"
+            self.swap_pool.free(req.host_block_ids)
+            req.host_block_ids = []
+
+    # -- swap: preemption that keeps a request's KV, in host memory --------------------------------
+
+    @property
+    def num_swap_blocks(self) -> int:
+        return self.swap_pool.num_blocks if self.swap_pool is not None else 0
+
+    def swap_plan(self, req: Request) -> tuple[int, int]:
+        """What `swap_out` would do to `req` now, read-only: (blocks it would copy to host memory,
+        leading blocks it would keep on the device). It keeps the leading blocks another request
+        holds too (a shared prefix, a fork's prompt): they stay on the device anyway, so copying
+        them would free nothing. Blocks past its computed tokens (rejected drafts' slots) hold
+        nothing to keep and are just freed."""
+        table = req.block_ids[: self.blocks_for(req.num_computed_tokens)]
+        node = req.prefix_node
+        cached = node.end // self.block_size if isinstance(node, Node) else 0
+        keep = 0
+        # Besides this request's own reference, the prefix cache holds one on the blocks of its path.
+        while keep < len(table) and self.pool.refcount(table[keep]) > 1 + (keep < cached):
+            keep += 1
+        return len(table) - keep, keep
+
+    def swap_out(self, req: Request, copies: list[tuple[int, int]]) -> bool:
+        """Preempt `req` by swap: its computed blocks but the kept ones (`swap_plan`) get host blocks,
+        the `(device, host)` pairs appended to `copies` for the runner to copy before anything
+        overwrites them, and the request drops its device references; it keeps
+        `num_computed_tokens`. Its cached blocks past the kept ones stay in the prefix cache,
+        unlocked (evictable), and `swap_in` takes them back from there if they are still cached.
+        Returns False, changing nothing, if there is no swap space or not enough of it free."""
+        num_swap, keep = self.swap_plan(req)
+        if self.swap_pool is None or num_swap > self.swap_pool.num_free:
+            return False
+        bs, table = self.block_size, req.block_ids
+        host = self.swap_pool.allocate(num_swap)
+        copies.extend(zip(table[keep : keep + num_swap], host))
+        node = req.prefix_node
+        if self.cache is not None and isinstance(node, Node) and keep * bs < node.end:
+            # Lock only the path up to the kept blocks (split there if a node straddles the point).
+            _, kept_node = self.cache.match(req.token_ids[: keep * bs], req.cache_salt)
+            self.cache.lock(kept_node)
+            self.cache.unlock(node)
+            req.prefix_node = kept_node
+        self.pool.free(table[keep:])
+        req.block_ids = table[:keep]
+        req.host_block_ids = host
+        return True
+
+    def swap_out_kept(self, req: Request, copies: list[tuple[int, int]]) -> bool:
+        """A swapped-out request's kept device blocks go to host memory too (`(device, host)` pairs
+        appended to `copies`), so it holds no device block and no prefix-cache path but its root.
+        Returns False, changing nothing, if the swap space has no room for them."""
+        kept = req.block_ids
+        if self.swap_pool is None or len(kept) > self.swap_pool.num_free:
+            return False
+        host = self.swap_pool.allocate(len(kept))
+        copies.extend(zip(kept, host))
+        node = req.prefix_node
+        if self.cache is not None and isinstance(node, Node) and node.parent is not None:
+            root = node
+            while root.parent is not None:
+                root = root.parent
+            self.cache.lock(root)
+            self.cache.unlock(node)
+            req.prefix_node = root
+        self.pool.free(kept)
+        req.block_ids = []
+        req.host_block_ids = host + req.host_block_ids
+        return True
+
+    def swap_in(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        copies: list[tuple[int, int]],
+        swap_copies: list[tuple[int, int]],
+    ) -> bool:
+        """Give a swapped-out request its blocks back and room for `num_new_tokens` more tokens (as
+        `allocate_slots`, copy-on-write pairs appended to `copies`). Swapped blocks the prefix
+        cache still holds (on the request's path) are taken from there; the others go into fresh
+        blocks, the `(host, device)` pairs appended to `swap_copies`. The host blocks are free again
+        once this returns: within a step every swap-out is planned before any swap-in, and the
+        runner copies out before in. Returns False, changing nothing, if the blocks cannot be had."""
+        bs, keep, host = self.block_size, len(req.block_ids), req.host_block_ids
+        length = keep + len(host)
+        start = req.num_computed_tokens
+        end = start + num_new_tokens
+        reuse: list[int] = []
+        node: Node | None = None
+        if self.cache is not None:
+            full = min(start // bs, length)
+            matched, _ = self.cache.match_stats(req.token_ids[: full * bs], req.cache_salt)
+            if matched // bs > keep:
+                blocks, node = self.cache.match(req.token_ids[:matched], req.cache_salt)
+                if blocks[:keep] == req.block_ids:
+                    reuse = blocks[keep:]
+                    self.pool.incref(reuse)
+                    self.cache.lock(node)  # before make_free below, which would evict them
+                else:
+                    node = None
+        table = req.block_ids + reuse
+        first, last = start // bs, min(len(table), self.blocks_for(end))
+        shared = sum(self.pool.refcount(table[i]) > 1 for i in range(first, last))
+        num_fresh = len(host) - len(reuse)
+        if not self.make_free(num_fresh + max(0, self.blocks_for(end) - length) + shared):
+            if node is not None:
+                assert self.cache is not None
+                self.cache.unlock(node)
+                self.pool.free(reuse)
+            return False
+        fresh = self.pool.allocate(num_fresh)
+        swap_copies.extend(zip(host[len(reuse) :], fresh))
+        assert self.swap_pool is not None, "a swapped request without a swap space"
+        self.swap_pool.free(host)
+        if node is not None:
+            assert self.cache is not None
+            if isinstance(req.prefix_node, Node):
+                self.cache.unlock(req.prefix_node)
+            req.prefix_node = node
+        req.block_ids = table + fresh
+        req.host_block_ids = []
+        if not self.allocate_slots(req, num_new_tokens, copies):
+            raise RuntimeError(f"swap-in of request {req.request_id} found fewer blocks than it made free")
+        return True
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        if self.swap_pool is not None:
+            self.swap_pool.check_invariants()
         if self.cache is not None:
             self.cache.check_invariants()

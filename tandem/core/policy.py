@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.core.request import Request
 
@@ -45,6 +46,30 @@ class TenantQuota:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"tenant {name} must be at least 1, got {v}")
+
+
+def parse_tenant_quotas(value: Any) -> dict[str, TenantQuota]:
+    """`tenant_quotas` as given (tenant -> {"weight", "max_running", "max_blocks"}, or TenantQuotas
+    already) as TenantQuotas; a ValueError names the field and the tenant."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"tenant_quotas must be a dict of tenant -> quota, got {type(value).__name__}")
+    out = {}
+    for name, quota in value.items():
+        if isinstance(quota, TenantQuota):
+            out[name] = quota
+            continue
+        if not isinstance(quota, dict):
+            raise ValueError(f"tenant_quotas[{name!r}] must be a dict of weight/max_running/max_blocks")
+        unknown = set(quota) - {"weight", "max_running", "max_blocks"}
+        if unknown:
+            raise ValueError(f"tenant_quotas[{name!r}] has unknown keys {sorted(unknown)}")
+        try:
+            out[name] = TenantQuota(**quota)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"tenant_quotas[{name!r}]: {exc}") from None
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 6
     # Held out of scheduling with its blocks kept: its KV is being handed to another instance.
     PAUSED = 7
+    # Preempted by swap: waiting with its computed KV kept, in host blocks (`Request.host_block_ids`)
+    # plus the leading device blocks other requests hold too; swapped in, it goes on where it was.
+    SWAPPED = 8
 
     @property
     def finished(self) -> bool:
@@ -70,6 +73,8 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # While SWAPPED: the host (swap space) blocks holding its block table from `len(block_ids)` on.
+    host_block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     pending_children: list[Request] = field(default_factory=list)

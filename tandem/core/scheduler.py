@@ -7,9 +7,15 @@ catch up. Running requests are served first (in admission order), then waiting
 ones (front first). A long prompt simply takes several steps (chunked prefill)
 and shares them with decodes.
 
-Preemption (recompute): when a running request cannot get KV blocks, a victim
-is preempted: its blocks are freed, its computed-token count reset, and it is
-put back at the front of the waiting queue. Victim rule: the latest-admitted
+Preemption: when a running request cannot get KV blocks, a victim is
+preempted and put back at the front of the waiting queue, by recompute (its
+blocks are freed and its computed-token count reset: it computes everything
+again when resumed) or by swap (its blocks are copied to the KV manager's host
+swap space and freed, status SWAPPED: resumed before the requests behind it,
+it gets fresh blocks the runner copies its KV back into, and goes on where it
+was). `PreemptionCost` (core/preemption.py) picks, per victim, whichever moves
+or computes less by its constants; without swap space every preemption
+recomputes. Victim rule: the latest-admitted
 running request not yet scheduled this step that is not protected; a request
 resumed after preemption is protected until it samples one new token, so it
 cannot be thrown out again before making progress. If every candidate is
@@ -54,7 +60,9 @@ from tandem.core.policy import (
     admission_key,
     order_waiting,
 )
+from tandem.core.preemption import RECOMPUTE, PreemptionCost
 from tandem.core.request import NO_ALLOWED_TOKEN, Request, RequestStatus
+from tandem.core.stats import EngineCounters
 from tandem.core.step_io import RunnerOutput, SchedulerOutput, SpecPlan
 
 
@@ -93,6 +101,8 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         spec: SpecHook | None = None,
         on_preempt: Callable[[Preemption], None] | None = None,
+        preemption: PreemptionCost | None = None,
+        counters: EngineCounters | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -113,7 +123,11 @@ class Scheduler:
         self.reserved_seats = 0
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
-        self.num_preemptions = 0
+        # Swap or recompute per victim (None: always recompute; so too without swap space).
+        self.preemption = preemption
+        # The engine's counters (tandem/core/stats.py, shared with the engine core): the scheduler
+        # counts prefix-cache lookups and preemptions there.
+        self.counters = counters if counters is not None else EngineCounters()
 
     # -- admission -------------------------------------------------------
 
@@ -203,6 +217,13 @@ class Scheduler:
     # -- one step --------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule_step()
+        # The bytes the runner will move (not those a swap-in takes back from the prefix cache).
+        self.counters.swap_out_bytes += len(out.swap_out) * self.kv_block_bytes
+        self.counters.swap_in_bytes += len(out.swap_in) * self.kv_block_bytes
+        return out
+
+    def _schedule_step(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
@@ -232,6 +253,8 @@ class Scheduler:
                 if k > 0:  # drafts are optional: drop them rather than wait or preempt for their blocks
                     n, k = n - k, 0
                     continue
+                if self._release_kept(out):
+                    continue
                 victim = self._pick_victim(i)
                 if self.on_preempt is not None:
                     self.on_preempt(Preemption(req, victim))
@@ -240,7 +263,7 @@ class Scheduler:
                     scheduled = False
                     i += 1
                     break
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is req:
                     scheduled = False
@@ -267,6 +290,9 @@ class Scheduler:
 
         if len(out.preempted) > num_priority_preempted or stalled:
             return out
+        while not self.running and order and self.kv.blocks_to_admit(order[0]) > self.kv.num_available:
+            if not self._release_kept(out):  # nothing runs to free blocks: swapped requests' kept ones go
+                break
         seats = self.seats_taken
         quotas = (
             bool(self.config.tenants)
@@ -285,17 +311,24 @@ class Scheduler:
             if quotas and self._over_quota(req, tenant_seats[req.tenant], tenant_blocks[req.tenant]):
                 continue
             first_time = req.first_scheduled_time is None
-            matched = self.kv.match_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n, out.block_copies):
-                self.kv.free(req, cache=False)
-                req.num_computed_tokens = 0
-                break
+            if req.status == RequestStatus.SWAPPED:
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.swap_in(req, n, out.block_copies, out.swap_in):
+                    break
+                self.counters.num_swap_ins += 1
+                matched = 0
+            else:
+                matched = self.kv.match_prefix(req)
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(req, n, out.block_copies):
+                    self.kv.free(req, cache=False)
+                    req.num_computed_tokens = 0
+                    break
             if first_time:
                 req.first_scheduled_time = now
                 req.num_cached_tokens = matched
-                self.kv.num_query_tokens += req.num_prompt_tokens
-                self.kv.num_hit_tokens += matched
+                self.counters.prefix_cache_queries += req.num_prompt_tokens
+                self.counters.prefix_cache_hits += matched
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -408,7 +441,7 @@ class Scheduler:
             victim = victims.pop()
             if self.on_preempt is not None:
                 self.on_preempt(Preemption(cand, victim, for_priority=True))
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted.append(victim)
 
     def _pick_victim(self, i: int) -> Request | None:
@@ -425,15 +458,64 @@ class Scheduler:
             return None
         return self.running[-1]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
+        if self._swap_out(req, out):
+            req.status = RequestStatus.SWAPPED
+            self.counters.num_swap_outs += 1
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.counters.num_recompute_preemptions += 1
         req.num_preemptions += 1
         req.protected_until_outputs = req.num_output_tokens + 1
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         self.waiting.insert(0, req)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block, as the cost model has them (0 without one: no swap then)."""
+        return self.preemption.block_bytes if self.preemption is not None else 0
+
+    def _release_kept(self, out: SchedulerOutput) -> bool:
+        """Blocks are short: the swapped request that resumes last among those still holding device
+        blocks (kept because a running request shared them) gives them up, to the swap space with
+        the rest of its KV or, without room there, by going to recompute. False if no swapped
+        request holds any. Kept blocks are otherwise held until swap-in, and once their sharers have
+        left (or been swapped out too) nothing else would ever free them."""
+        holders = [r for r in self.waiting if r.status == RequestStatus.SWAPPED and r.block_ids]
+        req = holders[-1] if holders else None
+        if req is None:
+            return False
+        if out.swap_in:
+            raise RuntimeError("a swap-out planned after a swap-in in the same step")
+        if not self.kv.swap_out_kept(req, out.swap_out):
+            host = set(req.host_block_ids)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            # Copies into its host blocks planned this step are moot now (and the blocks may be reused).
+            out.swap_out[:] = [(d, h) for d, h in out.swap_out if h not in host]
+        return True
+
+    def _swap_out(self, req: Request, out: SchedulerOutput) -> bool:
+        """Swap the victim out if the cost model prefers it and the swap space has room."""
+        cost, kv = self.preemption, self.kv
+        if cost is None or cost.mode == RECOMPUTE or kv.swap_pool is None or req.num_computed_tokens == 0:
+            return False
+        if out.swap_in:
+            # Swap-in frees its host blocks at once: one reused by a later swap-out would be written
+            # before it is read. Victims are all chosen before admission, so this never happens.
+            raise RuntimeError("a swap-out planned after a swap-in in the same step")
+        kv.cache_computed(req)  # as recompute's free would: the swap plan then sees the cached path
+        num_blocks, keep = kv.swap_plan(req)
+        # Recompute would compute everything again but a kept prefix the prefix cache holds.
+        node_end = getattr(req.prefix_node, "end", 0) if kv.cache is not None else 0
+        start = min(keep * kv.block_size, node_end)
+        if not cost.swaps(num_blocks, start, req.num_computed_tokens):
+            return False
+        return kv.swap_out(req, out.swap_out)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, fork, stop. Returns requests with new tokens."""

@@ -27,6 +27,12 @@ class SchedulerOutput:
     num_tokens: list[int] = field(default_factory=list)
     # (src, dst) block copies to perform before the forward (copy-on-write).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Preemption by swap: (device block, host block) copies out of the KV cache into the swap space,
+    # and (host block, device block) copies back in. The runner performs, in this order, the swap-outs
+    # (their device blocks may be reused in this very step), the copy-on-write copies (a source
+    # may be a block freed this step and handed to a swap-in), then the swap-ins.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # Requests that ended since the previous step; the runner drops their state.
     finished_ids: list[str] = field(default_factory=list)

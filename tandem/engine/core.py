@@ -7,21 +7,31 @@ or detokenization. Messages in and out are plain dataclasses.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.config import EngineConfig, ModelConfig
-from tandem.core.engine_io import EngineCoreRequest, SampleOutput
+from tandem.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    DEFAULT_RECOMPUTE_TFLOPS_CPU,
+    DEFAULT_RECOMPUTE_TFLOPS_CUDA,
+    DEFAULT_SWAP_BANDWIDTH_GBPS_CPU,
+    DEFAULT_SWAP_BANDWIDTH_GBPS_CUDA,
+    DEFAULT_SWAP_SPACE_GIB_CUDA,
+    EngineConfig,
+    ModelConfig,
+)
+from tandem.core.engine_io import EngineCoreRequest, SampleOutput, sample_request
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import EngineLimits
-from tandem.core.policy import SchedulingConfig, TenantQuota
+from tandem.core.policy import SchedulingConfig, parse_tenant_quotas
+from tandem.core.preemption import PreemptionCost, model_flops
 from tandem.core.request import Request, RequestStatus
 from tandem.core.scheduler import Scheduler
+from tandem.core.stats import DERIVED, EngineCounters, bump
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.core.step_shape import shape_of
 from tandem.engine.step_trace import StepTrace
@@ -43,50 +53,12 @@ MAX_FAULTED_STEPS = 8
 logger = logging.getLogger("tandem.engine")
 
 
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_batched_tokens: int = 0
-    # Tokens per step, appended each step, drained by whoever reports metrics.
-    iteration_tokens: list[int] = field(default_factory=list)
-    # Wall time of steps, split into the target model's forward, draft-model passes and the rest
-    # (scheduling, input building, sampling, bookkeeping: the engine's overhead).
-    step_time_s: float = 0.0
-    forward_time_s: float = 0.0
-    draft_time_s: float = 0.0
-    # Requests failed alone by a fault in a step (the engine and the rest of the batch went on).
-    num_request_faults: int = 0
-
-    @property
-    def overhead_fraction(self) -> float:
-        rest = self.step_time_s - self.forward_time_s - self.draft_time_s
-        return rest / self.step_time_s if self.step_time_s > 0 else 0.0
-
-
 def scheduling_config(config: EngineConfig) -> SchedulingConfig:
-    tenants = {}
-    for name, quota in (config.tenant_quotas or {}).items():
-        if not isinstance(quota, dict):
-            raise ValueError(f"tenant_quotas[{name!r}] must be a dict of weight/max_running/max_blocks")
-        unknown = set(quota) - {"weight", "max_running", "max_blocks"}
-        if unknown:
-            raise ValueError(f"tenant_quotas[{name!r}] has unknown keys {sorted(unknown)}")
-        tenants[name] = TenantQuota(**quota)
     return SchedulingConfig(
         policy=config.scheduling_policy,
         starvation_timeout_s=config.starvation_timeout_s,
-        tenants=tenants,
+        tenants=parse_tenant_quotas(config.tenant_quotas),
     )
-
-
-def sample_seed(seed: int | None, index: int) -> int | None:
-    """Sample 0 uses the request's seed; others get distinct streams derived from (seed, index)."""
-    if seed is None or index == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -99,22 +71,55 @@ def resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
     return max_model_len
 
 
-def num_kv_blocks(config: EngineConfig, mc: ModelConfig, max_model_len: int) -> int:
+def swap_space_bytes(config: EngineConfig, device: str) -> int:
+    """Bytes of host memory for swapped-out KV (`swap_space` GiB; by default some on CUDA, none on
+    a CPU, whose KV cache is in host memory already)."""
+    gib = config.swap_space
+    if gib is None:
+        gib = DEFAULT_SWAP_SPACE_GIB_CUDA if device == "cuda" else 0.0
+    return int(gib * (1 << 30))
+
+
+def preemption_cost(config: EngineConfig, mc: ModelConfig, block_bytes: int, device: str) -> PreemptionCost:
+    """The cost model that picks swap or recompute per victim, from the engine's arguments (or the
+    device's defaults) and the model's shape."""
+    cuda = device == "cuda"
+    gbps = config.swap_bandwidth_gbps or (
+        DEFAULT_SWAP_BANDWIDTH_GBPS_CUDA if cuda else DEFAULT_SWAP_BANDWIDTH_GBPS_CPU
+    )
+    tflops = config.recompute_tflops or (
+        DEFAULT_RECOMPUTE_TFLOPS_CUDA if cuda else DEFAULT_RECOMPUTE_TFLOPS_CPU
+    )
+    linear, attention = model_flops(mc)
+    return PreemptionCost(
+        block_bytes=block_bytes,
+        linear_flops_per_token=linear,
+        attention_flops_per_pair=attention,
+        link_bytes_per_s=gbps * 1e9,
+        flops_per_s=tflops * 1e12,
+        mode=config.preemption_mode,
+    )
+
+
+def num_kv_blocks(config: EngineConfig, mc: ModelConfig, max_model_len: int, device: str = "cpu") -> int | None:
+    """The KV cache's blocks from num_kv_blocks or kv_cache_memory; None on CUDA when neither is
+    given: the runner sizes it from the GPU's memory (gpu_memory_utilization)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
+    if config.kv_cache_memory is None and device == "cuda":
+        return None
     import torch
 
     from tandem.model.kv_quant import KVCacheFormat
     from tandem.model.loader import resolve_dtype
     from tandem.worker.model_runner import ModelRunner
 
-    kv_format = KVCacheFormat(config.kv_cache_dtype, resolve_dtype(config.dtype, torch.device("cpu")))
+    memory = DEFAULT_KV_CACHE_MEMORY if config.kv_cache_memory is None else config.kv_cache_memory
+    kv_format = KVCacheFormat(config.kv_cache_dtype, resolve_dtype(config.dtype, torch.device(device)))
     per_block = ModelRunner.kv_bytes_per_block(mc, config.block_size, kv_format)
-    by_memory = config.kv_cache_memory // per_block
+    by_memory = memory // per_block
     if by_memory < 1:
-        raise ValueError(
-            f"kv_cache_memory ({config.kv_cache_memory} bytes) is smaller than one KV block ({per_block} bytes)"
-        )
+        raise ValueError(f"kv_cache_memory ({memory} bytes) is smaller than one KV block ({per_block} bytes)")
     # Without prefix caching, more blocks than every sequence slot at full length cannot be used.
     if not config.enable_prefix_caching:
         by_memory = min(by_memory, config.max_num_seqs * -(-max_model_len // config.block_size))
@@ -140,10 +145,26 @@ def load_draft_config(path: str | None, config: EngineConfig) -> ModelConfig:
     return draft
 
 
+def default_head_path(model: str, method: str) -> str:
+    """An EAGLE or Medusa head given no folder: the one beside the target's, `<target>-<method>`
+    (the embedded default model's ships in the package: tandem/checkpoints/default-eagle)."""
+    from pathlib import Path
+
+    folder = Path(model)
+    head = folder.with_name(f"{folder.name}-{method}")
+    if not (head / "config.json").is_file():
+        raise ValueError(
+            f"speculative_config method {method!r} without a model: no head beside the target at {str(head)!r}; "
+            f"train one with `tandem train-draft --model {model} --method {method} --out {head}`"
+        )
+    return str(head)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, extra_eos_token_ids: tuple[int, ...] = ()) -> None:
         import torch
 
+        from tandem.worker.device import resolve_device_plan
         from tandem.worker.model_runner import ModelRunner
 
         if config.num_threads:
@@ -151,26 +172,50 @@ class EngineCore:
         self.config = config
         self.model_config = mc = ModelConfig.from_pretrained(config.model)
         self.max_model_len = resolve_max_model_len(config, mc)
-        self.num_blocks = num_kv_blocks(config, mc, self.max_model_len)
+        # Where the model runs and what follows from it (tandem/worker/device.py).
+        self.plan = resolve_device_plan(config, graph_safe=mc.moe is None)
+        num_blocks = num_kv_blocks(config, mc, self.max_model_len, self.plan.device)
         # The checkpoint's EOS ids plus the tokenizer's, which the front end passes in.
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids) | set(extra_eos_token_ids)))
         self.spec_config = SpeculativeConfig.from_dict(config.speculative_config)
         draft_mc = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             draft_mc = load_draft_config(self.spec_config.model, config)
+        if self.spec_config is not None and self.spec_config.uses_head and not self.spec_config.model:
+            self.spec_config = dataclasses.replace(
+                self.spec_config, model=default_head_path(config.model, self.spec_config.method)
+            )
         self.runner = ModelRunner(
-            mc, config, self.num_blocks, self.max_model_len, draft_model_config=draft_mc
+            mc,
+            config,
+            num_blocks,
+            self.max_model_len,
+            draft_model_config=draft_mc,
+            plan=self.plan,
+            speculative_config=self.spec_config,
         )
+        self.num_blocks = self.runner.num_blocks
         k = self.spec_config.num_speculative_tokens if self.spec_config is not None else 0
         self.runner.warm(min(WARM_MAX_ROWS, config.max_num_seqs * (1 + k)))
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # Preemption by swap: the swap space (host memory) and the cost model choosing swap or recompute.
+        num_swap_blocks = self.runner.allocate_swap(swap_space_bytes(config, self.plan.device))
+        if num_swap_blocks:
+            logger.info("swap space: %d KV blocks in host memory", num_swap_blocks)
+        self.kv = KVCacheManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching, num_swap_blocks
+        )
+        self.preemption = preemption_cost(config, mc, self.runner.swap_block_bytes(), self.plan.device)
         # What a KV transfer needs to know of this engine's blocks (tandem.kvtransfer.host.KVHost).
         self.block_size = config.block_size
         self.kv_block_bytes = self.runner.kv_bytes_per_block(mc, config.block_size, self.runner.kv_format)
         self.kv_format_name = self.runner.kv_format.name
+        # One set of counters for the whole engine: the scheduler and the planner count in it too.
+        self.counters = EngineCounters()
         self.spec: SpecPlanner | None = None
         if self.spec_config is not None:
-            self.spec = SpecPlanner(self.spec_config, max_catch_up=config.max_num_batched_tokens)
+            self.spec = SpecPlanner(
+                self.spec_config, max_catch_up=config.max_num_batched_tokens, counters=self.counters
+            )
             if self.spec_config.adaptive:
                 self._seed_costs(self.spec, config, k, self.spec_config.adaptive_config)
         self.scheduler = Scheduler(
@@ -180,6 +225,8 @@ class EngineCore:
             self.max_model_len,
             scheduling_config(config),
             spec=self.spec,
+            counters=self.counters,
+            preemption=self.preemption,
         )
         self.limits = EngineLimits(
             vocab_size=mc.vocab_size,
@@ -189,7 +236,6 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             eos_token_ids=self.eos_token_ids,
         )
-        self.stats = EngineStats()
         # user request id -> ids of its samples' Requests
         self._groups: dict[str, list[str | None]] = {}
         # user request id -> the front end's run of it this engine has (echoed in its outputs)
@@ -270,30 +316,11 @@ class EngineCore:
                 ids.append(r.request_id)
         self._groups[req.request_id] = ids
         self._incarnations[req.request_id] = req.incarnation
-        self.stats.num_prompt_tokens += len(req.prompt_token_ids)
+        self.counters.prompt_tokens += len(req.prompt_token_ids)
 
     def make_member(self, req: EngineCoreRequest, index: int, outputs: list[int] | None = None) -> Request:
         """The scheduler's Request for sample `index` of `req`, with `outputs` already produced."""
-        params = req.params
-        member = Request(
-            request_id=req.request_id if index == 0 else f"{req.request_id}#{index}",
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=params,
-            max_tokens=req.max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=req.arrival_time,
-            priority=req.priority,
-            tenant=req.tenant,
-            cache_salt=req.cache_salt,
-            group_id=req.request_id,
-            sample_index=index,
-            seed=sample_seed(params.seed, index),
-            token_ids=[*req.prompt_token_ids, *outputs] if outputs else [],
-        )
-        if outputs or index > 0:
-            # Prompt logprobs are the leader's, and a sample with output had its prompt's sent already.
-            member.prompt_logprobs_next = len(req.prompt_token_ids)
-        return member
+        return sample_request(req, index, outputs, self.eos_token_ids)
 
     def samples(self, request_id: str) -> list[Request | None] | None:
         """A user request's samples as the scheduler holds them (None: one that has ended), or None."""
@@ -385,7 +412,7 @@ class EngineCore:
             if ids is None:
                 continue
             self._end(ids, RequestStatus.FINISHED_ERROR, message)
-            self.stats.num_request_faults += 1
+            self.counters.num_request_faults += 1
             run = self._incarnations.pop(rid, 0)
             out += [
                 SampleOutput(rid, i, [], None, "error", None, error=message, incarnation=run)
@@ -504,44 +531,25 @@ class EngineCore:
     def _count_step(
         self, sched: SchedulerOutput, result: RunnerOutput, generated: int, seconds: float
     ) -> None:
-        stats = self.stats
-        stats.num_steps += 1
-        stats.num_batched_tokens += sched.total_tokens
-        stats.iteration_tokens.append(sched.total_tokens)
-        stats.num_generation_tokens += generated
-        stats.step_time_s += seconds
-        stats.forward_time_s += result.forward_time
-        stats.draft_time_s += result.draft_time
+        c = self.counters
+        c.engine_steps += 1
+        c.num_batched_tokens += sched.total_tokens
+        bump(c.iteration_tokens, sched.total_tokens)
+        c.generation_tokens += generated
+        c.engine_step_seconds += seconds
+        c.engine_forward_seconds += result.forward_time
+        c.engine_draft_seconds += result.draft_time
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters and gauges for metrics and offline reports."""
-        sched, kv, stats = self.scheduler, self.kv, self.stats
+        """The gauges (running and waiting requests, KV usage), every counter under its own name
+        (tandem/core/stats.py) and the figures derived from them: `LLM.get_stats()`."""
         out: dict[str, Any] = {
-            "num_requests_running": sched.num_in_flight,
-            "num_requests_waiting": sched.num_waiting,
-            "kv_cache_usage_perc": kv.usage,
-            "prefix_cache_queries": kv.num_query_tokens,
-            "prefix_cache_hits": kv.num_hit_tokens,
-            "num_preemptions": sched.num_preemptions,
-            "prompt_tokens": stats.num_prompt_tokens,
-            "generation_tokens": stats.num_generation_tokens,
-            "num_steps": stats.num_steps,
-            "step_time_s": stats.step_time_s,
-            "forward_time_s": stats.forward_time_s,
-            "draft_time_s": stats.draft_time_s,
-            "engine_overhead_fraction": stats.overhead_fraction,
-            "num_request_faults": stats.num_request_faults,
+            "num_requests_running": self.scheduler.num_in_flight,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage_perc": self.kv.usage,
         }
-        if self.spec is not None:
-            s = self.spec
-            out["spec_decode"] = {
-                "num_drafts": s.num_drafts,
-                "num_draft_tokens": s.num_draft_tokens,
-                "num_accepted_tokens": s.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": list(s.accepted_per_pos),
-                "mean_acceptance_length": 1 + s.num_accepted_tokens / s.num_drafts if s.num_drafts else 1.0,
-                "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
-            }
+        out.update(self.counters.as_dict())
+        out.update({name: getattr(self.counters, name) for name in DERIVED})
         return out
 
     def _forget(self, req: Request) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine import messages as m
+from tandem.engine.load_report import STATS_INTERVAL_S, LoadReport
 from tandem.kvtransfer.plane import KVPlane, inbox_address
 from tandem.kvtransfer.protocol import MoveOutcome
 
@@ -32,12 +33,8 @@ logger = logging.getLogger("tandem.engine")
 IDLE_POLL_MS = 200
 # Idle but a KV transfer is under way: wake this often to advance it and check its timeouts.
 TRANSFER_POLL_MS = 5
-STATS_INTERVAL_S = 0.2
 # An idle engine still reports this often: the front end takes a long silence for a hung engine.
 HEARTBEAT_S = 1.0
-# The prefix-cache summary in a snapshot: at most this often, at most this many block hashes.
-PREFIX_REPORT_INTERVAL_S = 1.0
-MAX_REPORTED_PREFIX_HASHES = 16384
 
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, parent_pid: int) -> None:
@@ -106,8 +103,7 @@ class EngineLoop:
         # freed blocks show in metrics within a step of the abort.
         self.stats_due = False
         self.last_stats = 0.0
-        self.prefix_version = -1
-        self.last_prefix_report = 0.0
+        self.load = LoadReport()
         self._send(m.Hello(os.getpid()))
         # Import torch and the model code while the front end loads the tokenizer (whose EOS id
         # the core needs, so the core itself is built once Init arrives).
@@ -233,41 +229,7 @@ class EngineLoop:
         self.dirty = False
         self.stats_due = False
         self.last_stats = time.monotonic()
-        iteration_tokens = core.stats.iteration_tokens
-        core.stats.iteration_tokens = []
-        snap = core.snapshot()
-        spec = snap.get("spec_decode")
-        return m.Stats(
-            num_running=snap["num_requests_running"],
-            num_waiting=snap["num_requests_waiting"],
-            kv_usage=snap["kv_cache_usage_perc"],
-            num_preemptions=snap["num_preemptions"],
-            prefix_query_tokens=snap["prefix_cache_queries"],
-            prefix_hit_tokens=snap["prefix_cache_hits"],
-            prompt_tokens=snap["prompt_tokens"],
-            generation_tokens=snap["generation_tokens"],
-            iteration_tokens=iteration_tokens,
-            spec_num_drafts=spec["num_drafts"] if spec else 0,
-            spec_num_draft_tokens=spec["num_draft_tokens"] if spec else 0,
-            spec_num_accepted_tokens=spec["num_accepted_tokens"] if spec else 0,
-            num_request_faults=snap["num_request_faults"],
-            num_steps=snap["num_steps"],
-            step_seconds=snap["step_time_s"],
-            num_blocks=core.kv.num_blocks,
-            num_available_blocks=core.kv.num_available,
-            prefix_hashes=self._prefix_summary(),
-            num_seats_taken=core.scheduler.seats_taken,
-            max_num_seqs=core.scheduler.max_num_seqs,
-        )
-
-    def _prefix_summary(self) -> list[int] | None:
-        cache = self.core.kv.cache
-        now = time.monotonic()
-        if cache is None or cache.version == self.prefix_version:
-            return None
-        if now - self.last_prefix_report < PREFIX_REPORT_INTERVAL_S:
+        load = self.load.fields(core.scheduler, core.kv, self.last_stats)
+        if self.load.prefix_pending:
             self.dirty = True  # changed but not reported yet: a later snapshot carries it
-            return None
-        self.prefix_version = cache.version
-        self.last_prefix_report = now
-        return cache.block_hashes(MAX_REPORTED_PREFIX_HASHES)
+        return m.Stats(**load, counters=core.counters.take())

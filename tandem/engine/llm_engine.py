@@ -6,7 +6,8 @@ from tandem.checkpoints.resolve import resolve_engine_config
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.scheduler import Scheduler
-from tandem.engine.core import EngineCore, EngineStats
+from tandem.core.stats import EngineCounters
+from tandem.engine.core import EngineCore
 from tandem.engine.processor import InputProcessor, OutputProcessor, PromptType
 from tandem.engine.tokenizer import Tokenizer
 from tandem.outputs import RequestOutput
@@ -23,7 +24,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         extra_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         self.core = EngineCore(config, extra_eos)
-        self.inputs = InputProcessor(self.tokenizer, self.core.limits, config.structured_outputs_check_timeout_s)
+        self.inputs = InputProcessor(
+            self.tokenizer, self.core.limits, config.structured_outputs_check_timeout_s
+        )
         self.outputs = OutputProcessor(self.tokenizer)
 
     # Views of the core, for tests, benchmarks and metrics.
@@ -36,8 +39,8 @@ class LLMEngine:
         return self.core.kv
 
     @property
-    def stats(self) -> EngineStats:
-        return self.core.stats
+    def counters(self) -> EngineCounters:
+        return self.core.counters
 
     @property
     def model_config(self) -> ModelConfig:

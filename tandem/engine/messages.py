@@ -18,6 +18,7 @@ import msgspec
 
 from tandem.core.engine_io import EngineCoreRequest, SampleOutput
 from tandem.core.limits import EngineLimits
+from tandem.core.stats import EngineCounters
 from tandem.kvtransfer.protocol import MigrateCancel, Migrated, MigrateOut, TransferDropped
 
 __all__ = [
@@ -88,26 +89,14 @@ class Ready(msgspec.Struct, tag="ready"):
 
 
 class Stats(msgspec.Struct):
-    """A snapshot of the core; counters are cumulative since start, `iteration_tokens` since the last one."""
+    """An instance's report: its load (for the dispatcher and the migration policy; the gauges) and
+    the engine's counters (`tandem.core.stats.EngineCounters`: cumulative since start, histograms
+    since the previous report)."""
 
     num_running: int
     num_waiting: int
     kv_usage: float
-    num_preemptions: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    prompt_tokens: int
-    generation_tokens: int
-    iteration_tokens: list[int]
-    # Speculative decoding (zero without it).
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    # Requests the engine failed alone (a fault in their own part of a step).
-    num_request_faults: int = 0
-    # Steps run and the seconds they took (schedule, forward, sample, update): the engine's busy time.
-    num_steps: int = 0
-    step_seconds: float = 0.0
+    counters: EngineCounters = msgspec.field(default_factory=EngineCounters)
     # Load, for a dispatcher across instances: KV blocks in all and obtainable now (free, or
     # cached and idle), and a summary of the prefix cache (`PrefixCache.block_hashes`), sent only
     # when it changed since the previous snapshot that carried one (None: unchanged).

@@ -8,13 +8,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar, overload
 
-from tandem.config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_WAITING_REQUESTS,
-    KV_CACHE_DTYPES,
-    QUANTIZATION_CHOICES,
-)
-from tandem.core.policy import FCFS, SCHEDULING_POLICIES
+from tandem.cluster.config import ClusterConfig
+from tandem.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig, options
 from tandem.entrypoints import vllm_flags
 from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS as TOOL_PARSER_NAMES
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -37,91 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="checkpoint folder, GGUF file, or the name of a pulled model (`tandem models`) "
         "(unset: the embedded default model)",
     )
-    g.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer folder (unset: the model folder's, or a GGUF file's own from its metadata)",
-    )
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and activations. auto: bfloat16 where the CPU has AMX-BF16 or AVX512-BF16 "
-        "(amx_bf16 or avx512_bf16 in /proc/cpuinfo: Xeons from Cooper Lake and Sapphire Rapids on, "
-        "AMD EPYC from Zen 4 on), float32 on other CPUs (AVX2-only, or AVX-512 without BF16); "
-        "TANDEM_AUTO_DTYPE=float32|bfloat16 overrides it, and the start-up log says which",
-    )
-    g.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        choices=list(QUANTIZATION_CHOICES),
-        help="int8: quantize a float checkpoint's linear layers at load (on a 4-bit checkpoint, the "
-        "layers it keeps in float, such as the LM head); awq, gptq, compressed-tensors, "
-        "fp8: the checkpoint's own format (read from config.json when unset; checked when given); "
-        "gguf: keep a GGUF file's Q4_0/Q4_1/Q4_K blocks packed for the 4-bit kernels (the default "
-        "with --dtype auto; an explicit --dtype without it dequantizes every tensor to that dtype)",
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=list(KV_CACHE_DTYPES),
-        help="KV cache storage: auto (the model dtype), or int8 / fp8 (= fp8_e4m3) with a scale per token "
-        "and KV head, about twice bfloat16's tokens in the same --kv-cache-memory",
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling generator")
-    g.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output in tokens (unset: the model's)"
-    )
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        help="token budget of one step, shared by prefill chunks and decodes",
-    )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="KV cache size in bytes")
-    g.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)"
-    )
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (unset: torch's default)")
-    g.add_argument(
-        "--step-trace",
-        default=None,
-        metavar="FILE",
-        help="append one JSON line per engine step (start, seconds, planned shape) to FILE",
-    )
-    g.add_argument(
-        "--scheduling-policy",
-        default=FCFS,
-        choices=SCHEDULING_POLICIES,
-        help="which waiting request runs first: arrival order, priority, or longest prefix match",
-    )
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV cache of shared prompt prefixes",
-    )
-    g.add_argument(
-        "--starvation-timeout-s",
-        type=float,
-        default=30.0,
-        help="a request waiting longer than this goes first within its tenant's share",
-    )
-    g.add_argument(
-        "--tenant-quotas",
-        type=_json_object,
-        default=None,
-        help='JSON: {"tenant": {"weight": 1.0, "max_running": 8, "max_blocks": 1000}}',
-    )
-    g.add_argument(
-        "--speculative-config",
-        type=_json_object,
-        default=None,
-        help='JSON, as vLLM: {"method": "ngram", "num_speculative_tokens": 4, ...}',
-    )
+    add_config_options(g, EngineConfig, "engine")
     v = p.add_argument_group("vLLM flags with nothing to change here (accepted for drop-in use)")
     v.add_argument(
         "--enable-chunked-prefill",
@@ -150,29 +61,31 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def add_config_options(group: argparse._ArgumentGroup, cls: type, section: str) -> None:
+    """The options of config dataclass `cls` listed in `section`, each from its field: the flag, help
+    and choices from its `Option` (tandem/config.py), the default from the field itself."""
+    for name, default, annotation, opt in options(cls):
+        if opt.group != section:
+            continue
+        kind = annotation.split("|")[0].strip()
+        kw: dict[str, Any] = {"dest": name, "default": default, "help": opt.help}
+        if kind == "bool":
+            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        else:
+            kw["type"] = (
+                _json_object if kind.startswith("dict") else {"int": int, "float": float}.get(kind, str)
+            )
+        if opt.choices is not None:
+            kw["choices"] = list(opt.choices)
+        if opt.metavar is not None:
+            kw["metavar"] = opt.metavar
+        group.add_argument(opt.flag_name(name), *opt.aliases, **kw)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [
-        "tokenizer",
-        "dtype",
-        "quantization",
-        "kv_cache_dtype",
-        "seed",
-        "max_model_len",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "block_size",
-        "kv_cache_memory",
-        "num_kv_blocks",
-        "num_threads",
-        "scheduling_policy",
-        "enable_prefix_caching",
-        "starvation_timeout_s",
-        "tenant_quotas",
-        "speculative_config",
-        "step_trace",
-    ]
+    """The EngineConfig fields the command line set (every field with an `Option` its parser has)."""
     check_vllm_args(args)
-    return {n: getattr(args, n) for n in names}
+    return {name: getattr(args, name) for name, *_ in options(EngineConfig) if hasattr(args, name)}
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
@@ -240,7 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
         # A pulled model's name or a GGUF file: served under that name, and as given.
         args.served_model_name = args.served_model_name or [ref.name]
         args.model_aliases = [model]
-    config = EngineConfig(model=model, kv_transport=args.kv_transport, **engine_kwargs(args))
+    config = EngineConfig(model=model, **engine_kwargs(args))
     config = resolve_engine_config(config)
     # A bad checkpoint folder or speculative config fails here, before any process starts.
     ModelConfig.from_pretrained(config.model)
@@ -338,9 +251,7 @@ def add_serve_parser(sub: Any) -> None:
     g.add_argument(
         "--header-timeout", type=float, default=10.0, help="seconds for a request's headers to arrive"
     )
-    g.add_argument(
-        "--body-timeout", type=float, default=30.0, help="seconds for a request's body to arrive"
-    )
+    g.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's body to arrive")
     g.add_argument(
         "--max-request-body-bytes", type=int, default=32 << 20, help="larger request bodies get 413"
     )
@@ -369,26 +280,12 @@ def add_serve_parser(sub: Any) -> None:
         "(Llama 3.1-3.3), mistral (default: none)",
     )
     c = srv.add_argument_group("cluster (Ray)")
-    c.add_argument(
-        "--num-instances",
-        type=int,
-        default=1,
-        help="engine instances, each a Ray actor with its own KV cache (1: no Ray, one engine process)",
-    )
-    c.add_argument(
-        "--ray-address", default=None, help="join this Ray cluster ('auto': the one on this host)"
-    )
+    add_config_options(c, ClusterConfig, "cluster (Ray)")
     c.add_argument(
         "--cpus-per-instance",
         type=float,
         default=None,
         help="CPUs Ray reserves for each instance (default: --num-threads, or 1)",
-    )
-    c.add_argument(
-        "--dispatch-policy",
-        default="least_load",
-        choices=["round_robin", "least_load", "prefix_aware"],
-        help="how new requests are spread over the instances",
     )
     c.add_argument(
         "--instance-timeout",
@@ -397,43 +294,12 @@ def add_serve_parser(sub: Any) -> None:
         help="seconds without a word from an instance before it is taken for hung (its requests move on)",
     )
     c.add_argument(
-        "--prefill-instances",
-        type=int,
-        default=0,
-        help="prefill/decode disaggregation: this many instances prefill (with --decode-instances)",
-    )
-    c.add_argument("--decode-instances", type=int, default=0, help="instances that decode (with --prefill-instances)")
-    c.add_argument(
-        "--pd-min-prompt-tokens",
-        type=int,
-        default=0,
-        help="shorter prompts skip disaggregation: prefilled on the decode instance itself",
-    )
-    c.add_argument(
         "--migration-triggers",
         default="",
         help="comma-separated: imbalance (move requests off the busiest instance), priority (make room "
         "for waiting high-priority requests); draining an instance (POST /admin/instances/N/drain) always migrates",
     )
-    c.add_argument(
-        "--migration-mode",
-        default="live",
-        choices=["live", "recompute"],
-        help="live: copy the KV cache between instances; recompute: resend the request",
-    )
-    c.add_argument(
-        "--imbalance-threshold",
-        type=float,
-        default=0.2,
-        help="the imbalance trigger fires when the busiest instance's load (KV demand over KV size) "
-        "exceeds the idlest's by more than this",
-    )
-    c.add_argument(
-        "--kv-transport",
-        default="zmq",
-        choices=["zmq", "shm"],
-        help="how KV blocks move between instances: zmq (tcp/ipc frames) or shm (shared memory, one host)",
-    )
+    add_config_options(c, EngineConfig, "cluster (Ray)")
     srv.set_defaults(func=_serve)
 
 
@@ -480,7 +346,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     from tandem.sim.profile import describe
 
     base = load_base(args.base)
-    model = calibrate_co_run(args.from_step_trace, base) if args.co_run else calibrate(args.from_step_trace, base)
+    model = (
+        calibrate_co_run(args.from_step_trace, base) if args.co_run else calibrate(args.from_step_trace, base)
+    )
     print(describe(model))
     if args.out:
         save_cost(model, args.out)
@@ -510,7 +378,9 @@ def add_bench_parser(sub: Any) -> None:
     prof = bsub.add_parser(
         "profile", help="time engine steps of a model over a grid of shapes, fit the simulator's cost model"
     )
-    prof.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the embedded model)")
+    prof.add_argument(
+        "model", nargs="?", default=None, help="checkpoint folder (default: the embedded model)"
+    )
     prof.add_argument("--out", default=None, help="write the fitted cost model here (JSON)")
     prof.add_argument("--threads", type=int, default=1, help="torch CPU threads of the engine")
     prof.add_argument("--quick", action="store_true", help="a small grid (about 20 s): a first look, tests")
@@ -580,7 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="divide repeated tokens' logits by this")
+    gen.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="divide repeated tokens' logits by this"
+    )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
@@ -593,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_parser(sub)
     add_pull_parser(sub)
     add_chat_parser(sub)
+    from tandem.entrypoints.train_draft import add_train_draft_parser
+
+    add_train_draft_parser(sub)
     _format_all(parser)
     return parser
 
@@ -629,7 +504,9 @@ def _models_list(args: argparse.Namespace) -> int:
             rows.append((name, "not pulled", where))
         else:
             state = f"pulled, {cached.size / 1e6:.0f} MB"
-            rows.append((name, state if cached.verified else f"{state}, NOT VERIFIED: pull again", str(cached.path)))
+            rows.append(
+                (name, state if cached.verified else f"{state}, NOT VERIFIED: pull again", str(cached.path))
+            )
     width = [max(len(r[i]) for r in rows) for i in range(2)]
     for name, state, where in rows:
         print(f"{name:<{width[0]}}  {state:<{width[1]}}  {where}")
@@ -641,7 +518,9 @@ def add_models_parser(sub: Any) -> None:
     models = sub.add_parser("models", help="the models there are: embedded, pullable, pulled (list)")
     models.set_defaults(func=_models_list)
     msub = models.add_subparsers(dest="models_command")
-    listing = msub.add_parser("list", help="the embedded model and the pullable ones, with what is in the cache")
+    listing = msub.add_parser(
+        "list", help="the embedded model and the pullable ones, with what is in the cache"
+    )
     listing.set_defaults(func=_models_list)
     path = msub.add_parser(
         "path", help="print the embedded default model's folder (a tokenizer path for other tools)"

@@ -28,11 +28,14 @@ class LLM:
 
     Engine arguments are named as in vLLM: `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `block_size`, `dtype`, `kv_cache_dtype`, `seed`, plus
-    `kv_cache_memory` (bytes) or `num_kv_blocks`. vLLM's other arguments are taken as `tandem serve`
-    takes their flags (docs/compatibility.md): `gpu_memory_utilization`, `trust_remote_code`,
-    `enforce_eager`, `disable_log_stats` are accepted and ignored (a warning says so),
+    `kv_cache_memory` (bytes) or `num_kv_blocks`, `device` ("auto", "cuda", "cpu"),
+    `gpu_memory_utilization`, `enforce_eager`, `load_format` ("auto", "dummy") and
+    `attention_backend` (docs/gpu.md). vLLM's other arguments are taken as `tandem serve`
+    takes their flags (docs/compatibility.md): `trust_remote_code`,
+    `disable_log_stats` are accepted and ignored (a warning says so),
     `tensor_parallel_size` must be 1, `enable_chunked_prefill` True, and a not-applicable one (such
-    as `swap_space`) is a ValueError with the reason.
+    as `cpu_offload_gb`) is a ValueError with the reason. `swap_space` (GiB of host memory for
+    preempted requests' KV) and `preemption_mode` ("auto", "swap", "recompute") are vLLM's.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -55,7 +58,10 @@ class LLM:
         self._ids = itertools.count()
 
     def get_stats(self) -> dict[str, Any]:
-        """Engine counters: tokens, preemptions, prefix-cache queries/hits, speculation acceptance."""
+        """The engine's gauges and counters, each under its metric's name (tandem/core/stats.py:
+        `prefix_cache_hits`, `spec_decode_num_accepted_tokens`, `engine_step_seconds`, ...; a
+        histogram as value -> times observed), plus `engine_overhead_fraction`,
+        `spec_decode_mean_acceptance_length` and `spec_decode_acceptance_rate`."""
         return self.engine.core.snapshot()
 
     def get_tokenizer(self) -> Any:

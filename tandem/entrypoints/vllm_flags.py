@@ -67,18 +67,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
         "shipped with a checkpoint",
     ),
     _ignored(
-        "--enforce-eager",
-        "Tandem always runs eagerly: it has no CUDA graphs or torch.compile to turn off",
-    ),
-    _ignored(
         "--disable-log-requests",
         "Tandem does not log request contents (`--enable-log-requests` is not taken)",
         scope=SERVE,
-    ),
-    _ignored(
-        "--gpu-memory-utilization",
-        "no GPU; the KV cache takes `--kv-cache-memory` bytes (default 2 GiB) or `--num-kv-blocks` blocks",
-        value=float,
     ),
     _refused(
         "--pipeline-parallel-size",
@@ -91,17 +82,18 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _refused("--calculate-kv-scales", reason="scales are computed per token at write time, never per tensor"),
     _refused("--num-gpu-blocks-override", reason="`--num-kv-blocks` is the CPU equivalent"),
     _refused(
-        "--swap-space",
         "--cpu-offload-gb",
         "--kv-offloading-*",
-        reason="the KV cache and weights already live in host memory; preemption recomputes",
+        reason="weights stay where the model runs; the KV of preempted requests goes to host memory "
+        "with `--swap-space`",
     ),
     _refused(
         "--compilation-config",
         "-O",
         "--cuda-graph-sizes",
         "--max-seq-len-to-capture",
-        reason="no CUDA graphs or torch.compile; Tandem's CPU kernels are built at first load",
+        reason="no torch.compile; on CUDA, decode batches up to `--max-num-seqs` are captured as CUDA graphs "
+        "(`--enforce-eager` turns them off); Tandem's CPU kernels are built at first load",
     ),
     _refused(
         "--disable-custom-all-reduce",
@@ -110,7 +102,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
         reason="no GPU workers or collective communication: one engine process runs the model",
     ),
     _refused(
-        "--load-format",
         "--download-dir",
         "--revision",
         "--code-revision",

@@ -8,6 +8,8 @@
 - `sender.py` / `receiver.py`: the two ends of a transfer (staged copy while the request decodes,
   stop-and-copy, hand-over; reservations, install, cancel, timeouts).
 - `plane.py`: an engine's inbox and both ends over it, driven by the engine loop.
+- `routes.py`: the front end's half of a move (routes, runs, held outputs), one table for the
+  server's engine client, the cluster simulator and the tests' cluster harness.
 
 Nothing here imports `tandem.engine`: the engine hosts the plane, not the other way round.
 """

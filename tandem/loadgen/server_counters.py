@@ -12,6 +12,9 @@ SERVER_COUNTERS = {
     "spec_decode_draft_tokens": "spec_decode_num_draft_tokens_total",
     "spec_decode_drafts": "spec_decode_num_drafts_total",
     "preemptions": "num_preemptions_total",
+    "swap_outs": "num_swap_outs_total",
+    "swap_ins": "num_swap_ins_total",
+    "swap_out_bytes": "swap_out_bytes_total",
     "prompt_tokens": "prompt_tokens_total",
     "generation_tokens": "generation_tokens_total",
 }

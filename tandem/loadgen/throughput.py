@@ -36,7 +36,7 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> d
     in_tokens = sum(len(s.prompt_token_ids or []) for s in samples)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.get_stats()
-    steps = max(stats["num_steps"], 1)
+    steps = max(stats["engine_steps"], 1)
     result = {
         "model": model,
         "dataset": args.dataset,
@@ -48,9 +48,9 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> d
         "output_throughput": out_tokens / elapsed,
         "total_token_throughput": (in_tokens + out_tokens) / elapsed,
         "peak_rss_mb": peak_rss_mb(),
-        "num_steps": stats["num_steps"],
-        "mean_step_ms": 1e3 * stats["step_time_s"] / steps,
-        "mean_forward_ms": 1e3 * stats["forward_time_s"] / steps,
+        "num_steps": stats["engine_steps"],
+        "mean_step_ms": 1e3 * stats["engine_step_seconds"] / steps,
+        "mean_forward_ms": 1e3 * stats["engine_forward_seconds"] / steps,
         # Everything in a step but the model forward (and draft passes): scheduling, input
         # building, sampling, bookkeeping.
         "engine_overhead_fraction": stats["engine_overhead_fraction"],

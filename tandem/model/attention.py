@@ -422,4 +422,8 @@ def get_attention_backend(
         except ImportError as exc:
             raise ValueError(f"the triton attention backend needs Triton installed: {exc}") from None
         return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window, kv_format=kv_format)
+    if name == "flashinfer":
+        # The name is taken (tandem/worker/device.py checks the package is there and the device is
+        # CUDA); the backend itself is not written yet: docs/gpu.md.
+        raise ValueError("attention_backend='flashinfer': Tandem has no FlashInfer backend yet; use 'triton'")
     raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")

@@ -127,10 +127,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self._product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
         self._product_dtype: torch.dtype | None = None
+        # Tandem's CPU kernels for few-row products where they built; False (the GPU path, and
+        # any weights off the CPU): F.linear always.
+        self.cpu_kernels = True
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         if self._product_dtype != self.gate_up_proj.dtype:  # chosen once the weights have their dtype
-            self._product = plain_product(self.gate_up_proj.dtype)
+            kernels_here = self.cpu_kernels and self.gate_up_proj.device.type == "cpu"
+            self._product = plain_product(self.gate_up_proj.dtype) if kernels_here else F.linear
             self._product_dtype = self.gate_up_proj.dtype
         h = _gated(self._product(x, self.gate_up_proj[expert]))
         return self._product(h, self.down_proj[expert])

@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tandem.config import GGUF_QUANTIZATION, ModelConfig
+from tandem.config import GGUF_QUANTIZATION, QUANTIZATION_METHODS, ModelConfig
 from tandem.cpu import cpu_flags
 from tandem.model.attention import get_attention_backend
 from tandem.model.direct_call import bind_submodules
-from tandem.model.experts import prepare_experts
+from tandem.model.dummy_weights import fill_dummy_weights
+from tandem.model.experts import Experts, prepare_experts
 from tandem.model.fused_ops import use_fused_ops, wants_fused_ops
 from tandem.model.gemma import GemmaForCausalLM
 from tandem.model.gguf_weights import GGUFCheckpoint, gguf_mode
@@ -87,10 +88,26 @@ def load_model(
     max_positions: int,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    cpu_kernels: bool = True,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> CausalLM:
+    """`cpu_kernels`: Tandem's CPU paths (oneDNN-packed linears, the C++ kernels, huge pages);
+    False (the GPU path, tandem/worker/device.py): plain torch layers, nothing built or packed.
+    `load_format` "dummy": random weights of the config's shape, seeded by `seed`, made on `device`
+    (tandem/model/dummy_weights.py); no weight file is read."""
     cls = MODEL_REGISTRY.get(cfg.architecture)
     if cls is None:
         raise ValueError(f"no model implementation for architecture {cfg.architecture!r}")
+    if load_format == "dummy":
+        args = (attention_backend, max_positions, quantization, kv_cache_dtype, cpu_kernels, seed)
+        return _load_dummy(cls, cfg, dtype, device, *args)
+    int4_checkpoint = cfg.quantization is not None and cfg.quantization.weights == "int4"
+    if device.type != "cpu" and (cfg.gguf_file is not None or int4_checkpoint):
+        what = "a GGUF file" if cfg.gguf_file is not None else "a 4-bit checkpoint"
+        raise ValueError(
+            f"{cfg.path}: {what} runs on Tandem's CPU kernels only; on {device.type}, load a float or fp8 one"
+        )
     gguf: GGUFCheckpoint | None = None
     if cfg.gguf_file is not None:
         packed, at_load = gguf_mode(quantization)
@@ -139,19 +156,39 @@ def load_model(
         if isinstance(bias, torch.Tensor):
             lin.bias = nn.Parameter(bias.detach().float(), requires_grad=False)
     if at_load is not None:
-        quantize_model(module, at_load)
-    else:
+        quantize_model(module, at_load, use_kernel=None if cpu_kernels else False)
+    elif cpu_kernels:
         if gguf is not None and cpu_has_vnni():
             swapped = quantize_selected(module, gguf.eight_bit_params())
             if swapped:
                 more = f" and {len(swapped) - 3} more" if len(swapped) > 3 else ""
                 logger.info("GGUF: layers stored in 8-bit blocks run as int8: %s%s", ", ".join(swapped[:3]), more)
         pack_linears(module)
-    prepare_experts(module, at_load)
     quantized = at_load is not None or cfg.quantization is not None or bool(int4)
+    _finish(module, model, cfg, dtype, device, at_load, quantized, cpu_kernels)
+    return model
+
+
+def _finish(
+    module: nn.Module,
+    model: CausalLM,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    at_load: str | None,
+    quantized: bool,
+    cpu_kernels: bool,
+) -> None:
+    """What every loaded model gets after its weights: the experts' path, the per-token ops, huge
+    pages (CPU paths only), the start-up report, direct calls."""
+    prepare_experts(module, at_load, use_kernel=None if cpu_kernels else False)
+    if not cpu_kernels:
+        for m in module.modules():
+            if isinstance(m, Experts):
+                m.cpu_kernels = False
     # Before the move to huge pages: fusing SiLU into the gate/up product re-lays those weights out.
-    fused = use_fused_ops(module) if wants_fused_ops(dtype, quantized) else []
-    if device.type == "cpu" and huge_pages_available():
+    fused = use_fused_ops(module) if cpu_kernels and wants_fused_ops(dtype, quantized) else []
+    if cpu_kernels and device.type == "cpu" and huge_pages_available():
         moved = move_weights_to_huge_pages(module)
         logger.info("weights on transparent huge pages: %.0f MB", moved / 2**20)
     log_linear_paths(module, cfg, dtype)
@@ -160,6 +197,44 @@ def load_model(
         f"compiled kernels ({', '.join(fused)})" if fused else "PyTorch operators",
     )
     bind_submodules(module)
+
+
+def _load_dummy(
+    cls: CausalLMClass,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str,
+    max_positions: int,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    cpu_kernels: bool,
+    seed: int,
+) -> CausalLM:
+    """load_format="dummy": the model built in `dtype` straight on `device` (no float32 copy, no
+    file), its weights drawn by `fill_dummy_weights`; then the same preparation as a checkpoint."""
+    if cfg.gguf_file is not None or cfg.quantization is not None:
+        what = "a GGUF file" if cfg.gguf_file is not None else "a quantization_config"
+        raise ValueError(f"load_format='dummy' makes float weights; {cfg.path} names {what}: remove it")
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"load_format='dummy' makes float weights: quantization={quantization!r} names no file")
+    kv_format = KVCacheFormat(kv_cache_dtype, dtype)
+    backend = get_attention_backend(
+        attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window, kv_format
+    )
+    rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, device)
+    with torch.device("meta"):
+        model = cls(cfg, backend, rotary)
+    module = model_module(model).to(dtype=dtype).to_empty(device=device)
+    fill_dummy_weights(module, seed, norm_offset=cfg.gemma is not None)
+    module = module.eval().requires_grad_(False)
+    at_load = quantization
+    if at_load is not None:
+        quantize_model(module, at_load, use_kernel=None if cpu_kernels else False)
+    elif cpu_kernels:
+        pack_linears(module)
+    logger.info("load_format dummy: random weights (seed %d), %s on %s", seed, dtype, device)
+    _finish(module, model, cfg, dtype, device, at_load, at_load is not None, cpu_kernels)
     return model
 
 

@@ -74,6 +74,19 @@ class TritonAttentionBackend:
             tree_bits=batch.tree_bits,
         )
 
+    @staticmethod
+    def static_layout(
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> _Layout:
+        """A layout over device buffers that stay in place from step to step (CUDA graphs,
+        tandem/worker/cuda_graphs.py): nothing is read back to the host, and `max_seq_len` is a
+        bound (the model's length), not the batch's longest context."""
+        return _Layout(block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len, None)
+
     def forward(
         self,
         q: torch.Tensor,

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from tandem.cluster.config import DISPATCH_POLICIES
-from tandem.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_WAITING_REQUESTS
+from tandem.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig, field_default
+from tandem.core.policy import SCHEDULING_POLICIES
 
 # The step-time model used when --cost is not given: fitted on this project's machine.
 DEFAULT_COST = Path(__file__).parent / "costs" / "default-amd-epyc-fp32-1thread.json"
@@ -56,15 +57,31 @@ def add_simulate_parser(sub: Any) -> None:
     )
     i = p.add_argument_group("each instance")
     i.add_argument("--cost", default=str(DEFAULT_COST), help="step-time model JSON (tandem bench profile)")
-    i.add_argument("--num-kv-blocks", type=int, default=4096, help="KV-cache blocks per instance")
-    i.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    i.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
     i.add_argument(
-        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, help="token budget of one step"
+        "--replay-steps",
+        default=None,
+        metavar="FILE",
+        help="time each instance's working steps by a real run's step trace (the engine's --step-trace: "
+        "engines in the order of their first step), the rest by --cost: replay fidelity "
+        "(tandem/sim/replay.py)",
     )
+    i.add_argument("--num-kv-blocks", type=int, default=4096, help="KV-cache blocks per instance")
+    # The knobs an instance shares with the engine default to the engine's (EngineConfig).
+    for name, help_text in (
+        ("block_size", "tokens per KV-cache block"),
+        ("max_num_seqs", "sequences running at once"),
+        ("max_num_batched_tokens", "token budget of one step"),
+    ):
+        flag = "--" + name.replace("_", "-")
+        i.add_argument(flag, type=int, default=field_default(EngineConfig, name), help=help_text)
     i.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + output")
     i.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    i.add_argument("--scheduling-policy", default="fcfs", help="fcfs, priority or lpm")
+    i.add_argument(
+        "--scheduling-policy",
+        default=field_default(EngineConfig, "scheduling_policy"),
+        choices=SCHEDULING_POLICIES,
+        help="which waiting request runs first",
+    )
     i.add_argument("--vocab-size", type=int, default=32000, help="vocabulary of the synthetic token ids")
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="*", default=None, help="SLOs as KEY:ms, e.g. ttft:500 tpot:50")
@@ -93,6 +110,7 @@ def build(args: argparse.Namespace) -> Any:
     from tandem.core.policy import SchedulingConfig
     from tandem.sim.cost import load_cost
     from tandem.sim.instance import InstanceSpec
+    from tandem.sim.replay import replay_costs
     from tandem.sim.simulator import ClusterSim
     from tandem.sim.trace import load_trace, scale_rate, synthetic
 
@@ -111,7 +129,9 @@ def build(args: argparse.Namespace) -> Any:
             seed=args.seed,
         )
     if args.max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests must be 0 (no bound) or more, got {args.max_waiting_requests}")
+        raise ValueError(
+            f"--max-waiting-requests must be 0 (no bound) or more, got {args.max_waiting_requests}"
+        )
     if args.rate_scale != 1.0:
         trace = scale_rate(trace, args.rate_scale)
     disaggregated = args.prefill_instances > 0 or args.decode_instances > 0
@@ -135,11 +155,14 @@ def build(args: argparse.Namespace) -> Any:
         scheduling=SchedulingConfig(policy=args.scheduling_policy),
     )
     record = bool(getattr(args, "step_trace", None))
+    cost = load_cost(args.cost)
+    replay = getattr(args, "replay_steps", None)
     return ClusterSim(
         trace,
-        load_cost(args.cost),
+        cost,
         spec,
         cluster,
+        instance_costs=list(replay_costs(cost, replay, instances)) if replay else None,
         vocab_size=args.vocab_size,
         record_steps=record,
         instances_per_host=args.instances_per_host,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from tandem.config import EngineConfig, field_default
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.policy import SchedulingConfig
 from tandem.core.request import Request, RequestStatus
@@ -28,14 +28,16 @@ SIM_TOKEN = 7
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """An instance's capacity and scheduling knobs, as `EngineConfig` names them."""
+    """An instance's capacity and scheduling knobs, as `EngineConfig` names them; the knobs it shares
+    with `EngineConfig` default to its defaults. A simulated instance has no checkpoint to size its
+    KV cache and context from, so those two are its own."""
 
     num_blocks: int = 4096
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    block_size: int = field_default(EngineConfig, "block_size")
+    max_num_seqs: int = field_default(EngineConfig, "max_num_seqs")
+    max_num_batched_tokens: int = field_default(EngineConfig, "max_num_batched_tokens")
     max_model_len: int = 8192
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field_default(EngineConfig, "enable_prefix_caching")
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
 
 

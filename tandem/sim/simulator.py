@@ -1,11 +1,16 @@
 """The cluster simulator: a discrete-event loop over simulated instances and the real global code.
 
 Time advances from event to event (an arrival, the end of an instance's step, a load report, a
-migration round, the end of a KV transfer). Requests are dispatched by the real `Dispatcher` over
-load reports built as the engines build theirs (every `REPORT_INTERVAL_S`, prefix hashes at most
-every `PREFIX_REPORT_INTERVAL_S`, as tandem/engine/core_proc.py does); running requests move by
-the real `Rebalancer`'s plan; with prefill/decode roles, a request prefilled on a prefill instance
-moves to the least loaded decode instance at its first token. A move takes the cost model's
+migration round, the end of a KV transfer). The cluster's global parts are the server's, composed
+by the same `build_cluster` (tandem/cluster/build.py): requests are placed by the front end's own
+placement (tandem/engine/placement.py: the real `Dispatcher`, prefill/decode roles) over load
+reports built by the engines' own builder (tandem/engine/load_report.py, every
+`REPORT_INTERVAL_S`); running requests move in the real `Migrator`'s rounds, for which the
+simulator is the front end (`MoveFront`); with prefill/decode roles, a request prefilled on a
+prefill instance moves to the least loaded decode instance at its first token. Where each request
+runs, which run of it is followed and the moves under way are kept in the front end's own route
+table (tandem/kvtransfer/routes.py), and each request is built as the engine builds it
+(`core.engine_io.sample_request`). A move takes the cost model's
 transfer time for the request's blocks: a live migration copies them in stages as the engine's
 sender does (tandem/kvtransfer/protocol.py), the request decoding on its source meanwhile, each
 stage the full blocks filled since the last, until no more than `migration_stop_blocks` were
@@ -26,7 +31,10 @@ others run theirs (`tandem.sim.host`); the front end then runs on the first host
 and delivery times stretch as a step would with that host's active instances.
 
 Simplifications, stated: requests ignore EOS (they run to their output length) and sample a fixed
-token; n = 1; a move whose destination has no free seat or blocks is abandoned (the request stays).
+token; n = 1; a move whose destination has no free seat or blocks is abandoned (the request stays,
+a hand-off's too: the server would recompute it on the decode side); moves are live (migration
+mode "recompute" is not modelled); a request that is not running when its move would start
+(waiting, preempted) is not moved.
 """
 
 from __future__ import annotations
@@ -37,13 +45,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tandem.cluster.build import build_cluster
 from tandem.cluster.config import ClusterConfig
-from tandem.cluster.dispatch import Dispatcher
-from tandem.cluster.rebalance import Rebalancer, RequestView
 from tandem.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
-from tandem.core.engine_io import EngineCoreRequest
+from tandem.core.engine_io import EngineCoreRequest, sample_request
 from tandem.core.request import Request, RequestStatus
+from tandem.engine.load_report import STATS_INTERVAL_S, LoadReport
 from tandem.engine.messages import Stats
+from tandem.engine.placement import place
+from tandem.kvtransfer.protocol import Migrated, MoveOutcome
+from tandem.kvtransfer.routes import LiveMove, MovableRequest, Routes
 from tandem.sampling_params import SamplingParams
 from tandem.sim.cost import CostModel
 from tandem.sim.frontend import FrontEnd
@@ -52,9 +63,7 @@ from tandem.sim.instance import InstanceSpec, SimInstance
 from tandem.sim.trace import Trace
 
 # As the engine loop reports (tandem/engine/core_proc.py).
-REPORT_INTERVAL_S = 0.2
-PREFIX_REPORT_INTERVAL_S = 1.0
-MAX_REPORTED_PREFIX_HASHES = 16384
+REPORT_INTERVAL_S = STATS_INTERVAL_S
 # KV usage is sampled this often for the report's timeline.
 USAGE_SAMPLE_S = 1.0
 
@@ -77,13 +86,15 @@ class RequestRecord:
 
 
 @dataclass(slots=True)
-class Move:
+class Transfer:
+    """A move's copy as its source's sender runs it (the front end's half is the route table's
+    `LiveMove`)."""
+
     request_id: str
-    source: int
-    destination: int
-    handoff: bool
+    move: LiveMove
     sent: int = 0  # full blocks copied by the stages so far
     stages: int = 0
+    started: bool = False  # a hand-off's copy starts at the first token
 
 
 def _engine_default(name: str) -> int:
@@ -124,9 +135,12 @@ class ClusterSim:
         record_steps: bool = False,
         instances_per_host: int = 1,
         max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+        instance_costs: list[CostModel] | None = None,
     ) -> None:
         """`max_waiting_requests`: the front end's bound on accepted requests with no token yet,
-        past which it refuses new ones (the server's `--max-waiting-requests`); None: unbounded."""
+        past which it refuses new ones (the server's `--max-waiting-requests`); None: unbounded.
+        `instance_costs`: each instance's own step-time model (a replay of a real run's steps,
+        tandem/sim/replay.py); by default `cost` for all."""
         self.trace = trace
         self.cost = cost
         self.spec = spec
@@ -135,7 +149,10 @@ class ClusterSim:
         self.progress = progress
         self.clock = [0.0]
         n = cluster.num_instances
-        self.instances = [SimInstance(i, spec, cost, self.clock, record_steps) for i in range(n)]
+        costs = instance_costs if instance_costs is not None else [cost] * n
+        if len(costs) != n:
+            raise ValueError(f"instance_costs has {len(costs)} models for {n} instances")
+        self.instances = [SimInstance(i, spec, costs[i], self.clock, record_steps) for i in range(n)]
         if instances_per_host < 1:
             raise ValueError(f"instances_per_host must be at least 1, got {instances_per_host}")
         # Hosts only where instances share one and the cost model says sharing costs something.
@@ -151,26 +168,28 @@ class ClusterSim:
         self.front_end = FrontEnd(cost)
         # Bumped whenever an instance's step end moves (a host's load changed): older events are stale.
         self._step_version = [0] * n
-        self.dispatcher = Dispatcher(cluster, [spec.num_blocks] * n, spec.block_size)
-        self.rebalancer = Rebalancer(cluster)
-        self.prefill = set(range(cluster.prefill_instances))
-        self.decode = set(range(cluster.prefill_instances, n)) if cluster.disaggregated else set()
+        self.parts = build_cluster(cluster, self, [spec.num_blocks] * n, spec.block_size)
+        self.dispatcher = self.parts.dispatcher
+        self.rebalancer = self.parts.migrator.rebalancer
         self.live = set(range(n))
+        # The front end's view (tandem/cluster/migrator.py: MoveFront): no instance drains here.
+        self.dead: str | None = None
+        self.draining: set[int] = set()
+        self.disaggregation = self.parts.roles
+        self.table = Routes()
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self.records: list[RequestRecord] = []
-        self.where: dict[str, int] = {}  # request id -> instance
         self.requests: dict[str, Request] = {}
         self.core_reqs: dict[str, EngineCoreRequest] = {}
-        self.moving: dict[str, Move] = {}
-        self.handoff_to: dict[str, int] = {}
+        self.transfers: dict[str, Transfer] = {}
         self.migrations = self.migrations_aborted = self.handoffs = 0
         self.max_waiting_requests = max_waiting_requests
         self.not_started = 0  # accepted requests whose first token is not out yet
         self.refused = 0
         self.usage_timeline: list[tuple[float, list[float]]] = []
-        self._last_prefix_report = [-1.0] * n
-        self._prefix_versions = [-1] * n
+        with_prefixes = cluster.dispatch_policy == "prefix_aware"
+        self._load = [LoadReport(with_prefixes) for _ in range(n)]
         self._seqs: dict[str, int] = {}
 
     # -- the loop -----------------------------------------------------------------------
@@ -222,7 +241,7 @@ class ClusterSim:
             records=self.records,
             duration_s=duration,
             num_instances=len(self.instances),
-            preemptions=sum(inst.scheduler.num_preemptions for inst in self.instances),
+            preemptions=sum(inst.scheduler.counters.num_preemptions for inst in self.instances),
             migrations=self.migrations,
             migrations_aborted=self.migrations_aborted,
             handoffs=self.handoffs,
@@ -286,9 +305,10 @@ class ClusterSim:
             return 1
         self.requests[rid] = req
         self.core_reqs[rid] = core_req
-        self.where[rid] = instance
-        if handoff is not None:
-            self.handoff_to[rid] = handoff
+        self.table.route(rid, instance)
+        if handoff is not None:  # the front end asks for the hand-off with the request
+            move = self.table.start_move(rid, instance, handoff, self.clock[0], after_prefill=True)
+            self.transfers[rid] = Transfer(rid, move)
         self._kick(self.instances[instance])
         return 0
 
@@ -301,29 +321,12 @@ class ClusterSim:
         return self.cost.co_run_slowdown(max(1, active))
 
     def _place(self, req: EngineCoreRequest) -> tuple[int, int | None]:
-        """As the front end places a request (`AsyncEngineClient._place`)."""
-        live = self.live
-        if not self.cluster.disaggregated:
-            return self.dispatcher.choose(req, live), None
-        decode, prefill = self.decode & live, self.prefill & live
-        if not decode:
-            return self.dispatcher.choose(req, prefill), None
-        if not prefill or len(req.prompt_token_ids) < self.cluster.pd_min_prompt_tokens:
-            return self.dispatcher.choose(req, decode), None
-        return self.dispatcher.choose(req, prefill), self.dispatcher.least_loaded(decode)
+        """As the front end places a request (tandem/engine/placement.py)."""
+        return place(req, self.dispatcher, self.disaggregation, self.live - self.draining, self.live)
 
     @staticmethod
     def _request(req: EngineCoreRequest, outputs: list[int] | None = None) -> Request:
-        return Request(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=req.params,
-            max_tokens=req.max_tokens,
-            arrival_time=req.arrival_time,
-            priority=req.priority,
-            tenant=req.tenant,
-            token_ids=[*req.prompt_token_ids, *outputs] if outputs else [],
-        )
+        return sample_request(req, 0, outputs)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -350,8 +353,10 @@ class ClusterSim:
                 record.finish_s = seen[at - 1] if new > 0 else now + self.cost.delivery_seconds()
                 finished += 1
                 self._forget(req.request_id)
-            elif req.request_id in self.handoff_to and req.num_output_tokens >= 1:
-                self._start_move(req.request_id, self.handoff_to.pop(req.request_id), handoff=True)
+            elif req.num_output_tokens >= 1:
+                transfer = self.transfers.get(req.request_id)
+                if transfer is not None and transfer.move.after_prefill and not transfer.started:
+                    self._hand_over(transfer)
         gap = self.cost.loop_gap_seconds()
         if gap > 0:  # the loop sends outputs and takes in requests before it plans again
             inst.in_loop_gap = True
@@ -362,130 +367,120 @@ class ClusterSim:
 
     def _forget(self, rid: str) -> None:
         self.dispatcher.release(rid)
-        self.where.pop(rid, None)
+        self.table.forget(rid)
         self.requests.pop(rid, None)
         self.core_reqs.pop(rid, None)
-        self.handoff_to.pop(rid, None)
-        self.moving.pop(rid, None)
+        self.transfers.pop(rid, None)
 
     # -- reports ----------------------------------------------------------------------------
 
     def _report(self) -> None:
         now = self.clock[0]
         for inst in self.instances:
-            cache = inst.kv.cache
-            hashes = None
-            if (
-                cache is not None
-                and cache.version != self._prefix_versions[inst.index]
-                and now - self._last_prefix_report[inst.index] >= PREFIX_REPORT_INTERVAL_S
-                and self.cluster.dispatch_policy == "prefix_aware"
-            ):
-                hashes = cache.block_hashes(MAX_REPORTED_PREFIX_HASHES)
-                self._prefix_versions[inst.index] = cache.version
-                self._last_prefix_report[inst.index] = now
-            stats = Stats(
-                num_running=inst.scheduler.num_in_flight,
-                num_waiting=inst.scheduler.num_waiting,
-                kv_usage=inst.kv.usage,
-                num_preemptions=inst.scheduler.num_preemptions,
-                prefix_query_tokens=0,
-                prefix_hit_tokens=0,
-                prompt_tokens=0,
-                generation_tokens=0,
-                iteration_tokens=[],
-                num_blocks=inst.kv.num_blocks,
-                num_available_blocks=inst.kv.num_available,
-                prefix_hashes=hashes,
-                num_seats_taken=inst.scheduler.seats_taken,
-                max_num_seqs=inst.spec.max_num_seqs,
-            )
-            self.dispatcher.observe(inst.index, stats)
+            load = self._load[inst.index].fields(inst.scheduler, inst.kv, now)
+            self.dispatcher.observe(inst.index, Stats(**load))
 
     # -- moving requests --------------------------------------------------------------------
 
     def _rebalance(self) -> None:
-        live = self.live if not self.cluster.disaggregated else self.live & self.decode
-        views = []
-        for rid, instance in self.where.items():
-            if rid in self.moving or instance not in live:
-                continue
-            req = self.requests[rid]
-            views.append(
-                RequestView(
-                    rid,
-                    instance,
-                    req.priority,
-                    req.num_output_tokens > 0,
-                    self._seqs[rid],
-                    self.dispatcher.demand_of(rid),
-                )
+        self.parts.migrator.round()
+
+    # The front end's view the migration policy reads (tandem/cluster/migrator.py: MoveFront).
+
+    @property
+    def moves(self) -> dict[str, LiveMove]:
+        return self.table.moves
+
+    def movable(self) -> list[MovableRequest]:
+        seqs = self.table.seqs
+        return [
+            MovableRequest(
+                rid,
+                instance,
+                self.requests[rid].priority,
+                self.requests[rid].num_output_tokens > 0,
+                seqs[rid],
             )
-        # Seats the moves under way take at their destinations once installed.
-        incoming: dict[int, int] = {}
-        for move in self.moving.values():
-            incoming[move.destination] = incoming.get(move.destination, 0) + 1
-        plan = self.rebalancer.plan(self.dispatcher.instances, live, set(), views, len(self.moving), incoming)
-        for rid, dest in plan:
-            self._start_move(rid, dest, handoff=False)
+            for rid, instance in self.table.where.items()
+            if rid not in self.table.moves
+        ]
 
-    def _start_move(self, rid: str, dest: int, handoff: bool) -> None:
-        """A live migration's first stage, or a hand-off's pause (its blocks streamed during the
-        prefill: none left to copy but the last)."""
-        source = self.where[rid]
-        req = self.requests[rid]
-        if req.status != RequestStatus.RUNNING or source == dest:
-            return
-        move = Move(rid, source, dest, handoff)
-        self.moving[rid] = move
-        if handoff:
-            self._at(self.clock[0], MOVED, (move, "pause"))
-        else:
-            self._stage_or_pause(move, req)
+    def incoming(self) -> dict[int, int]:
+        seats: dict[int, int] = {}
+        for move in self.table.moves.values():
+            seats[move.destination] = seats.get(move.destination, 0) + 1
+        return seats
 
-    def _stage_or_pause(self, move: Move, req: Request) -> None:
+    def move(self, request_id: str, instance: int, live: bool) -> bool:
+        """A live migration's first stage (moves are live here, whatever `live` says); False if
+        the request is not running (waiting, preempted) or is there already."""
+        source = self.table.where[request_id]
+        req = self.requests[request_id]
+        if req.status != RequestStatus.RUNNING or source == instance:
+            return False
+        transfer = Transfer(request_id, self.table.start_move(request_id, source, instance, self.clock[0]))
+        self.transfers[request_id] = transfer
+        transfer.started = True
+        self._stage_or_pause(transfer, req)
+        return True
+
+    def _hand_over(self, transfer: Transfer) -> None:
+        """A hand-off's pause at the first token (its blocks streamed during the prefill: none
+        left to copy but the last)."""
+        transfer.started = True
+        self._at(self.clock[0], MOVED, (transfer, "pause"))
+
+    def _stage_or_pause(self, transfer: Transfer, req: Request) -> None:
         """As the engine's sender after a stage landed: another stage if enough blocks were filled
         meanwhile and stages are left, else the pause."""
-        new = req.num_computed_tokens // self.spec.block_size - move.sent
-        if new > MIGRATION_STOP_BLOCKS and move.stages < MIGRATION_MAX_STAGES:
-            move.sent += new
-            move.stages += 1
-            self._at(self.clock[0] + self.cost.transfer_seconds(new), MOVED, (move, "stage"))
+        new = req.num_computed_tokens // self.spec.block_size - transfer.sent
+        if new > MIGRATION_STOP_BLOCKS and transfer.stages < MIGRATION_MAX_STAGES:
+            transfer.sent += new
+            transfer.stages += 1
+            self._at(self.clock[0] + self.cost.transfer_seconds(new), MOVED, (transfer, "stage"))
         else:
-            self._at(self.clock[0], MOVED, (move, "pause"))
+            self._at(self.clock[0], MOVED, (transfer, "pause"))
 
-    def _moved(self, payload: tuple[Move, str]) -> None:
-        move, phase = payload
-        if self.moving.get(move.request_id) is not move:
+    def _outcome(self, rid: str, move: LiveMove, outcome: MoveOutcome) -> None:
+        """The source's Migrated reaches the front end (at once: no message takes time here)."""
+        ended = self.table.outcome(move.source, Migrated(rid, move.transfer_id, outcome))
+        assert ended is move, (rid, outcome)
+        self.transfers.pop(rid, None)
+
+    def _moved(self, payload: tuple[Transfer, str]) -> None:
+        transfer, phase = payload
+        move, rid = transfer.move, transfer.request_id
+        if self.transfers.get(rid) is not transfer:
             return  # the request finished meanwhile
-        req = self.requests[move.request_id]
+        req = self.requests[rid]
         src = self.instances[move.source]
         if req.status != RequestStatus.RUNNING and phase != "install":  # preempted meanwhile: given up
-            del self.moving[move.request_id]
+            self._outcome(rid, move, MoveOutcome.ABORTED)
             self.migrations_aborted += 1
             return
         if phase == "stage":
-            self._stage_or_pause(move, req)
+            self._stage_or_pause(transfer, req)
         elif phase == "pause":
             src.scheduler.pause(req)
             bs = self.spec.block_size
-            last = -(-req.num_computed_tokens // bs) - (0 if move.handoff else move.sent)
-            self._at(self.clock[0] + self.cost.transfer_seconds(max(1, last)), MOVED, (move, "install"))
+            last = -(-req.num_computed_tokens // bs) - (0 if move.after_prefill else transfer.sent)
+            self._at(self.clock[0] + self.cost.transfer_seconds(max(1, last)), MOVED, (transfer, "install"))
         else:
-            self._install(move, req)
+            self._install(move, rid, req)
 
-    def _install(self, move: Move, req: Request) -> None:
+    def _install(self, move: LiveMove, rid: str, req: Request) -> None:
         src, dst = self.instances[move.source], self.instances[move.destination]
-        del self.moving[move.request_id]
         bs = self.spec.block_size
         need = -(-req.num_computed_tokens // bs)
-        core = self.core_reqs[move.request_id]
+        core = self.core_reqs[rid]
         blocks = dst.kv.take_blocks(need) if dst.scheduler.seats_taken + 1 <= dst.spec.max_num_seqs else None
         if blocks is None:
+            self._outcome(rid, move, MoveOutcome.REFUSED)
             src.scheduler.unpause(req)  # no room there: it goes on here
             self.migrations_aborted += 1
             self._kick(src)
             return
+        self._outcome(rid, move, MoveOutcome.COMPLETED)
         moved = self._request(core, req.output_token_ids)
         moved.num_computed_tokens = req.num_computed_tokens
         dst.kv.give(moved, blocks, add_reference=False)
@@ -494,11 +489,11 @@ class ClusterSim:
         moved.num_preemptions = req.num_preemptions
         src.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
         dst.scheduler.adopt(moved)
-        self.requests[move.request_id] = moved
-        self.where[move.request_id] = move.destination
-        self.records[self._seqs[move.request_id]].num_moves += 1
+        self.requests[rid] = moved
+        self.table.complete(rid, move)  # nothing is held: the destination has run no step of it yet
+        self.records[self._seqs[rid]].num_moves += 1
         self.dispatcher.routed(core, move.destination)
-        if move.handoff:
+        if move.after_prefill:
             self.handoffs += 1
         else:
             self.migrations += 1

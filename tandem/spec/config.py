@@ -9,7 +9,10 @@ from typing import Any
 
 from tandem.spec.suffix import SuffixConfig, parse_suffix_config, suffix_keys
 
-METHODS = ("ngram", "draft_model", "suffix")
+METHODS = ("ngram", "draft_model", "suffix", "eagle", "medusa")
+# Methods whose drafts come from heads over the target's own features (tandem/model/draft_heads.py),
+# proposed as a tree in the runner (tandem/worker/head_drafter.py).
+HEAD_METHODS = ("eagle", "medusa")
 # The most drafts a request may verify in one step (suffix speculation drafts long repeats).
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -110,9 +113,18 @@ class SpeculativeConfig:
     adaptive_config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     # method "suffix": its `suffix_decoding_*` settings (tandem/spec/suffix.py).
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
+    # methods "eagle" and "medusa": the draft tree (num_speculative_tokens nodes at most). Children
+    # per expanded node (EAGLE) or per head (Medusa), and the tree's greatest depth (Medusa: at most
+    # its number of heads).
+    tree_topk: int = 4
+    tree_depth: int = 6
+
+    @property
+    def uses_head(self) -> bool:
+        return self.method in HEAD_METHODS
 
     @staticmethod
-    def from_dict(spec: dict[str, Any] | None) -> SpeculativeConfig | None:
+    def from_dict(spec: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """`adaptive` may be true, false, or a dict of `AdaptiveConfig` fields (adaptive, so tuned)."""
         if spec is None:
             return None
@@ -127,6 +139,8 @@ class SpeculativeConfig:
             "prompt_lookup_max",
             "model",
             "adaptive",
+            "tree_topk",
+            "tree_depth",
         }
         known |= suffix_keys()
         unknown = sorted(set(spec) - known)
@@ -158,13 +172,16 @@ class SpeculativeConfig:
             )
         cfg = SpeculativeConfig(
             method=str(method),
-            num_speculative_tokens=spec.get("num_speculative_tokens", 0),
+            # A head's tree: 8 nodes unless told (vLLM asks for it; {"method": "eagle"} alone works).
+            num_speculative_tokens=spec.get("num_speculative_tokens", 8 if method in HEAD_METHODS else 0),
             prompt_lookup_min=lo,
             prompt_lookup_max=hi,
             model=spec.get("model"),
             adaptive=adaptive,
             adaptive_config=adaptive_config,
             suffix=parse_suffix_config(spec),
+            tree_topk=spec.get("tree_topk", 4),
+            tree_depth=spec.get("tree_depth", 6),
         )
         cfg.validate()
         return cfg
@@ -177,8 +194,16 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
+        for name in ("tree_topk", "tree_depth"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(
+                    f"speculative_config.{name} must be in [1, {MAX_SPECULATIVE_TOKENS}], got {v!r}"
+                )
         if self.method == "suffix":
             pass  # its settings were checked as they were read
+        elif self.uses_head:
+            pass  # no model: the head beside the target's folder (`<target>-eagle`, `<target>-medusa`)
         elif self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):

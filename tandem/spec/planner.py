@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from tandem.core.draft_tree import DraftTree
 from tandem.core.request import Request
+from tandem.core.stats import EngineCounters, bump
 from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.spec.config import SpeculativeConfig
 from tandem.spec.controller import AdaptiveSpeculation, Plan
@@ -17,7 +18,12 @@ class SpecPlanner:
     """Pure Python: the scheduler calls `plan`, `propose` and `observe` (acceptance); the engine
     calls `observe_step` once per step with its plan, timings and output."""
 
-    def __init__(self, config: SpeculativeConfig, max_catch_up: int | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_catch_up: int | None = None,
+        counters: EngineCounters | None = None,
+    ) -> None:
         self.config = config
         # The most catch-up one request may feed its draft in a step (the engine passes its step
         # token budget, which bounds a prompt chunk of the target's too); None: unbounded.
@@ -31,11 +37,8 @@ class SpecPlanner:
         self.controller = AdaptiveSpeculation(
             config.num_speculative_tokens, adaptive=config.adaptive, config=config.adaptive_config
         )
-        # Totals for metrics.
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * config.num_speculative_tokens
+        # The engine's counters (tandem/core/stats.py): drafts and acceptance, per method too.
+        self.counters = counters if counters is not None else EngineCounters()
 
     @property
     def proposes_in_runner(self) -> bool:
@@ -117,11 +120,16 @@ class SpecPlanner:
         rid = req.request_id
         self._fed[rid] = req.num_tokens - 1 + num_draft
         self.controller.observe_acceptance(rid, num_draft, num_accepted)
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
+        c, method = self.counters, self.config.method
+        c.spec_decode_num_drafts += 1
+        c.spec_decode_num_draft_tokens += num_draft
+        c.spec_decode_num_accepted_tokens += num_accepted
+        bump(c.spec_decode_num_draft_tokens_by_method, method, num_draft)
+        bump(c.spec_decode_num_accepted_tokens_by_method, method, num_accepted)
         for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
+            bump(c.spec_decode_num_accepted_tokens_per_pos, str(i))
+        bump(c.spec_decode_acceptance_length, num_accepted + 1)
+        bump(c.spec_decode_tree_size, num_draft)
 
     def seed_costs(
         self, step_points: list[tuple[int, float]], draft_points: list[tuple[int, float]], feed_cost: float

@@ -163,7 +163,7 @@ def verify_tree_sampled(
             total = float(p.sum())
             if total <= 0.0:
                 break
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            u = float(torch.rand((), generator=generator, dtype=torch.float64, device=p.device))
             if u * total < float(p[x]):  # probability p(x) / sum(p)
                 accepted.append(child)
                 node = child

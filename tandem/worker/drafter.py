@@ -29,6 +29,7 @@ from tandem.core.request import Request
 from tandem.core.step_io import DraftPass
 from tandem.model.loader import load_model
 from tandem.worker.batch import SampleRow, build_batch
+from tandem.worker.device import DevicePlan
 from tandem.worker.sampler import Sampler, SamplingBatch, row_argmax
 
 
@@ -40,6 +41,7 @@ class DraftHost(Protocol):
     block_size: int
     device: torch.device
     dtype: torch.dtype
+    plan: DevicePlan
     vocab_size: int
     sampler: Sampler
 
@@ -54,30 +56,37 @@ class Drafter:
         host: DraftHost,
         mc: ModelConfig,
         engine_config: EngineConfig,
-        num_blocks: int,
         max_model_len: int,
     ) -> None:
+        """Loads the draft model; its KV cache comes with `allocate`, once the blocks are counted."""
         if mc.vocab_size != host.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({mc.vocab_size}) differs from the target's "
                 f"({host.vocab_size})"
             )
         self.host = host
+        self.model_config = mc
         self.model = load_model(
             mc,
             host.dtype,
             host.device,
-            engine_config.attention_backend,
+            host.plan.attention_backend,
             max_model_len,
             # int8 at load applies to the draft too; a checkpoint method names the target's format.
             engine_config.quantization if engine_config.quantization in QUANTIZATION_METHODS else None,
             engine_config.kv_cache_dtype,
+            cpu_kernels=host.plan.cpu_kernels,
+            load_format=engine_config.load_format,
+            seed=engine_config.seed + 1,
         )
         self.backend = self.model.backend
-        self.kv_caches = host.allocate_kv(mc, num_blocks)
+        self.kv_caches: list[torch.Tensor] = []
         self.generators: dict[str, torch.Generator] = {}
         # request id -> how many leading positions hold valid draft KV
         self.valid: dict[str, int] = {}
+
+    def allocate(self, num_blocks: int) -> None:
+        self.kv_caches = self.host.allocate_kv(self.model_config, num_blocks)
 
     def sync(self, reqs: list[Request], preempted: list[Request], finished: list[str]) -> None:
         """Before a step: clip each request's valid draft KV to what the target has kept.
@@ -140,7 +149,7 @@ class Drafter:
             self.backend.prepare(batch)
             hidden = self.model(batch, self.kv_caches)
             if len(ends) != hidden.shape[0]:
-                hidden = hidden[torch.from_numpy(ends - 1)]
+                hidden = hidden[torch.from_numpy(ends - 1).to(hidden.device)]
             logits = self.model.compute_logits(hidden)
             if plain:
                 for r, t in zip(active, row_argmax(logits).tolist()):
@@ -166,5 +175,7 @@ class Drafter:
             return None
         gen = self.generators.get(req.request_id)
         if gen is None:
-            gen = self.generators[req.request_id] = torch.Generator().manual_seed(req.seed ^ 0x5DEECE66D)
+            gen = self.generators[req.request_id] = torch.Generator(device=self.host.device).manual_seed(
+                req.seed ^ 0x5DEECE66D
+            )
         return gen

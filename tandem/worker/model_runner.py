@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -13,9 +14,14 @@ from tandem.core.step_io import RunnerOutput, SchedulerOutput
 from tandem.model.kv_quant import KVCacheFormat
 from tandem.model.loader import auto_dtype, load_model, resolve_dtype
 from tandem.sampling_params import SamplingParams
+from tandem.spec.config import SpeculativeConfig
 from tandem.worker import prompt_logprobs
 from tandem.worker.batch import SampleRow, build_batch
+from tandem.worker.cuda_graphs import DecodeGraphs, capture_sizes, graph_step
+from tandem.worker.device import GRAPHS_CAPTURE, GRAPHS_OFF, GRAPHS_PADDED, DevicePlan, resolve_device_plan
 from tandem.worker.drafter import Drafter
+from tandem.worker.gpu_memory import CudaMemoryProbe, KVBudget, MemoryProbe, graph_reserve, size_kv_cache
+from tandem.worker.head_drafter import HeadDrafter
 from tandem.worker.sampler import PenaltyState, Sampler, SamplingBatch
 from tandem.worker.token_mask import GrammarHook, token_mask
 from tandem.worker.tree_verify import compact_accepted, lay_out_trees, path_history, verify_trees
@@ -81,35 +87,74 @@ def end_dead(dead: list[bool], used_rows: dict[str, list[int]], out: RunnerOutpu
 class ModelRunner:
     # The penalties' per-request state, made on first use from the vocabulary and device alone.
     _penalty_state: PenaltyState | None = None
+    # Decode batches through static buffers (CUDA graphs, or padded eagerly on a CPU); None: off.
+    graphs: DecodeGraphs | None = None
+    # How the KV cache was sized from GPU memory (None where the blocks were given).
+    kv_budget: KVBudget | None = None
+    # Why capturing the decode graphs failed, where it did (the engine then runs them eagerly).
+    graph_error: str | None = None
 
     def __init__(
         self,
         model_config: ModelConfig,
         engine_config: EngineConfig,
-        num_blocks: int,
+        num_blocks: int | None,
         max_model_len: int,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         draft_model_config: ModelConfig | None = None,
+        plan: DevicePlan | None = None,
+        memory_probe: MemoryProbe | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
-        self.device = torch.device(device)
+        """`plan` (tandem/worker/device.py): where and how to run; None resolves it from
+        `engine_config` (with `device`, where given, in place of its device). `num_blocks` None:
+        size the KV cache from the GPU's memory (`gpu_memory_utilization`), measured through
+        `memory_probe` (torch.cuda's figures on CUDA; tests pass a fake)."""
+        if plan is None:
+            cfg = engine_config
+            if device is not None:
+                cfg = replace(engine_config, device=torch.device(device).type)
+            plan = resolve_device_plan(cfg, graph_safe=model_config.moe is None)
+        self.plan = plan
+        self.device = torch.device(plan.device)
         self.model_config = model_config
         self.block_size = engine_config.block_size
         self.dtype = resolve_dtype(engine_config.dtype, self.device)
         if engine_config.dtype == "auto":
             logger.info("dtype auto: %s (%s)", *auto_dtype(self.device))
+        logger.info(
+            "%s; attention %s; linear layers: %s; decode batches: %s",
+            plan.reason or f"device {plan.device}",
+            plan.attention_backend,
+            "Tandem's CPU paths" if plan.cpu_kernels else "torch",
+            {GRAPHS_CAPTURE: "CUDA graphs", GRAPHS_PADDED: "padded static buffers (eager)"}.get(
+                plan.decode_graphs, "eager"
+            ),
+        )
         # How the KV cache stores K and V (the draft model's cache too).
         self.kv_format = KVCacheFormat(engine_config.kv_cache_dtype, self.dtype)
+        probe = memory_probe
+        if num_blocks is None and probe is None:
+            if self.device.type != "cuda":
+                raise ValueError("the KV cache's size must be given (num_blocks) off CUDA")
+            probe = CudaMemoryProbe(self.device)
+        start = None
+        if num_blocks is None:
+            assert probe is not None
+            start = (*probe.free_and_total(), probe.allocated())
         self.model = load_model(
             model_config,
             self.dtype,
             self.device,
-            engine_config.attention_backend,
+            plan.attention_backend,
             max_model_len,
             engine_config.quantization,
             engine_config.kv_cache_dtype,
+            cpu_kernels=plan.cpu_kernels,
+            load_format=engine_config.load_format,
+            seed=engine_config.seed,
         )
         self.backend = self.model.backend
-        self.kv_caches = self.allocate_kv(model_config, num_blocks)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(engine_config.seed))
         self.generators: dict[str, torch.Generator] = {}
         self.vocab_size = model_config.vocab_size
@@ -117,7 +162,126 @@ class ModelRunner:
         self.grammar: GrammarHook | None = None
         self.drafter = None
         if draft_model_config is not None:
-            self.drafter = Drafter(self, draft_model_config, engine_config, num_blocks, max_model_len)
+            self.drafter = Drafter(self, draft_model_config, engine_config, max_model_len)
+        sizes: list[int] = []
+        if plan.decode_graphs != GRAPHS_OFF:
+            sizes = capture_sizes(engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
+        if num_blocks is None:
+            assert probe is not None and start is not None
+            num_blocks = self._size_kv(probe, start, engine_config, max_model_len, sizes[-1] if sizes else 0)
+        self.num_blocks = num_blocks
+        # With decode graphs, one more block than the KV manager hands out: the padding rows'.
+        self.kv_caches = self.allocate_kv(model_config, num_blocks + (1 if sizes else 0))
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks)
+        # EAGLE / Medusa: draft trees from heads over the target's own features.
+        self.head_drafter: HeadDrafter | None = None
+        if speculative_config is not None and speculative_config.uses_head:
+            self.head_drafter = HeadDrafter(
+                self, self.model, model_config, speculative_config, engine_config, num_blocks, max_model_len
+            )
+        if sizes:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                sizes,
+                self.block_size,
+                max_model_len,
+                pad_block=num_blocks,
+                device=self.device,
+                capture=plan.decode_graphs == GRAPHS_CAPTURE,
+            )
+            t0 = time.perf_counter()
+            try:
+                self.graphs.capture()
+            except RuntimeError as exc:
+                # Serving eagerly beats not serving; the `gpu`-marked tests fail on this path.
+                logger.warning("CUDA graph capture failed, decode batches run eagerly: %s", exc)
+                self.graphs = None
+                self.graph_error = str(exc)
+            if self.graphs is not None and plan.decode_graphs == GRAPHS_CAPTURE:
+                logger.info(
+                    "CUDA graphs: %d decode batch sizes (1 to %d) captured in %.1f s",
+                    len(sizes),
+                    sizes[-1],
+                    time.perf_counter() - t0,
+                )
+
+    def _size_kv(
+        self,
+        probe: MemoryProbe,
+        start: tuple[int, int, int],
+        config: EngineConfig,
+        max_model_len: int,
+        graph_rows: int,
+    ) -> int:
+        """KV blocks from the GPU's memory: what gpu_memory_utilization leaves after the weights,
+        a profiled peak and the rest (tandem/worker/gpu_memory.py). Logs the arithmetic."""
+        free0, total, allocated0 = start
+        weights = probe.allocated() - allocated0
+        tokens = min(config.max_num_batched_tokens, max_model_len)
+        rows = min(config.max_num_seqs, tokens)
+        probe.reset_peak()
+        base = probe.allocated()
+        scratch_kv = self.profile_pass(tokens, rows)
+        peak = max(0, probe.peak_allocated() - base - scratch_kv)
+        free_now, _ = probe.free_and_total()
+        non_torch = max(0, (total - free_now) - (total - free0) - probe.reserved())
+        per_block = self.kv_bytes_per_block(self.model_config, self.block_size, self.kv_format)
+        if self.drafter is not None:
+            per_block += self.kv_bytes_per_block(self.drafter.model_config, self.block_size, self.kv_format)
+        self.kv_budget = size_kv_cache(
+            total_bytes=total,
+            free_at_start_bytes=free0,
+            utilization=config.gpu_memory_utilization,
+            weights_bytes=weights,
+            activation_peak_bytes=peak,
+            non_torch_bytes=non_torch,
+            block_bytes=per_block,
+            graph_reserve_bytes=graph_reserve(
+                peak, graph_rows, tokens, graph_rows * self.vocab_size * self.dtype.itemsize
+            ),
+        )
+        # One more block for the decode graphs' padding rows comes out of what is left.
+        num_blocks = self.kv_budget.num_blocks - (1 if graph_rows else 0)
+        if num_blocks < 1:
+            raise ValueError("gpu_memory_utilization leaves no room for the KV cache")
+        logger.info(self.kv_budget.describe(self.block_size))
+        if num_blocks * self.block_size < max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len (%d): a longest request will "
+                "not fit (raise gpu_memory_utilization or lower max_model_len)",
+                num_blocks * self.block_size,
+                max_model_len,
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def profile_pass(self, tokens: int, rows: int) -> int:
+        """The largest step the scheduler can make, for its peak memory: `tokens` tokens over `rows`
+        requests (a temporary KV cache just large enough, freed after), their logits and a sampling
+        pass with top-k and top-p (the sort is the sampler's largest temporary). Returns the
+        temporary cache's bytes (not activations: the caller takes them off the peak)."""
+        bs = self.block_size
+        per = [tokens // rows + (1 if i < tokens % rows else 0) for i in range(rows)]
+        reqs, next_block = [], 0
+        for i, n in enumerate(per):
+            need = -(-n // bs)
+            sampling = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+            r = Request(f"profile-{i}", [0] * n, sampling, max_tokens=1)
+            r.block_ids = list(range(next_block, next_block + need))
+            next_block += need
+            reqs.append(r)
+        caches = self.allocate_kv(self.model_config, next_block)
+        batch, ends = build_batch(reqs, per, bs, self.device)
+        batch.logits_indices = torch.from_numpy(ends - 1).to(self.device)
+        self.backend.prepare(batch)
+        hidden = self.model(batch, caches)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        self.sampler(logits, self.sampling_batch([SampleRow(r, []) for r in reqs]))
+        scratch = sum(c.numel() * c.element_size() for c in caches)
+        del caches, hidden, logits
+        return scratch
 
     def warm(self, max_rows: int) -> None:
         """Build oneDNN's per-row-count primitives for batches of up to `max_rows` rows now, not in
@@ -182,6 +346,70 @@ class ModelRunner:
         rows = 2 * model_config.num_layers * model_config.num_kv_heads * block_size
         return rows * kv_format.row_bytes(model_config.head_dim)
 
+    # -- preemption by swap: KV blocks to and from host memory ------------------
+
+    # The swap space: per cache indexed by block ids (`block_caches`), one host tensor
+    # `[num_swap_blocks, layers, 2, block_size, kv_heads, row]` in that cache's storage dtype, in host
+    # memory (pinned when the caches are on a GPU, so the copies run as DMA); None: no swap.
+    swap_space: list[torch.Tensor] | None = None
+
+    def block_caches(self) -> list[list[torch.Tensor]]:
+        """Every KV cache the block ids index: the target's, and a draft model's or draft heads'."""
+        out = [self.kv_caches]
+        if self.drafter is not None:
+            out.append(self.drafter.kv_caches)
+        if self.head_drafter is not None and self.head_drafter.kv_caches:
+            out.append(self.head_drafter.kv_caches)
+        return out
+
+    def swap_block_bytes(self) -> int:
+        """Bytes one swapped block takes in host memory: one block of every layer of every cache (K
+        and V, a quantized row's scale included: the caches' raw rows are copied as they are)."""
+        return sum(len(c) * c[0][:, 0].numel() * c[0].element_size() for c in self.block_caches())
+
+    def allocate_swap(self, num_bytes: int) -> int:
+        """Make a swap space of at most `num_bytes` bytes; returns its number of host blocks."""
+        num_swap_blocks = num_bytes // self.swap_block_bytes()
+        if num_swap_blocks <= 0:
+            self.swap_space = None
+            return 0
+        pin = self.device.type == "cuda"
+        self.swap_space = [
+            torch.empty(
+                (num_swap_blocks, len(c), c[0].shape[0], *c[0].shape[2:]),
+                dtype=c[0].dtype,
+                device="cpu",
+                pin_memory=pin,
+            )
+            for c in self.block_caches()
+        ]
+        return num_swap_blocks
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks into host blocks, `(device, host)` pairs."""
+        if self.swap_space is None:
+            raise RuntimeError("swap-out planned without a swap space")
+        ids = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
+        non_blocking = self.device.type == "cuda"
+        for caches, host in zip(self.block_caches(), self.swap_space):
+            # [layers, 2, n, ...] -> [n, layers, 2, ...]: each block contiguous, one copy per host block.
+            blocks = torch.stack([cache.index_select(1, ids) for cache in caches]).movedim(2, 0).contiguous()
+            for i, (_, h) in enumerate(pairs):
+                host[h].copy_(blocks[i], non_blocking=non_blocking)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back into device blocks, `(host, device)` pairs."""
+        if self.swap_space is None:
+            raise RuntimeError("swap-in planned without a swap space")
+        ids = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        non_blocking = self.device.type == "cuda"
+        for caches, host in zip(self.block_caches(), self.swap_space):
+            staged = torch.empty((len(pairs), *host.shape[1:]), dtype=host.dtype, device=self.device)
+            for i, (h, _) in enumerate(pairs):
+                staged[i].copy_(host[h], non_blocking=non_blocking)
+            for layer, cache in enumerate(caches):
+                cache.index_copy_(1, ids, staged[:, layer].movedim(0, 1))
+
     # -- moving KV between instances -----------------------------------------
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -224,6 +452,8 @@ class ModelRunner:
         if self.drafter is not None:
             for rid in request_ids:
                 self.drafter.valid.pop(rid, None)
+        if self.head_drafter is not None:
+            self.head_drafter.forget(request_ids)
 
     # -- one step --------------------------------------------------------
 
@@ -235,12 +465,22 @@ class ModelRunner:
             self._penalty_state.forget(sched.finished_ids)
         if self.drafter is not None:
             self.drafter.sync(sched.requests, sched.preempted, sched.finished_ids)
+        heads = self.head_drafter
+        if heads is not None:
+            heads.sync(sched.requests, sched.preempted, sched.finished_ids)
+        # Swap-outs first (their device blocks may be reused this step), then copy-on-write (a source
+        # may be a block freed this step and handed to a swap-in), then swap-ins.
+        if sched.swap_out:
+            self.swap_out(sched.swap_out)
         if sched.block_copies:
             src = torch.tensor([s for s, _ in sched.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in sched.block_copies], device=self.device)
             caches = self.kv_caches + (self.drafter.kv_caches if self.drafter else [])
+            caches += heads.kv_caches if heads is not None else []
             for cache in caches:
                 cache[:, dst] = cache[:, src]
+        if sched.swap_in:
+            self.swap_in(sched.swap_in)
         if sched.is_empty:
             return RunnerOutput()
         out = RunnerOutput()
@@ -254,9 +494,28 @@ class ModelRunner:
             ]
             proposed, draft_probs, out.draft_passes = self.drafter.propose(todo)
             drafts.update(proposed)
+        if heads is not None and sched.num_draft:
+            todo = [(r, k) for r in sched.requests if (k := sched.num_draft.get(r.request_id, 0))]
+            for rid, head_tree in heads.propose(todo).items():
+                drafts[rid] = list(head_tree.tokens)
+                if not head_tree.is_chain:  # verified as a tree, like the scheduler's (suffix) trees
+                    sched.draft_trees[rid] = head_tree
 
-        batch, ends = build_batch(sched.requests, sched.num_tokens, self.block_size, self.device, drafts)
         trees = sched.draft_trees
+        graphs = self.graphs
+        # A head drafter reads every step's hidden states, which a graph replay does not return.
+        if (
+            heads is None
+            and graphs is not None
+            and graph_step(sched.requests, sched.num_tokens, bool(drafts or trees), graphs.sizes[-1])
+        ):
+            t0 = time.perf_counter()
+            logits = graphs.run(sched.requests)
+            out.forward_time = time.perf_counter() - t0  # on CUDA: until the replay is queued
+            decode_rows = [SampleRow(req, []) for req in sched.requests]
+            decode_spans = [(req, i, 0) for i, req in enumerate(sched.requests)]
+            return self._sample(logits, decode_rows, decode_spans, sched, drafts, draft_probs, out)
+        batch, ends = build_batch(sched.requests, sched.num_tokens, self.block_size, self.device, drafts)
         if trees:
             lay_out_trees(batch, sched.requests, ends, trees)
         rows: list[SampleRow] = []
@@ -283,11 +542,27 @@ class ModelRunner:
             slices = prompt_logprobs.plan(sched.requests, sched.num_tokens, ends)
             out.prompt_logprobs = prompt_logprobs.compute(slices, hidden, self.model.compute_logits)
             out.forward_time += time.perf_counter() - t0
-        if not rows:
-            return out
-        t0 = time.perf_counter()
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        out.forward_time += time.perf_counter() - t0
+        if rows:
+            t0 = time.perf_counter()
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            out.forward_time += time.perf_counter() - t0
+            self._sample(logits, rows, spans, sched, drafts, draft_probs, out)
+        if heads is not None:
+            heads.capture(sched.requests, sched.num_tokens, ends, hidden, drafts, trees, out)
+        return out
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        spans: list[tuple[Request, int, int]],
+        sched: SchedulerOutput,
+        drafts: dict[str, list[int]],
+        draft_probs: dict[str, torch.Tensor],
+        out: RunnerOutput,
+    ) -> RunnerOutput:
+        """Sample (or verify drafts) at the logits rows of a step: one row per `rows` entry."""
+        trees = sched.draft_trees
         sb = self.sampling_batch(rows)
         if self.grammar is not None:
             masked = self.grammar.token_bitmask([(r.request, r.history) for r in rows])
@@ -343,9 +618,9 @@ class ModelRunner:
             out.sampled[rid] = emitted[a]
             used_rows[rid] = list(range(first, first + a + 1))
             if raw is not None and member.sampling.logprobs is not None:
-                idx = torch.arange(first, first + a + 1)
+                idx = torch.arange(first, first + a + 1, device=raw.device)
                 lps = self.sampler.logprobs(
-                    raw[idx], torch.tensor(emitted), [member.sampling.logprobs] * (a + 1)
+                    raw[idx], torch.tensor(emitted, device=raw.device), [member.sampling.logprobs] * (a + 1)
                 )
                 out.logprobs[rid] = [lp for lp in lps if lp is not None]
 
@@ -387,10 +662,12 @@ class ModelRunner:
         vocab = probs.shape[1]
         num = len(spans)
         k_max = max(k for _, _, k in spans)
-        target = torch.zeros(num, k_max + 1, vocab)
-        draft_tok = torch.zeros(num, max(k_max, 1), dtype=torch.long)
+        dev = probs.device
+        target = torch.zeros(num, k_max + 1, vocab, device=dev)
+        # k_max is 0 where every request that drafted verifies a tree (chains hold the rest).
+        draft_tok = torch.zeros(num, k_max, dtype=torch.long)
         num_draft = torch.tensor([k for _, _, k in spans], dtype=torch.long)
-        q = torch.zeros(num, max(k_max, 1), vocab) if draft_probs else None
+        q = torch.zeros(num, k_max, vocab, device=dev) if draft_probs else None
         for b, (member, first, k) in enumerate(spans):
             target[b, : k + 1] = probs[first : first + k + 1]
             if k:

@@ -160,7 +160,7 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """One token per row from (possibly unnormalized) `probs`, with each row's generator."""
-        return self._draw(probs, sb, torch.arange(probs.shape[0]))
+        return self._draw(probs, sb, torch.arange(probs.shape[0], device=probs.device))
 
     def _process(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         if sb.repetition is not None:
@@ -214,8 +214,10 @@ class Sampler:
             if len(unseeded) == len(row_list):
                 noise.exponential_(generator=self.generator)
             else:
-                idx = torch.tensor(unseeded)
-                noise[idx] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+                idx = torch.tensor(unseeded, device=probs.device)
+                noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                    generator=self.generator
+                )
         for i, r in enumerate(row_list):
             gen = sb.generators[r]
             if gen is not None:

@@ -80,7 +80,9 @@ def verify_trees(
         used = used_rows[rid] = [first] + [first + n + 1 for n in accepted]
         if raw is not None and member.sampling.logprobs is not None:
             emitted = [*tokens, extra]
-            lps = sampler.logprobs(raw[used], torch.tensor(emitted), [member.sampling.logprobs] * len(emitted))
+            lps = sampler.logprobs(
+                raw[used], torch.tensor(emitted, device=raw.device), [member.sampling.logprobs] * len(emitted)
+            )
             out.logprobs[rid] = [lp for lp in lps if lp is not None]
     return paths
 

@@ -27,7 +27,7 @@ def req(rid: str, prompt: list[int], max_tokens: int = 8, n: int = 1, priority: 
 
 
 def report(prefix_hashes=None, num_blocks=100) -> Stats:
-    return Stats(0, 0, 0.0, 0, 0, 0, 0, 0, [], num_blocks=num_blocks, prefix_hashes=prefix_hashes)
+    return Stats(0, 0, 0.0, num_blocks=num_blocks, prefix_hashes=prefix_hashes)
 
 
 def test_round_robin_cycles_over_live_instances():

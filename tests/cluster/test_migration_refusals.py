@@ -12,7 +12,7 @@ import pytest
 
 from tandem.core.engine_io import EngineCoreRequest
 from tandem.engine import messages as m
-from tandem.engine.core_client import AsyncEngineClient, LiveMove
+from tandem.engine.core_client import AsyncEngineClient
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.kvtransfer.protocol import MoveOutcome
 from tandem.sampling_params import SamplingParams
@@ -29,10 +29,11 @@ class Recording:
 def client_moving(rid: str) -> AsyncEngineClient:
     """A client with `rid` running on instance 0 and a live move of it to instance 1 under way."""
     c = AsyncEngineClient(config=None, connections=[Recording(), Recording()])  # type: ignore[arg-type]
-    c._live = {0, 1}
-    c.requests[rid] = EngineCoreRequest(rid, [1, 2, 3], SamplingParams(max_tokens=8), 8, 0.0)
-    c.routes[rid] = 0
-    c.moves[rid] = LiveMove(0, 1, 1, f"{rid}@1", 0.0)
+    c.instances.live = {0, 1}
+    c.instances.kv_addresses = ["ipc://a", "ipc://b"]
+    c.router.send(EngineCoreRequest(rid, [1, 2, 3], SamplingParams(max_tokens=8), 8, 0.0), 0)
+    c.migrations.start(rid, 0, 1)
+    assert c.moves[rid].transfer_id == f"{rid}@1"
     return c
 
 
@@ -49,21 +50,23 @@ def outcomes(metrics: ServerMetrics) -> dict[str, float]:
 def test_a_refusal_is_counted_and_logged_as_a_refusal(caplog: pytest.LogCaptureFixture) -> None:
     metrics = ServerMetrics("m")
     c = client_moving("r")
-    c.on_migrated = metrics.observe_migration
+    c.migrations.on_migrated = metrics.observe_migration
     refusal = m.Migrated("r", "r@1", MoveOutcome.REFUSED, "no free sequence slot")
     with caplog.at_level(logging.INFO, logger="tandem.client"):
-        c._migrated(0, refusal)
+        c.migrations.outcome(0, refusal)
     assert c.num_live_refused == 1 and c.num_live_aborted == 0
     assert c.routes["r"] == 0 and "r" not in c.moves  # it goes on where it was
     assert outcomes(metrics).get("refused") == 1 and outcomes(metrics).get("aborted", 0) == 0
-    assert any("refused" in r.getMessage() and "no free sequence slot" in r.getMessage() for r in caplog.records)
+    assert any(
+        "refused" in r.getMessage() and "no free sequence slot" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_a_transfer_that_failed_is_still_an_abort() -> None:
     metrics = ServerMetrics("m")
     c = client_moving("r")
-    c.on_migrated = metrics.observe_migration
-    c._migrated(0, m.Migrated("r", "r@1", MoveOutcome.ABORTED, "the destination stopped answering"))
+    c.migrations.on_migrated = metrics.observe_migration
+    c.migrations.outcome(0, m.Migrated("r", "r@1", MoveOutcome.ABORTED, "the destination stopped answering"))
     assert c.num_live_aborted == 1 and c.num_live_refused == 0
     assert outcomes(metrics).get("aborted") == 1 and outcomes(metrics).get("refused", 0) == 0
 
@@ -72,5 +75,5 @@ def test_the_outcome_crosses_the_wire() -> None:
     enc, dec = m.encoder(), m.client_decoder()
     msg = m.Migrated("r", "r@1", MoveOutcome.REFUSED, "no free sequence slot")
     assert dec.decode(enc.encode(msg)) == msg
-    stats = m.Stats(1, 0, 0.1, 0, 0, 0, 0, 0, [], num_seats_taken=3, max_num_seqs=8)
+    stats = m.Stats(1, 0, 0.1, num_seats_taken=3, max_num_seqs=8)
     assert dec.decode(enc.encode(m.Outputs([], stats))).stats == stats

@@ -37,16 +37,14 @@ class Client:
         self.metrics = ServerMetrics("m")
         c = AsyncEngineClient(config=None, connections=[Recording(), Recording()])  # type: ignore[arg-type]
         c.clock = lambda: self.now
-        c.on_migrated = self.observe
-        c._live = {0, 1}
-        c.kv_addresses = ["ipc://a", "ipc://b"]
+        c.migrations.on_migrated = self.observe
+        c.instances.live = {0, 1}
+        c.instances.kv_addresses = ["ipc://a", "ipc://b"]
         c.outputs = OutputProcessor(Tokenizer(str(tokenizer_dir)))
         req = EngineCoreRequest("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True), 8, 0.0)
         c.outputs.add(req, None)
         c.streams["r"] = RequestStream("r", asyncio.Event())
-        c.requests["r"] = req
-        c.routes["r"] = 0
-        c.incarnations["r"] = 0
+        c.router.send(req, 0)  # run 0 on instance 0
         self.c = c
 
     def observe(self, report: MoveReport) -> None:
@@ -78,7 +76,7 @@ def client(tokenizer_dir) -> Client:
 
 def test_downtime_runs_from_the_last_source_output_to_the_first_destination_output(client):
     client.output(1.0, 0, 11, run=0)
-    client.c._start_move("r", 0, 1)
+    client.c.migrations.start("r", 0, 1)
     client.output(1.5, 0, 12, run=0)  # it decodes on the source while its KV is copied
     client.output(1.6, 1, 13, run=1)  # the destination's first output, held: not the stream's yet
     client.migrated(1.62)  # the route switches: the held output reaches the stream now
@@ -93,7 +91,7 @@ def test_downtime_runs_from_the_last_source_output_to_the_first_destination_outp
 
 def test_a_completed_move_is_reported_at_the_destinations_first_output(client):
     client.output(1.0, 0, 11, run=0)
-    client.c._start_move("r", 0, 1)
+    client.c.migrations.start("r", 0, 1)
     client.migrated(1.1)  # nothing held yet
     assert client.reports == [] and client.sample("tandem:migrations_total") == 0
     client.output(1.3, 1, 12, run=1)
@@ -102,7 +100,7 @@ def test_a_completed_move_is_reported_at_the_destinations_first_output(client):
 
 
 def test_a_request_that_ends_before_the_destination_speaks_has_no_downtime(client):
-    client.c._start_move("r", 0, 1)
+    client.c.migrations.start("r", 0, 1)
     client.migrated(1.1)
     client.c.abort(["r"])
     (report,) = client.reports
@@ -113,16 +111,18 @@ def test_a_request_that_ends_before_the_destination_speaks_has_no_downtime(clien
 
 @pytest.mark.parametrize("outcome", [MoveOutcome.REFUSED, MoveOutcome.ABORTED])
 def test_a_move_that_failed_is_reported_at_once_and_the_request_stays(client, outcome):
-    client.c._start_move("r", 0, 1)
+    client.c.migrations.start("r", 0, 1)
     client.migrated(1.0, outcome, stages=0)
     (report,) = client.reports
     assert report.outcome is outcome and report.downtime_s is None
     assert client.c.routes["r"] == 0
-    assert client.sample("tandem:migrations_total") == 1 and client.sample("tandem:migration_stages_count") == 0
+    assert (
+        client.sample("tandem:migrations_total") == 1 and client.sample("tandem:migration_stages_count") == 0
+    )
 
 
 def test_a_dropped_transfer_is_reported_as_dropped(client):
-    client.c._start_move("r", 0, 1)
+    client.c.migrations.start("r", 0, 1)
     client.c._handle(1, m.TransferDropped("r", "r@1", "no word from the source"))
     (report,) = client.reports
     assert report.outcome is MoveOutcome.DROPPED

@@ -24,7 +24,13 @@ def views(*demands: float, blocks: int = 100, seats: tuple[int, ...] = ()) -> li
 
 
 def req(
-    rid: str, instance: int, seq: int, demand: float = 10.0, priority: int = 0, started: bool = True, seats: int = 1
+    rid: str,
+    instance: int,
+    seq: int,
+    demand: float = 10.0,
+    priority: int = 0,
+    started: bool = True,
+    seats: int = 1,
 ):
     return RequestView(rid, instance, priority, started, seq, demand, seats)
 
@@ -67,7 +73,9 @@ def test_imbalance_moves_the_most_recent_request_when_it_narrows_the_gap():
 def test_a_destination_without_a_free_seat_is_never_chosen():
     """Before, the plan went by KV load alone: moves to instances whose every sequence seat was taken,
     which their receivers refused ("no free sequence slot": 80 of 86 live migrations in a probe)."""
-    cfg = ClusterConfig(num_instances=3, migration_triggers=("imbalance", "priority"), max_concurrent_migrations=8)
+    cfg = ClusterConfig(
+        num_instances=3, migration_triggers=("imbalance", "priority"), max_concurrent_migrations=8
+    )
     reqs = [req("old", 0, 1, demand=30), req("new", 0, 2, demand=20)]
     # Imbalance: the idlest instance is full; the next one has a seat, and moving there narrows that gap.
     assert Rebalancer(cfg).plan(views(60, 10, 20, seats=(0, 0, 1)), {0, 1, 2}, set(), reqs, 0) == [("new", 2)]
@@ -102,7 +110,7 @@ def test_free_seats_come_from_the_reports_and_what_was_routed_since():
 
     d = Dispatcher(ClusterConfig(num_instances=2), [100, 100], 16)
     assert d.instances[0].free_seats == float("inf")  # nothing reported yet: no bound known
-    report = Stats(1, 1, 0.1, 0, 0, 0, 0, 0, [], num_blocks=100, num_seats_taken=2, max_num_seqs=8)
+    report = Stats(1, 1, 0.1, num_blocks=100, num_seats_taken=2, max_num_seqs=8)
     d.observe(0, report)
     assert d.instances[0].free_seats == 8 - 2 - 1  # a waiting request takes a seat before any move
     d.routed(EngineCoreRequest("x", [1, 2], SamplingParams(n=3, max_tokens=4), 4, 0.0), 0)

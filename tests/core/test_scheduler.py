@@ -83,7 +83,7 @@ def test_random_workloads(w: Workload) -> None:
             )
 
     ample = run_workload(w, w.ample_blocks, ())
-    assert ample.sched.num_preemptions == 0
+    assert ample.sched.counters.num_preemptions == 0
     for rid, r in ample.members.items():
         assert (r.output_token_ids, r.status) == expected[rid]
 
@@ -96,7 +96,7 @@ def test_random_workloads(w: Workload) -> None:
             assert r.output_token_ids == ref.output_token_ids, f"{rid} changed by preemption"
             assert r.status == ref.status
     for h, name in ((ample, "ample"), (tight, "tight")):
-        if h.sched.num_preemptions:
+        if h.sched.counters.num_preemptions:
             event(f"{name}: preempted")
         if h.runner.num_copies:
             event(f"{name}: copy-on-write")
@@ -117,7 +117,7 @@ def test_preemption_recomputes_to_the_same_tokens() -> None:
     for k in range(3):
         h.add(*make_group(f"r{k}", [k + 1, 2, 3], max_tokens=9))
     h.drain(max_steps=200)
-    assert h.sched.num_preemptions > 0
+    assert h.sched.counters.num_preemptions > 0
     assert outputs(h) == expected_outputs(h)
     first = next(o for o in h.outputs if o.preempted)
     # The latest-admitted request is the victim, nothing is admitted in that step.
@@ -128,7 +128,7 @@ def test_preemption_recomputes_to_the_same_tokens() -> None:
     for k in range(3):
         ample.add(*make_group(f"r{k}", [k + 1, 2, 3], max_tokens=9))
     ample.drain(max_steps=200)
-    assert ample.sched.num_preemptions == 0
+    assert ample.sched.counters.num_preemptions == 0
     assert outputs(ample) == outputs(h)
 
 

@@ -95,12 +95,12 @@ def test_random_workloads_with_prefix_caching(w: Workload) -> None:
             )
 
     plain = run_workload(w, 4 * w.ample_blocks, ())
-    assert plain.sched.num_preemptions == 0
+    assert plain.sched.counters.num_preemptions == 0
     for rid, r in plain.members.items():
         assert (r.output_token_ids, r.status) == expected[rid]
 
     ample = run_workload(w, w.ample_blocks, (), enable_prefix_caching=True)
-    assert ample.sched.num_preemptions == 0 and ample.num_evictions == 0
+    assert ample.sched.counters.num_preemptions == 0 and ample.num_evictions == 0
     for rid, matched, ideal in ample.admissions:
         assert matched == ideal, f"{rid} got {matched} cached tokens, {ideal} were cached"
     for rid, r in ample.members.items():
@@ -108,7 +108,7 @@ def test_random_workloads_with_prefix_caching(w: Workload) -> None:
             plain.members[rid].output_token_ids,
             plain.members[rid].status,
         )
-    assert ample.kv.num_hit_tokens == sum(r.num_cached_tokens for r in ample.members.values())
+    assert ample.sched.counters.prefix_cache_hits == sum(r.num_cached_tokens for r in ample.members.values())
 
     tight = run_workload(w, w.tight_blocks, w.aborts, enable_prefix_caching=True)
     for rid, r in tight.members.items():
@@ -127,7 +127,7 @@ def test_random_workloads_with_prefix_caching(w: Workload) -> None:
         event("tight: a hit shortened by eviction")
     if tight.num_evictions:
         event("tight: evicted")
-    if tight.sched.num_preemptions:
+    if tight.sched.counters.num_preemptions:
         event("tight: preempted")
         if any(m and tight.members[rid].num_preemptions for rid, m, _ in tight.admissions):
             event("tight: a resumed request reused its own cached KV")
@@ -165,8 +165,8 @@ def test_shared_prefix_reaches_the_ideal_hit_count(prefix_len: int, block_size: 
     ideal = prefix_len // block_size * block_size
     assert [h.members[f"r{k}"].num_cached_tokens for k in range(8)] == [0] + [ideal] * 7
     h.drain(max_steps=100)
-    assert h.kv.num_hit_tokens == 7 * ideal
-    assert h.kv.num_query_tokens == sum(len(p) for p in prompts)
+    assert h.sched.counters.prefix_cache_hits == 7 * ideal
+    assert h.sched.counters.prefix_cache_queries == sum(len(p) for p in prompts)
     assert outputs(h) == expected_outputs(h)
     assert all(matched == i for _, matched, i in h.admissions)
 
@@ -186,7 +186,7 @@ def test_requests_admitted_together_cannot_share() -> None:
     assert all(h.members[f"r{k}"].block_ids[:16] == r0.block_ids[:16] for k in range(8))
     assert h.kv.pool.num_used == 16 + 8 * 2
     h.drain(max_steps=100)
-    assert h.kv.num_hit_tokens == 0
+    assert h.sched.counters.prefix_cache_hits == 0
     assert outputs(h) == expected_outputs(h)
     # Afterwards the prefix is cached once (duplicates were not adopted): a ninth request hits it.
     h.add(*make_group("late", shared_prefix_prompts(64, 9)[8], max_tokens=2))
@@ -216,7 +216,7 @@ def test_concurrent_requests_share_as_soon_as_the_prefix_is_computed() -> None:
     h.check_end()
     assert admitted_while_r0_runs == 7
     assert [h.members[f"r{k}"].num_cached_tokens for k in range(8)] == [0] + [64] * 7
-    assert h.kv.num_hit_tokens == 7 * 64
+    assert h.sched.counters.prefix_cache_hits == 7 * 64
     assert outputs(h) == expected_outputs(h)
 
 
@@ -228,7 +228,7 @@ def test_recomputing_cached_tokens_switches_to_the_cached_blocks() -> None:
     h.add(*make_group("g0", [0], max_tokens=2))
     h.add(*make_group("g1", [0], max_tokens=3))
     h.drain(max_steps=20)
-    assert h.sched.num_preemptions == 0 and h.num_evictions == 0
+    assert h.sched.counters.num_preemptions == 0 and h.num_evictions == 0
     assert h.num_steps == 2 + 3
     assert outputs(h) == expected_outputs(h)
 
@@ -248,7 +248,7 @@ def test_different_salts_never_share() -> None:
         "none": 0,
         "b-again": 16,
     }
-    assert h.kv.num_hit_tokens == 16
+    assert h.sched.counters.prefix_cache_hits == 16
     assert h.kv.cache is not None and set(h.kv.cache.roots) >= {"a", "b", None}
 
 

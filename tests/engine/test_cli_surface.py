@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,90 @@ def parsers(p: argparse.ArgumentParser, path: tuple[str, ...] = ()):
                 yield from parsers(sub, (*path, name))
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices["serve"]
+
+
+def test_every_config_option_is_one_flag_with_the_fields_default():
+    """The engine flags come from EngineConfig's fields (tandem/config.py `option`), and the cluster
+    flags from ClusterConfig's: each field with an Option is one flag of `serve` (and of `generate`
+    where it is an engine one) whose default, choices and help are the field's, and `serve --help`
+    lists it once."""
+    from dataclasses import fields
+
+    from tandem.cluster.config import ClusterConfig
+    from tandem.config import EngineConfig, options
+
+    declared = options(EngineConfig)
+    assert len(declared) >= 28
+    assert {f.name for f in fields(EngineConfig)} - {name for name, *_ in declared} <= {
+        "model",  # the positional MODEL or --model, resolved to the embedded model when unset
+        "kv_transfer_timeout_s",
+        "migration_max_stages",
+        "migration_stop_blocks",
+        "structured_outputs_cache_size",
+        "structured_outputs_cache_bytes",
+        "structured_outputs_check_timeout_s",
+    }
+    srv = serve_parser()
+    by_dest = {a.dest: a for a in srv._actions}
+    help_text = srv.format_help()
+    defaults = vars(srv.parse_args([]))
+    cluster = options(ClusterConfig)
+    assert {name for name, *_ in cluster} >= {"num_instances", "dispatch_policy", "prefill_instances"}
+    for name, default, _, opt in declared + cluster:
+        action = by_dest[name]
+        flag = opt.flag_name(name)
+        assert flag in action.option_strings, name
+        assert defaults[name] == default, name
+        assert action.help == opt.help, name
+        assert (list(action.choices) if action.choices else None) == (
+            list(opt.choices) if opt.choices else None
+        )
+        # An option's own line is indented by two spaces (a wrapped help line by more).
+        own = [
+            line
+            for line in help_text.splitlines()
+            if re.match(rf"  {re.escape(flag)}[ ,]|  {re.escape(flag)}$", line)
+        ]
+        assert len(own) == 1, (flag, own)
+    # The parsed defaults build the config as the dataclass alone would.
+    args = srv.parse_args(["--dtype", "float32", "-q", "int8", "--no-enable-prefix-caching"])
+    config = EngineConfig(model="m", **engine_kwargs(args))
+    assert (config.dtype, config.quantization, config.enable_prefix_caching) == ("float32", "int8", False)
+    untouched = EngineConfig(model="m", **engine_kwargs(srv.parse_args([])))
+    assert untouched == EngineConfig(model="m")
+
+
+def test_structured_arguments_are_parsed_when_the_config_is_made():
+    """speculative_config and tenant_quotas are held typed; bad input is a ValueError naming the field."""
+    from tandem.config import EngineConfig
+    from tandem.core.policy import TenantQuota
+    from tandem.sim.instance import InstanceSpec
+    from tandem.spec.config import SpeculativeConfig
+
+    config = EngineConfig(
+        model="m",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        tenant_quotas={"a": {"weight": 2, "max_running": 4}},
+    )
+    assert isinstance(config.speculative_config, SpeculativeConfig)
+    assert config.speculative_config.num_speculative_tokens == 3
+    assert config.tenant_quotas == {"a": TenantQuota(weight=2, max_running=4)}
+    for bad, field in (
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 99}}, "speculative_config"),
+        ({"speculative_config": {"method": "ngram", "k": 3}}, "speculative_config"),
+        ({"tenant_quotas": {"a": {"weight": 0}}}, "tenant_quotas"),
+        ({"tenant_quotas": {"a": {"burst": 1}}}, "tenant_quotas"),
+        ({"tenant_quotas": ["a"]}, "tenant_quotas"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(model="m", **bad)
+    # The simulator's instance takes the knobs it shares with the engine from EngineConfig.
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
+        assert getattr(InstanceSpec(), name) == getattr(EngineConfig(model="m"), name)
+
+
 def test_every_flag_has_help_and_every_parser_shows_defaults():
     for path, p in parsers(build_parser()):
         assert p.formatter_class is argparse.ArgumentDefaultsHelpFormatter, path
@@ -42,7 +127,14 @@ def test_every_engine_argument_is_a_flag():
     from tandem.config import EngineConfig
 
     args = build_parser().parse_args(
-        ["serve", "--starvation-timeout-s", "5", "--tenant-quotas", '{"a": {"weight": 2}}', "--no-enable-prefix-caching"]
+        [
+            "serve",
+            "--starvation-timeout-s",
+            "5",
+            "--tenant-quotas",
+            '{"a": {"weight": 2}}',
+            "--no-enable-prefix-caching",
+        ]
     )
     kw = engine_kwargs(args)
     assert kw["starvation_timeout_s"] == 5.0 and kw["tenant_quotas"] == {"a": {"weight": 2}}
@@ -101,7 +193,10 @@ def test_fim_prompt_in_each_spelling():
     def encode(text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    for names in (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")):
+    for names in (
+        ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+        ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ):
         vocab = {n: 1000 + i for i, n in enumerate(names)}
         assert fim_prompt(vocab.get, encode, "ab", "c") == [1000, 97, 98, 1001, 99, 1002]
     with pytest.raises(ValueError, match="fill-in-the-middle"):

@@ -112,10 +112,10 @@ def test_an_unlisted_flag_is_still_unknown(capsys):
 
 def test_the_command_line_gives_the_reason():
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--swap-space", "4"],
+        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", "--cpu-offload-gb", "4"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode == 2
-    assert proc.stderr.startswith("tandem: error: --swap-space is not applicable in Tandem:"), proc.stderr
+    assert proc.stderr.startswith("tandem: error: --cpu-offload-gb is not applicable in Tandem:"), proc.stderr

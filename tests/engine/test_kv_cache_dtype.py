@@ -162,5 +162,5 @@ def test_draft_model_cache_is_quantized_too(llama_dir, reference) -> None:
     drafter = llm.engine.core.runner.drafter
     assert drafter is not None and all(c.dtype == torch.uint8 for c in drafter.kv_caches)
     assert generate(llm, PROMPTS) == reference
-    spec_stats = llm.get_stats()["spec_decode"]
-    assert spec_stats["num_accepted_tokens"] >= 0.9 * spec_stats["num_draft_tokens"] > 0
+    stats = llm.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"] > 0

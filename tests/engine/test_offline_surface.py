@@ -43,11 +43,15 @@ def test_llm_takes_the_vllm_engine_arguments_the_server_takes(llama_dir, caplog)
             enable_chunked_prefill=True,
             disable_log_stats=True,
         )
-    assert llm.engine.num_blocks == 64  # gpu_memory_utilization does not size the cache here
+    assert llm.engine.num_blocks == 64  # gpu_memory_utilization sizes the cache on CUDA only
+    assert llm.engine.core.runner.graphs is None  # and a CPU never captures graphs
     logged = caplog.text
     # Each ignored argument says so once, with the reason the compatibility page gives.
-    for name in ("gpu_memory_utilization", "trust_remote_code", "enforce_eager", "disable_log_stats"):
+    for name in ("trust_remote_code", "disable_log_stats"):
         assert f"{name} is accepted and ignored" in logged, logged
+    # gpu_memory_utilization and enforce_eager are engine arguments now (docs/gpu.md).
+    for name in ("gpu_memory_utilization", "enforce_eager"):
+        assert f"{name} is accepted and ignored" not in logged, logged
     # Defaults are no request to ignore: no note.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tandem"):
@@ -61,7 +65,9 @@ def test_llm_takes_the_vllm_engine_arguments_the_server_takes(llama_dir, caplog)
         ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
         ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
         ({"enable_chunked_prefill": False}, "always chunks long prefills"),
-        ({"swap_space": 4}, "swap_space is not applicable in Tandem: the KV cache and weights already live"),
+        ({"cpu_offload_gb": 4}, "cpu_offload_gb is not applicable in Tandem: weights stay where the model"),
+        ({"swap_space": -1}, "swap_space must be a number >= 0"),
+        ({"preemption_mode": "sometimes"}, "preemption_mode must be one of"),
         ({"no_such_argument": 1}, "unknown engine argument"),
     ],
 )

@@ -100,7 +100,9 @@ def test_penalty_state_recounts_a_new_request_object_or_a_shorter_output():
     # The same id, another object (a request moved away and back, resumed elsewhere and back).
     again = penalized_request("a", [7, 8], [9])
     counts, mask = state.rows([(again, [])], [True])
-    assert torch.equal(counts[0], rebuilt(again, [], VOCAB)[0]) and torch.equal(mask[0], rebuilt(again, [], VOCAB)[1])
+    assert torch.equal(counts[0], rebuilt(again, [], VOCAB)[0]) and torch.equal(
+        mask[0], rebuilt(again, [], VOCAB)[1]
+    )
     # Fewer outputs than counted: counted afresh rather than trusted.
     del again.token_ids[-1]
     counts, _ = state.rows([(again, [])], [True])
@@ -154,14 +156,21 @@ def test_penalty_state_equals_a_rebuild_at_every_step(spec, model_factory, monke
         config = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     elif spec == "draft_model":
         draft = model_factory("llama", seed=1, num_hidden_layers=1, initializer_range=0.05)
-        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2, "adaptive": False}
+        config = {
+            "method": "draft_model",
+            "model": str(draft),
+            "num_speculative_tokens": 2,
+            "adaptive": False,
+        }
     calls = checked_rows(monkeypatch)
     llm = LLM(str(target), speculative_config=config, **ENGINE)
     stem = list(range(10, 22))
     prompts = [{"prompt_token_ids": stem[: 4 + i] + [30 + i, 31 + i, 32 + i] * 3} for i in range(8)]
     params = []
     for i in range(8):
-        kw: dict[str, Any] = dict(max_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2)
+        kw: dict[str, Any] = dict(
+            max_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2
+        )
         if i % 2:
             kw.update(temperature=0.8, seed=100 + i, presence_penalty=0.5)
         else:
@@ -173,7 +182,7 @@ def test_penalty_state_equals_a_rebuild_at_every_step(spec, model_factory, monke
         params.append(SamplingParams(**kw))
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(c.token_ids) == 24 for o in outs for c in o.outputs)
-    assert llm.engine.scheduler.num_preemptions > 0 and calls[0] > 0
+    assert llm.engine.counters.num_preemptions > 0 and calls[0] > 0
     llm.engine.step()  # the runner hears of the last finished requests with the next step
     assert llm.engine.core.runner.penalty_state.entries == {}
 
@@ -284,9 +293,7 @@ def test_final_only_emits_one_cumulative_output(llama_dir):
     assert got[0].outputs[0].text == cumulative.outputs[0].text
 
 
-def feed_one_by_one(
-    proc: OutputProcessor, rid: str, tokens: list[int], consume: Any = None
-) -> list[int]:
+def feed_one_by_one(proc: OutputProcessor, rid: str, tokens: list[int], consume: Any = None) -> list[int]:
     """Deliver `tokens` one step each (each output then handed to `consume`); returns the bytes
     each delivery allocated at its peak."""
     peaks = []
@@ -326,7 +333,10 @@ def test_a_delta_delivery_allocates_the_same_late_as_early(tokenizer_dir):
     assert late <= early + 512, (early, late)
 
     # The same through cumulative outputs does grow: the measurement can tell.
-    proc.add(EngineCoreRequest("c", [1, 2, 3], params.clone(output_kind=RequestOutputKind.CUMULATIVE), 4000, 0.0), None)
+    proc.add(
+        EngineCoreRequest("c", [1, 2, 3], params.clone(output_kind=RequestOutputKind.CUMULATIVE), 4000, 0.0),
+        None,
+    )
     peaks = feed_one_by_one(proc, "c", ids)
     assert max(peaks[-250:-1]) > max(peaks[50:250]) + 16 * 1024
 
@@ -376,7 +386,11 @@ def output(texts: list[str], ids: list[list[int]], delta: bool, finished: bool =
 
 def test_output_so_far_turns_either_kind_into_deltas_and_keeps_the_whole():
     cumulative, deltas = OutputSoFar(), OutputSoFar()
-    steps = [(["ab", "x"], [[1], [7]]), (["abcd", "x"], [[1, 2], [7]]), (["abcdef", "xyz"], [[1, 2, 3], [7, 8]])]
+    steps = [
+        (["ab", "x"], [[1], [7]]),
+        (["abcd", "x"], [[1, 2], [7]]),
+        (["abcdef", "xyz"], [[1, 2, 3], [7, 8]]),
+    ]
     prev_t, prev_i = ["", ""], [[], []]
     for k, (texts, ids) in enumerate(steps):
         last = k == len(steps) - 1
@@ -404,7 +418,12 @@ def test_a_stream_joins_unread_deltas_and_keeps_only_the_newest_cumulative():
     stream.put(output(["a"], [[1]], delta=True))
     stream.put(output(["bc"], [[2, 3]], delta=True))
     got = stream.take()
-    assert got is not None and got.delta and got.outputs[0].text == "abc" and got.outputs[0].token_ids == [1, 2, 3]
+    assert (
+        got is not None
+        and got.delta
+        and got.outputs[0].text == "abc"
+        and got.outputs[0].token_ids == [1, 2, 3]
+    )
     assert stream.take() is None
     stream.put(output(["d"], [[4]], delta=False))
     stream.put(output(["de"], [[4, 5]], delta=False))

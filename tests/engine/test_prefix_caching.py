@@ -143,21 +143,21 @@ def test_greedy_identical_with_and_without_caching(llama_dir, hf_reference, bloc
     for caching in (False, True):
         llm = make_llm(llama_dir, caching, block_size, **engine_args)
         first = run(llm, prompts)
-        hits_first = llm.engine.kv.num_hit_tokens
+        hits_first = llm.engine.counters.prefix_cache_hits
         # The follow-up turns first, then every prompt again in reverse order.
         second_prompts = [continuation(prompts[i], first[i], k) for k, i in enumerate(HF_PROMPTS)]
         second_prompts += prompts[::-1]
         second = run(llm, second_prompts)
         results[caching] = (first, second_prompts, second)
-        kv = llm.engine.kv
+        hits = llm.engine.counters.prefix_cache_hits
         if caching:
             if chunk is not None:
                 assert hits_first > 0, "requests admitted later in the call reused nothing"
-            assert kv.num_hit_tokens - hits_first >= sum(cached_part(len(p), block_size) for p in prompts), (
+            assert hits - hits_first >= sum(cached_part(len(p), block_size) for p in prompts), (
                 "the repeated prompts did not reuse the first call's KV"
             )
         else:
-            assert kv.num_hit_tokens == 0
+            assert hits == 0
         assert_released(llm)
 
     off_first, off_prompts, off_second = results[False]
@@ -187,23 +187,23 @@ def test_second_call_computes_only_the_uncached_tail(llama_dir, block_size):
     lengths = [1, 4, 5, 16, 17, 33, 64, 100, 128]
     prompts = [toks(n) for n in lengths]  # no shared prefixes: the first call reuses nothing
     llm = make_llm(llama_dir, True, block_size)
-    kv, stats = llm.engine.kv, llm.engine.stats
+    stats = llm.engine.counters
 
     before = stats.num_batched_tokens
     outs1 = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     computed1 = stats.num_batched_tokens - before
     # Every prompt token, then one token per step for all but the last output token.
     assert computed1 == sum(n + MAX_TOKENS - 1 for n in lengths)
-    assert kv.num_hit_tokens == 0
+    assert stats.prefix_cache_hits == 0
     assert [o.metrics.num_cached_tokens for o in outs1] == [0] * len(prompts)
 
-    before, hits, queries = stats.num_batched_tokens, kv.num_hit_tokens, kv.num_query_tokens
+    before, hits, queries = stats.num_batched_tokens, stats.prefix_cache_hits, stats.prefix_cache_queries
     outs2 = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     computed2 = stats.num_batched_tokens - before
     expected_cached = [cached_part(n, block_size) for n in lengths]
     assert [o.metrics.num_cached_tokens for o in outs2] == expected_cached
-    assert kv.num_hit_tokens - hits == sum(expected_cached)
-    assert kv.num_query_tokens - queries == sum(lengths)
+    assert stats.prefix_cache_hits - hits == sum(expected_cached)
+    assert stats.prefix_cache_queries - queries == sum(lengths)
     assert computed2 == sum(n - c + MAX_TOKENS - 1 for n, c in zip(lengths, expected_cached))
     assert computed2 * 3 < computed1
     for a, b in zip(outs1, outs2):
@@ -275,8 +275,8 @@ def test_preempted_requests_resume_from_the_cache(llama_dir, monkeypatch):
         llm = LLM(str(llama_dir), enable_prefix_caching=caching, **engine_args)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[caching] = [list(o.outputs[0].token_ids) for o in outs]
-        computed[caching] = llm.engine.stats.num_batched_tokens
-        preemptions[caching] = llm.engine.scheduler.num_preemptions
+        computed[caching] = llm.engine.counters.num_batched_tokens
+        preemptions[caching] = llm.engine.counters.num_preemptions
         resumed[caching] = list(resumed_hits)
         assert len(resumed_hits) == preemptions[caching]  # every preempted request resumed once
         assert sum(o.metrics.num_preemptions for o in outs) == preemptions[caching]
@@ -291,7 +291,7 @@ def test_preempted_requests_resume_from_the_cache(llama_dir, monkeypatch):
 
     ample = LLM(str(llama_dir), enable_prefix_caching=True, block_size=4, num_kv_blocks=256)
     ample_out = run(ample, prompts, params)
-    assert ample.engine.scheduler.num_preemptions == 0
+    assert ample.engine.counters.num_preemptions == 0
     assert ample_out == results[True]
     assert_released(ample)
 
@@ -317,21 +317,21 @@ def test_shared_system_prompt_hit_rate_is_ideal(llama_dir, block_size):
     questions = [[f, *toks(7 + i)] for i, f in enumerate(firsts)]
     warm, prompts = system + questions[0], [system + q for q in questions[1:]]
     llm = make_llm(llama_dir, True, block_size)
-    kv, stats = llm.engine.kv, llm.engine.stats
+    stats = llm.engine.counters
 
     run(llm, [warm])
-    assert kv.num_hit_tokens == 0 and kv.num_query_tokens == len(warm)
+    assert stats.prefix_cache_hits == 0 and stats.prefix_cache_queries == len(warm)
 
-    hits, queries, before = kv.num_hit_tokens, kv.num_query_tokens, stats.num_batched_tokens
+    hits, queries, before = stats.prefix_cache_hits, stats.prefix_cache_queries, stats.num_batched_tokens
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    hit_tokens, query_tokens = kv.num_hit_tokens - hits, kv.num_query_tokens - queries
+    hit_tokens, query_tokens = stats.prefix_cache_hits - hits, stats.prefix_cache_queries - queries
     per_request = len(system) // block_size * block_size
     assert [o.metrics.num_cached_tokens for o in outs] == [per_request] * n
     assert hit_tokens == n * per_request
     assert query_tokens == sum(len(p) for p in prompts)
     assert Fraction(hit_tokens, query_tokens) == Fraction(n * per_request, sum(len(p) for p in prompts))
     # Over the whole run, the warm-up request counts as a miss.
-    assert Fraction(kv.num_hit_tokens, kv.num_query_tokens) == Fraction(
+    assert Fraction(stats.prefix_cache_hits, stats.prefix_cache_queries) == Fraction(
         n * per_request, len(warm) + sum(len(p) for p in prompts)
     )
     assert stats.num_batched_tokens - before == sum(len(p) - per_request + MAX_TOKENS - 1 for p in prompts)
@@ -339,7 +339,7 @@ def test_shared_system_prompt_hit_rate_is_ideal(llama_dir, block_size):
 
     off = make_llm(llama_dir, False, block_size)  # a few only: each computes all 1000 tokens
     assert run(off, prompts[:3]) == [list(o.outputs[0].token_ids) for o in outs[:3]]
-    assert off.engine.kv.num_hit_tokens == 0
+    assert off.engine.counters.prefix_cache_hits == 0
     assert_released(off)
 
 
@@ -352,19 +352,19 @@ def test_cache_salt_isolates_prefixes(llama_dir):
     prompt = toks(42)
     sibling = prompt[:30] + toks(9, avoid={prompt[30]})  # shares 30 tokens: 28 in whole blocks
     llm = make_llm(llama_dir, True, bs)
-    kv, stats = llm.engine.kv, llm.engine.stats
+    stats = llm.engine.counters
     reference = None
 
     def gen(p: list[int], salt: str | None) -> tuple[int, int]:
         """Run one prompt; return (cached tokens reported, tokens computed)."""
         nonlocal reference
         item = {"prompt_token_ids": p} if salt is None else {"prompt_token_ids": p, "cache_salt": salt}
-        hits, before = kv.num_hit_tokens, stats.num_batched_tokens
+        hits, before = stats.prefix_cache_hits, stats.num_batched_tokens
         out = llm.generate(item, GREEDY, use_tqdm=False)[0]
         if p is prompt:  # the salt never changes the tokens
             reference = reference or out.outputs[0].token_ids
             assert out.outputs[0].token_ids == reference
-        assert kv.num_hit_tokens - hits == out.metrics.num_cached_tokens
+        assert stats.prefix_cache_hits - hits == out.metrics.num_cached_tokens
         return out.metrics.num_cached_tokens, stats.num_batched_tokens - before
 
     full = len(prompt) + MAX_TOKENS - 1

@@ -33,7 +33,8 @@ async def serve(config: EngineConfig) -> tuple[dict[str, list[int]], list[MoveRe
 
     def on_stats(i: int, s) -> None:
         stats[i] = s
-        steps[i] += s.iteration_tokens
+        for n, times in s.counters.iteration_tokens.items():
+            steps[i] += [n] * times
 
     reports: list[MoveReport] = []
     client = AsyncEngineClient(
@@ -46,7 +47,9 @@ async def serve(config: EngineConfig) -> tuple[dict[str, list[int]], list[MoveRe
     await client.start(timeout=300)
     try:
         assert client.inputs is not None
-        migrator = Migrator(cluster, client)  # its rounds run when the test says (not started)
+        migrator = Migrator(
+            cluster, client, client.dispatcher
+        )  # its rounds run when the test says (not started)
         req, text = client.inputs.process("low", {"prompt_token_ids": LOW[0]}, LOW[1], priority=0)
         low = client.add(req, text, asyncio.Event(), instance=0)
         while not low.started:
@@ -74,7 +77,9 @@ async def serve(config: EngineConfig) -> tuple[dict[str, list[int]], list[MoveRe
 
 
 def test_a_waiting_high_priority_request_makes_room_by_moving_a_lower_one(llama_dir):
-    config = EngineConfig(model=str(llama_dir), num_kv_blocks=512, num_threads=1, block_size=4, max_num_seqs=1)
+    config = EngineConfig(
+        model=str(llama_dir), num_kv_blocks=512, num_threads=1, block_size=4, max_num_seqs=1
+    )
     finals, reports, steps, stats = asyncio.run(serve(config))
     (report,) = reports
     assert report.request_id == "low" and report.outcome is MoveOutcome.COMPLETED
@@ -85,8 +90,8 @@ def test_a_waiting_high_priority_request_makes_room_by_moving_a_lower_one(llama_
         assert finals[name] == list(expected.outputs[0].token_ids), name
     # Instance 1 took the low request over with its KV: no prompt came to it and every step there
     # computed one token (a fallback to recompute would have computed the whole context at once).
-    assert stats[1].prompt_tokens == 0
+    assert stats[1].counters.prompt_tokens == 0
     assert steps[1] and all(n == 1 for n in steps[1]), steps[1][:10]
-    assert 0 < stats[1].generation_tokens < LOW[1].max_tokens
+    assert 0 < stats[1].counters.generation_tokens < LOW[1].max_tokens
     # The high-priority request ran where it had landed, once the seat was free.
-    assert stats[0].prompt_tokens == len(LOW[0]) + len(HIGH[0])
+    assert stats[0].counters.prompt_tokens == len(LOW[0]) + len(HIGH[0])

@@ -17,7 +17,7 @@ def test_step_trace_records_every_step_and_its_shape(model_factory, tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     lines = read_step_trace(path)
-    assert len(lines) == llm.engine.core.stats.num_steps
+    assert len(lines) == llm.engine.counters.engine_steps
     assert all(line["pid"] == lines[0]["pid"] and line["seconds"] > 0 for line in lines)
     starts = [line["start"] for line in lines]
     assert starts == sorted(starts)
@@ -25,7 +25,9 @@ def test_step_trace_records_every_step_and_its_shape(model_factory, tmp_path):
     # prompt's last chunk, every later one from a decode row (a 40-token prompt is two chunks under
     # the 32-token budget, which also caps each step).
     assert sum(line["prefill_tokens"] for line in lines) == 40 + 7 + 19
-    assert sum(line["decode_rows"] for line in lines) == sum(len(o.outputs[0].token_ids) - 1 for o in outs) == 15
+    assert (
+        sum(line["decode_rows"] for line in lines) == sum(len(o.outputs[0].token_ids) - 1 for o in outs) == 15
+    )
     assert max(line["prefill_tokens"] + line["decode_rows"] for line in lines) <= 32
     assert lines[0]["waiting"] >= 1  # the budget left requests waiting after the first plan
     # Each request is listed once, at the step that first scheduled it, with an arrival before it.
@@ -48,7 +50,9 @@ def test_loop_gaps_are_each_engines_busy_gaps_only():
         return {"pid": pid, "start": start, "seconds": seconds}
 
     lines = [
-        line(1, 0.000, 0.010), line(2, 0.001, 0.020), line(1, 0.011, 0.010),  # gap 1 ms (pid 1)
+        line(1, 0.000, 0.010),
+        line(2, 0.001, 0.020),
+        line(1, 0.011, 0.010),  # gap 1 ms (pid 1)
         line(2, 0.023, 0.020),  # gap 2 ms (pid 2)
         line(1, 0.021 + 2 * BUSY_GAP_S, 0.010),  # idle, not a gap
     ]
@@ -70,6 +74,9 @@ def test_idle_arrival_waits_keep_requests_that_found_their_engine_idle():
         {"pid": 1, "start": 2.010, "seconds": 0.010},
     ]
     assert sorted(idle_arrival_waits(lines)) == [
-        pytest.approx(0.001), pytest.approx(0.002), pytest.approx(0.003), pytest.approx(0.003)
+        pytest.approx(0.001),
+        pytest.approx(0.002),
+        pytest.approx(0.003),
+        pytest.approx(0.003),
     ]
     assert idle_arrival_waits([]) == []

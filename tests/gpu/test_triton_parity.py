@@ -6,12 +6,19 @@ caching, speculative decoding's verification)."""
 
 from __future__ import annotations
 
+import os
+
 import hf_reference
 import pytest
 
 from tandem import LLM, SamplingParams
 
 pytest.importorskip("triton")
+
+# TANDEM_TEST_DEVICE=cuda runs the same comparisons on a GPU (benchmarks/gpu/check.sh).
+DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
+# On a GPU each engine takes a small cache (not 90% of the GPU): several live in one test process.
+GPU_KV = {"kv_cache_memory": 64 << 20} if DEVICE == "cuda" else {}
 
 MAX_TOKENS = 8
 PROMPT_LENS = [1, 7, 33, 70]
@@ -31,6 +38,7 @@ ENGINES = {
     "ngram": dict(
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     ),
+    "eager": dict(enforce_eager=True),
 }
 
 
@@ -38,7 +46,9 @@ def prompts_of(tokenizer_dir) -> list[list[int]]:
     from tiny_checkpoints import corpus
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(str(tokenizer_dir)).encode("\n".join(corpus()), add_special_tokens=False)
+    ids = AutoTokenizer.from_pretrained(str(tokenizer_dir)).encode(
+        "\n".join(corpus()), add_special_tokens=False
+    )
     return [ids[(i * 991) % (len(ids) - n) :][:n] for i, n in enumerate(PROMPT_LENS)]
 
 
@@ -51,12 +61,23 @@ def test_greedy_parity_with_the_triton_backend(model_factory, tokenizer_dir, arc
     model_dir = model_factory(spec.pop("arch"), **spec)
     prompts = prompts_of(tokenizer_dir)
     expected = hf_reference.hf_greedy(model_dir, prompts, MAX_TOKENS)
-    llm = LLM(str(model_dir), attention_backend="triton", dtype="float32", **ENGINES[engine])
-    assert llm.engine.core.runner.backend.name == "triton"
+    llm = LLM(
+        str(model_dir),
+        attention_backend="triton",
+        dtype="float32",
+        device=DEVICE,
+        **{**GPU_KV, **ENGINES[engine]},
+    )
+    runner = llm.engine.core.runner
+    assert runner.backend.name == "triton"
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out, (ref_ids, _) in zip(prompts, outs, expected):
-        assert out.outputs[0].token_ids == ref_ids, f"{arch}/{engine}: prompt of {len(prompt)} tokens diverged"
+        assert out.outputs[0].token_ids == ref_ids, (
+            f"{arch}/{engine}: prompt of {len(prompt)} tokens diverged"
+        )
+    if engine == "default":  # the decode steps went through the static buffers (graphs on CUDA)
+        assert runner.graphs is not None and runner.graphs.steps > 0
 
 
 def test_a_cached_prefix_is_read_through_the_kernel(model_factory):
@@ -66,13 +87,24 @@ def test_a_cached_prefix_is_read_through_the_kernel(model_factory):
     shared = list(range(5, 69))
     prompts = [[*shared, 70, 71], [*shared, 72, 73, 74]]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    cached = LLM(str(model_dir), attention_backend="triton", dtype="float32", block_size=16)
+    cached = LLM(
+        str(model_dir), attention_backend="triton", dtype="float32", device=DEVICE, block_size=16, **GPU_KV
+    )
     first = cached.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     second = cached.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)
     assert cached.get_stats()["prefix_cache_hits"] > 0
-    plain = LLM(str(model_dir), attention_backend="triton", dtype="float32", enable_prefix_caching=False)
+    plain = LLM(
+        str(model_dir),
+        attention_backend="triton",
+        dtype="float32",
+        device=DEVICE,
+        enable_prefix_caching=False,
+        **GPU_KV,
+    )
     ref = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [first[0].outputs[0].token_ids, second[0].outputs[0].token_ids] == [r.outputs[0].token_ids for r in ref]
+    assert [first[0].outputs[0].token_ids, second[0].outputs[0].token_ids] == [
+        r.outputs[0].token_ids for r in ref
+    ]
 
 
 def test_draft_trees_verify_through_the_kernel(model_factory):
@@ -81,11 +113,25 @@ def test_draft_trees_verify_through_the_kernel(model_factory):
     model_dir = model_factory("llama", initializer_range=0.05)
     motif = [11, 12, 13]
     prompts = [[*motif, 20 + i, *motif, 30 + i, *motif] for i in range(3)]
-    spec = {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_min_token_prob": 0.0,
-            "suffix_decoding_max_spec_factor": 4.0, "adaptive": False}
+    spec = {
+        "method": "suffix",
+        "num_speculative_tokens": 6,
+        "suffix_decoding_min_token_prob": 0.0,
+        "suffix_decoding_max_spec_factor": 4.0,
+        "adaptive": False,
+    }
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    want = LLM(str(model_dir), dtype="float32").generate([{"prompt_token_ids": p} for p in prompts], params)
-    llm = LLM(str(model_dir), attention_backend="triton", dtype="float32", speculative_config=spec)
+    want = LLM(str(model_dir), dtype="float32", device="cpu").generate(
+        [{"prompt_token_ids": p} for p in prompts], params
+    )
+    llm = LLM(
+        str(model_dir),
+        attention_backend="triton",
+        dtype="float32",
+        device=DEVICE,
+        speculative_config=spec,
+        **GPU_KV,
+    )
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert llm.engine.core.spec.num_draft_tokens > 0
+    assert llm.engine.counters.spec_decode_num_draft_tokens > 0

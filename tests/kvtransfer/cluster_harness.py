@@ -1,6 +1,7 @@
 """Engine cores in one process, each with its real KV plane (ZeroMQ inboxes on ipc://), and a front
-end reduced to what a move needs of one: a route and an incarnation per request, a destination's
-outputs held until the source's `Migrated`, stale runs dropped.
+end reduced to what a move needs of one: the front end's own route table
+(tandem/kvtransfer/routes.py: a route and a run per request, a destination's outputs held until
+the source's `Migrated`, stale runs dropped).
 
 Everything happens when the test says, whatever the machine's speed: `tick()` runs one step on
 every engine (each followed by its plane's `after_step`, as the engine loop does), then delivers
@@ -35,6 +36,7 @@ from tandem.engine.core import EngineCore
 from tandem.kvtransfer import protocol as p
 from tandem.kvtransfer.plane import KVPlane
 from tandem.kvtransfer.protocol import MoveOutcome
+from tandem.kvtransfer.routes import LiveMove, Routes, migrate_out
 
 # Waiting for ZeroMQ to deliver what was sent: only a lost message (a bug) takes this long.
 DELIVERY_TIMEOUT_S = 60.0
@@ -124,16 +126,22 @@ class Visit:
 @dataclass
 class Tracked:
     req: EngineCoreRequest
-    node: int
-    run: int
+    routes: Routes
     tokens: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
     # (first prompt token covered, its logprobs onwards) as the outputs brought them
     prompt_logprobs: list[tuple[int, list]] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)
-    pending: tuple[int, int, str] | None = None  # (destination, its run, transfer id)
-    held: list[SampleOutput] = field(default_factory=list)
-    next_run: int = 1
+
+    @property
+    def node(self) -> int:
+        """The node that runs it now."""
+        return self.routes.where[self.req.request_id]
+
+    @property
+    def pending(self) -> LiveMove | None:
+        """Its move under way."""
+        return self.routes.moves.get(self.req.request_id)
 
 
 class Cluster:
@@ -144,6 +152,7 @@ class Cluster:
         self.visits: list[Visit] = []
         self.nodes = [Node(config, f"ipc://{tmp}/kv{i}", self.clock) for i in range(num_nodes)]
         self.requests: dict[str, Tracked] = {}
+        self.routes = Routes()
         self.held: set[int] = set()  # nodes whose inbox is left unread
         self.migrated = 0
         self.recomputed = 0
@@ -169,22 +178,20 @@ class Cluster:
         self.nodes[i] = Node(config, bind, self.clock)
 
     def add(self, req: EngineCoreRequest, node: int) -> None:
-        self.nodes[node].core.add_request(req)
-        self.requests[req.request_id] = Tracked(req, node, 0)
+        run = self.routes.next_run(req.request_id)
+        self.nodes[node].core.add_request(replace(req, incarnation=run))
+        self.routes.route(req.request_id, node)
+        self.requests[req.request_id] = Tracked(req, self.routes)
 
     def migrate(self, rid: str, dest: int, after_prefill: bool = False) -> bool:
         """Start a move (its Begin goes out now); False if one is under way or it cannot move."""
         t = self.requests[rid]
         if t.pending is not None or t.node == dest or len(t.finished) == t.req.params.n:
             return False
-        run = t.next_run
-        t.next_run += 1
-        tid = f"{rid}@{run}"
-        t.pending = (dest, run, tid)
-        peer = self.nodes[dest].plane.address
-        msg = p.MigrateOut(replace(t.req, incarnation=run), tid, peer, after_prefill)
-        self.nodes[t.node].plane.sender.start(msg)
-        self._reports(self.nodes[t.node])
+        source = t.node
+        move = self.routes.start_move(rid, source, dest, self.now, after_prefill)
+        self.nodes[source].plane.sender.start(migrate_out(t.req, move, self.nodes[dest].plane.address))
+        self._reports(source)
         return True
 
     def add_disaggregated(self, req: EngineCoreRequest, prefill: int, decode: int) -> None:
@@ -217,8 +224,8 @@ class Cluster:
             for n in behind:
                 n.plane.socket.poll(5)
                 n.plane.handle()
-        for n in self.nodes:
-            self._reports(n)
+        for i in range(len(self.nodes)):
+            self._reports(i)
 
     def _accept(self, so: SampleOutput) -> None:
         t = self.requests[so.request_id]
@@ -234,15 +241,11 @@ class Cluster:
 
     def _outputs(self, node: int, outs: list[SampleOutput]) -> None:
         for so in outs:
-            t = self.requests.get(so.request_id)
-            if t is None:
-                continue
-            if t.node == node and so.incarnation == t.run:
+            if so.request_id in self.requests and self.routes.sort(node, so):
                 self._accept(so)
-            elif t.pending is not None and t.pending[0] == node and t.pending[1] == so.incarnation:
-                t.held.append(so)
 
-    def _reports(self, node: Node) -> None:
+    def _reports(self, index: int) -> None:
+        node = self.nodes[index]
         reports = list(node.reports)
         node.reports.clear()
         for r in reports:
@@ -251,29 +254,27 @@ class Cluster:
                 continue
             self.reports.append(r)
             t = self.requests.get(r.request_id)
-            if t is None or t.pending is None or t.pending[2] != r.transfer_id:
+            move = self.routes.outcome(index, r) if t is not None else None
+            if t is None or move is None:
                 continue
-            dest, run, _ = t.pending
-            t.pending = None
-            held, t.held = t.held, []
+            dest = move.destination
             self.outcomes.append(r.outcome)
-            self._left(r.request_id, t.node)
+            self._left(r.request_id, move.source)
             if r.outcome is MoveOutcome.COMPLETED:
                 assert r.transfer_s >= r.pause_s >= 0, r
                 self._arrived(r.request_id, dest)
-                t.node, t.run = dest, run
                 self.migrated += 1
                 self.stages.append(r.num_stages)
-                for so in held:
+                for so in self.routes.complete(r.request_id, move):
                     self._accept(so)
             elif r.outcome is MoveOutcome.RECOMPUTED:  # nothing computed worth moving: resume it there
-                self.nodes[t.node].core.abort_requests([r.request_id])
+                self.nodes[move.source].core.abort_requests([r.request_id])
                 outs = [None if j in t.finished else list(t.tokens.get(j, [])) for j in range(t.req.params.n)]
                 started = any(o is None or o for o in outs)
+                run = self.routes.route(r.request_id, dest)
                 self.nodes[dest].core.add_request(
                     replace(t.req, incarnation=run, resumed_outputs=outs if started else None)
                 )
-                t.node, t.run = dest, run
                 self.recomputed += 1
             else:
                 self.abandoned.append(r.reason)
@@ -327,7 +328,9 @@ class Cluster:
 
     def settle(self, max_ticks: int = 2000) -> None:
         for _ in range(max_ticks):
-            if self.done() and not any(n.plane.active or n.core.has_unfinished_requests() for n in self.nodes):
+            if self.done() and not any(
+                n.plane.active or n.core.has_unfinished_requests() for n in self.nodes
+            ):
                 if self.exact_compute:
                     self.check_moves()
                 return

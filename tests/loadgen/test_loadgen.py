@@ -100,12 +100,14 @@ tandem:prefix_cache_hits_total{model_name="m"} 20.0
 tandem:spec_decode_num_draft_tokens_total{model_name="m"} 0.0
 tandem:spec_decode_num_accepted_tokens_total{model_name="m"} 0.0
 tandem:num_preemptions_total{model_name="m"} 1.0
+tandem:num_swap_outs_total{model_name="m"} 0.0
 """
     after_text = """tandem:prefix_cache_queries_total{model_name="m"} 300.0
 tandem:prefix_cache_hits_total{model_name="m"} 120.0
 tandem:spec_decode_num_draft_tokens_total{model_name="m"} 40.0
 tandem:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0
 tandem:num_preemptions_total{model_name="m"} 3.0
+tandem:num_swap_outs_total{model_name="m"} 2.0
 """
     before = server_counters(parse_prometheus(before_text))
     after = server_counters(parse_prometheus(after_text))
@@ -113,7 +115,7 @@ tandem:num_preemptions_total{model_name="m"} 3.0
     assert d["prefix_cache_queries"] == 200 and d["prefix_cache_hits"] == 100
     assert d["prefix_cache_hit_rate"] == pytest.approx(0.5)
     assert d["spec_decode_acceptance_rate"] == pytest.approx(0.75)
-    assert d["preemptions"] == 2
+    assert d["preemptions"] == 2 and d["swap_outs"] == 2
     vllm = server_counters(parse_prometheus('vllm:prefix_cache_hits_total{engine="0"} 7\n'))
     assert vllm == {"prefix_cache_hits": 7.0}
     assert counter_deltas(None, after) == {}

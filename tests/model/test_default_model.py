@@ -85,9 +85,9 @@ def test_draft_accepts_on_code(llm):
     base = llm.generate(PROMPTS, params, use_tqdm=False)
     outs = sp_llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
-    stats = sp_llm.get_stats()["spec_decode"]
-    assert stats["num_draft_tokens"] > 0
-    assert stats["acceptance_rate"] > 0.2
+    stats = sp_llm.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_acceptance_rate"] > 0.2
 
 
 def test_step_time_breakdown(llm):
@@ -95,10 +95,10 @@ def test_step_time_breakdown(llm):
     before = llm.get_stats()
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     after = llm.get_stats()
-    steps = after["num_steps"] - before["num_steps"]
-    step_time = after["step_time_s"] - before["step_time_s"]
-    forward = after["forward_time_s"] - before["forward_time_s"]
+    steps = after["engine_steps"] - before["engine_steps"]
+    step_time = after["engine_step_seconds"] - before["engine_step_seconds"]
+    forward = after["engine_forward_seconds"] - before["engine_forward_seconds"]
     assert steps >= 8
     assert 0 < forward < step_time
-    assert after["draft_time_s"] == 0.0
+    assert after["engine_draft_seconds"] == 0.0
     assert 0.0 < after["engine_overhead_fraction"] < 1.0

@@ -80,7 +80,7 @@ def test_greedy_parity(model_factory, prompts, arch, engine):
             for tid, lp in entry.items():
                 assert abs(lp.logprob - ref_lp[step, tid].item()) < 1e-4
     if engine == "preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.counters.num_preemptions > 0
         assert any(o.metrics.num_preemptions > 0 for o in outs)
     assert_all_released(llm)
 
@@ -116,11 +116,11 @@ def test_n_samples_share_prompt_blocks(llama_dir, prompts):
     single = llm.generate(
         prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
     )
-    stats_before = llm.engine.stats.num_batched_tokens
+    stats_before = llm.engine.counters.num_batched_tokens
     multi = llm.generate(
         prompt, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
     )
-    computed = llm.engine.stats.num_batched_tokens - stats_before
+    computed = llm.engine.counters.num_batched_tokens - stats_before
     assert [o.index for o in multi[0].outputs] == [0, 1, 2]
     for o in multi[0].outputs:
         assert o.token_ids == single[0].outputs[0].token_ids

@@ -39,7 +39,7 @@ def client(tokenizer_dir):
     c.tokenizer = Tokenizer(str(tokenizer_dir))
     c.outputs = OutputProcessor(c.tokenizer)
     c.limits = EngineLimits(512, 64, 16, 64, 4)
-    c._live = {0}
+    c.instances.live = {0}
     return c
 
 
@@ -96,7 +96,10 @@ def test_a_failure_while_queueing_gives_everything_back(error):
     client = FakeClient(fail_on="r-1", error=error)
     state = state_with(client, tenants)
     prepared = [(request("r-0"), None), (request("r-1"), None)]
-    with pytest.raises((RuntimeError, OpenAIError, KeyboardInterrupt)), EngineCall(state, tenant, prepared) as call:
+    with (
+        pytest.raises((RuntimeError, OpenAIError, KeyboardInterrupt)),
+        EngineCall(state, tenant, prepared) as call,
+    ):
         call.start()
     assert tenant.inflight == 0
     assert client.streams == {} and client.aborted == ["r-0"]
@@ -167,11 +170,11 @@ def test_a_request_sent_to_an_instance_that_just_died_runs_on_another(tokenizer_
     c.tokenizer = Tokenizer(str(tokenizer_dir))
     c.outputs = OutputProcessor(c.tokenizer)
     c.limits = EngineLimits(512, 64, 16, 64, 4)
-    c._live = {0, 1}
+    c.instances.live = {0, 1}
     c.dispatcher = Dispatcher(ClusterConfig(num_instances=2, dispatch_policy="round_robin"), [100, 100], 16)
     stream = c.add(request("e"), None, asyncio.Event())
     assert stream.error is None and not stream.finished
-    assert c.routes == {"e": 1} and c._live == {1} and len(alive.sent) == 1
+    assert c.routes == {"e": 1} and c.live == {1} and len(alive.sent) == 1
     # With no other instance left, the failure is the client's to see, and nothing stays registered.
     with pytest.raises(EngineDeadError):
         c.add(request("f"), None, asyncio.Event(), instance=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tandem.core.limits import EngineLimits
+from tandem.core.stats import EngineCounters, declared_metrics
 from tandem.core.step_io import SampledLogprobs
 from tandem.engine import messages as m
 from tandem.engine.messages import EngineCoreRequest, SampleOutput
@@ -15,7 +16,11 @@ def test_messages_round_trip():
     params = SamplingParams(n=2, temperature=0.5, seed=3, stop="\n", stop_token_ids=[7], logprobs=2)
     req = EngineCoreRequest("r", [1, 2, 3], params, 9, 12.5, priority=2, tenant="t", cache_salt="s")
     out = SampleOutput("r", 1, [4, 5], [SampledLogprobs(-0.1, 1, [4], [-0.1])] * 2, "stop", "\n")
-    stats = m.Stats(1, 2, 0.5, 3, 40, 16, 10, 20, [8, 1, 1])
+    counters = EngineCounters(num_preemptions=3, prefix_cache_queries=40, prefix_cache_hits=16)
+    counters.spec_decode_num_draft_tokens_by_method["ngram"] = 7
+    counters.iteration_tokens.update({8: 1, 1: 2})
+    counters.engine_step_seconds = 0.25
+    stats = m.Stats(1, 2, 0.5, counters)
     sent = [
         m.Init([2]),
         m.Add(req),
@@ -37,8 +42,19 @@ def test_messages_round_trip():
 
 def test_metrics_turn_cumulative_stats_into_increments():
     metrics = ServerMetrics("tiny")
-    metrics.observe_stats(m.Stats(2, 1, 0.25, 1, 100, 32, 100, 5, [64, 2]))
-    metrics.observe_stats(m.Stats(0, 0, 0.0, 1, 150, 48, 150, 9, [3]))
+
+    def counters(queries: int, hits: int, generated: int, steps: dict[int, int]) -> EngineCounters:
+        return EngineCounters(
+            prompt_tokens=queries,
+            generation_tokens=generated,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=1,
+            iteration_tokens=steps,
+        )
+
+    metrics.observe_stats(m.Stats(2, 1, 0.25, counters(100, 32, 5, {64: 1, 2: 1})))
+    metrics.observe_stats(m.Stats(0, 0, 0.0, counters(150, 48, 9, {3: 1})))
     text = metrics.render()[0].decode()
     assert 'tandem:prefix_cache_queries_total{model_name="tiny"} 150.0' in text
     assert 'tandem:prefix_cache_hits_total{model_name="tiny"} 48.0' in text
@@ -50,10 +66,27 @@ def test_metrics_turn_cumulative_stats_into_increments():
     assert "150.0" not in ServerMetrics("tiny").render()[0].decode()
 
 
+def test_every_declared_engine_metric_is_registered_once():
+    """The engine's metrics come from tandem/core/stats.py's declarations, each under its name and
+    kind; a labelled counter gets a sample per label value it counted."""
+    metrics = ServerMetrics("tiny")
+    counters = EngineCounters(prefix_cache_hits=3)
+    counters.spec_decode_num_accepted_tokens_by_method["suffix"] = 5
+    metrics.observe_stats(m.Stats(0, 0, 0.0, counters))
+    text = metrics.render()[0].decode()
+    for name, metric in declared_metrics():
+        assert text.count(f"\n# TYPE {metric.exposed_name(name)} {metric.kind}\n") == 1, name
+    assert 'tandem:prefix_cache_hits_total{model_name="tiny"} 3.0' in text
+    assert (
+        'tandem:spec_decode_num_accepted_tokens_by_method_total{method="suffix",model_name="tiny"} 5.0'
+        in text
+    )
+
+
 def test_a_gone_instance_leaves_the_gauges_and_keeps_its_counts():
     metrics = ServerMetrics("tiny")
-    metrics.observe_stats(m.Stats(2, 1, 0.5, 0, 10, 0, 10, 4, []), instance=0)
-    metrics.observe_stats(m.Stats(3, 0, 0.25, 0, 10, 0, 10, 6, []), instance=1)
+    metrics.observe_stats(m.Stats(2, 1, 0.5, EngineCounters(generation_tokens=4)), instance=0)
+    metrics.observe_stats(m.Stats(3, 0, 0.25, EngineCounters(generation_tokens=6)), instance=1)
     text = metrics.render()[0].decode()
     assert 'tandem:num_requests_running{model_name="tiny"} 5.0' in text
     assert 'tandem:instance_num_requests_running{instance="1",model_name="tiny"} 3.0' in text

@@ -99,7 +99,7 @@ def test_prefix_aware_dispatch_reuses_more_prefix_than_round_robin():
     )
     rr, _ = simulate(trace, num_instances=4, dispatch_policy="round_robin")
     pa, _ = simulate(trace, num_instances=4, dispatch_policy="prefix_aware")
-    hits = [sum(i.kv.num_hit_tokens for i in s.instances) for s in (rr, pa)]
+    hits = [sum(i.scheduler.counters.prefix_cache_hits for i in s.instances) for s in (rr, pa)]
     assert hits[1] > hits[0], hits
 
 
@@ -175,7 +175,9 @@ def test_front_end_queues_take_messages_and_tokens_one_at_a_time():
     # The next message comes while the API is free but the client is still busy with the first.
     second = fe.deliver(1.0012, 2)
     assert second == pytest.approx([t + hop for t in (1.0025 + 0.0008, 1.0025 + 0.0011)])
-    assert fe.deliver(5.0, 1, slowdown=2.0) == pytest.approx([5.0 + 2 * 0.0019 + hop])  # the hop does not stretch
+    assert fe.deliver(5.0, 1, slowdown=2.0) == pytest.approx(
+        [5.0 + 2 * 0.0019 + hop]
+    )  # the hop does not stretch
     assert fe.deliver(6.0, 0) == []
     plain = FrontEnd(LinearToy(delivery=0.005))  # no front-end figures: a fixed delivery
     assert plain.deliver(0.0, 4) == [0.005] * 4 and plain.deliver(0.0, 4) == [0.005] * 4
@@ -184,6 +186,7 @@ def test_front_end_queues_take_messages_and_tokens_one_at_a_time():
 def test_front_end_queue_grows_with_the_load_and_leaves_the_engine_alone():
     """The same delivery at light load either way; under load the front end's queue adds to what
     clients see (TTFT, E2E) but not to the engine's steps."""
+
     def run(rate: float, **fe: float) -> tuple[dict, int]:
         trace = synthetic(150, rate, prompt_len=(16, 200), output_len=(8, 40), seed=4)
         sim = ClusterSim(trace, LinearToy(delivery=0.005, **fe), SPEC, ClusterConfig(num_instances=1))

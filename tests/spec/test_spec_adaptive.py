@@ -71,7 +71,7 @@ def run(target: Path, draft: Path) -> LLM:
 
 
 def decode_steps(llm: LLM) -> int:
-    return llm.get_stats()["num_steps"] - 1  # the prompt took one step
+    return llm.get_stats()["engine_steps"] - 1  # the prompt took one step
 
 
 def test_a_draft_that_is_always_accepted_runs(model_factory, tmp_path, charged) -> None:
@@ -79,14 +79,14 @@ def test_a_draft_that_is_always_accepted_runs(model_factory, tmp_path, charged) 
     twin = Path(shutil.copytree(target, tmp_path / "twin"))
     charged(twin)
     llm = run(target, twin)
-    spec = llm.get_stats()["spec_decode"]
+    spec = llm.get_stats()
     steps = decode_steps(llm)
-    assert spec["acceptance_rate"] >= 0.95
+    assert spec["spec_decode_acceptance_rate"] >= 0.95
     assert llm.engine.core.spec.controller.gate.preferred(1) is True
     # Speculation ran in nearly every step, at nearly the full k: besides the few "off" steps the
     # gate takes to compare the modes, every step drafted.
-    assert spec["num_drafts"] >= steps - 8
-    assert spec["num_draft_tokens"] >= (K - 1) * spec["num_drafts"]
+    assert spec["spec_decode_num_drafts"] >= steps - 8
+    assert spec["spec_decode_num_draft_tokens"] >= (K - 1) * spec["spec_decode_num_drafts"]
 
 
 def test_a_draft_that_is_never_accepted_stops(model_factory, charged) -> None:
@@ -94,10 +94,10 @@ def test_a_draft_that_is_never_accepted_stops(model_factory, charged) -> None:
     unrelated = model_factory("llama", seed=2, **TARGET)
     charged(unrelated)
     llm = run(target, unrelated)
-    spec = llm.get_stats()["spec_decode"]
+    spec = llm.get_stats()
     steps = decode_steps(llm)
-    assert spec["acceptance_rate"] <= 0.05
+    assert spec["spec_decode_acceptance_rate"] <= 0.05
     assert llm.engine.core.spec.controller.gate.preferred(1) is False
     # The first steps draft (a new request's drafts are priced optimistically, so they get
     # measured); after that only the gate's occasional explorations of "on" do.
-    assert 0 < spec["num_drafts"] <= 0.15 * steps
+    assert 0 < spec["spec_decode_num_drafts"] <= 0.15 * steps

@@ -29,6 +29,7 @@ from scipy.stats import chisquare
 
 import tandem.spec.rejection as rejection
 from tandem import LLM, SamplingParams
+from tandem.spec.config import MAX_SPECULATIVE_TOKENS
 from tandem.spec.gate import GateChoice
 
 # Greedy tiny models with a small initializer range fall into loops, which n-gram lookup predicts.
@@ -106,7 +107,7 @@ def baseline(target_dir) -> tuple[int, list]:
     stop = probe[4].outputs[0].token_ids[10]
     llm, outs = run(target_dir, None, stop)
     sched = llm.engine.scheduler
-    assert sched.num_preemptions > 0 and llm.engine.kv.num_hit_tokens > 0
+    assert sched.counters.num_preemptions > 0 and llm.engine.counters.prefix_cache_hits > 0
     assert outs[4].outputs[0].finish_reason == "stop"
     assert len(outs[5].outputs[0].token_ids) == ENGINE["max_model_len"] - len(make_prompts()[5])
     return stop, outs
@@ -129,15 +130,16 @@ def check_same(outs, base) -> None:
 def check_engine(llm: LLM) -> None:
     """Preemption, prefix-cache hits and chunked prefill all happened; everything was released."""
     engine = llm.engine
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.kv.num_hit_tokens > 0
+    assert engine.counters.num_preemptions > 0
+    assert engine.counters.prefix_cache_hits > 0
     assert max(len(p) for p in make_prompts()) > ENGINE["max_num_batched_tokens"]  # chunked prefill
     assert engine.kv.usage == 0.0 and not engine.scheduler.has_unfinished()
     engine.kv.check_invariants()
-    spec = engine.core.spec
-    assert spec.num_accepted_tokens <= spec.num_draft_tokens
-    assert sum(spec.accepted_per_pos) == spec.num_accepted_tokens
-    assert all(a >= b for a, b in zip(spec.accepted_per_pos, spec.accepted_per_pos[1:]))
+    spec = engine.counters
+    assert spec.spec_decode_num_accepted_tokens <= spec.spec_decode_num_draft_tokens
+    per_pos = spec.accepted_per_pos(MAX_SPECULATIVE_TOKENS)
+    assert sum(per_pos) == spec.spec_decode_num_accepted_tokens
+    assert per_pos == sorted(per_pos, reverse=True)
 
 
 @pytest.mark.parametrize(
@@ -158,10 +160,10 @@ def test_greedy_output_is_unchanged(method, k, adaptive, target_dir, model_facto
     llm, outs = run(target_dir, spec, stop)
     check_same(outs, base)
     check_engine(llm)
-    counters = llm.engine.core.spec
-    assert counters.num_draft_tokens > 0
+    counters = llm.engine.counters
+    assert counters.spec_decode_num_draft_tokens > 0
     if method != "draft_model":
-        assert counters.num_accepted_tokens > 0
+        assert counters.spec_decode_num_accepted_tokens > 0
 
 
 def test_draft_identical_to_target_accepts_everything(target_dir, baseline) -> None:
@@ -170,13 +172,16 @@ def test_draft_identical_to_target_accepts_everything(target_dir, baseline) -> N
     llm, outs = run(target_dir, spec, stop)
     check_same(outs, base)
     check_engine(llm)
-    counters = llm.engine.core.spec
-    drafted, accepted = counters.num_draft_tokens, counters.num_accepted_tokens
+    counters = llm.engine.counters
+    drafted, accepted = counters.spec_decode_num_draft_tokens, counters.spec_decode_num_accepted_tokens
     assert accepted == drafted > 0
     # Sampled requests alone: q = p up to rounding, so min(1, p/q) rejects (almost) never.
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=3)
     llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params, use_tqdm=False)
-    more, more_accepted = counters.num_draft_tokens - drafted, counters.num_accepted_tokens - accepted
+    more, more_accepted = (
+        counters.spec_decode_num_draft_tokens - drafted,
+        counters.spec_decode_num_accepted_tokens - accepted,
+    )
     assert more > 0 and more_accepted >= 0.99 * more
 
 
@@ -188,10 +193,10 @@ def test_unrelated_draft_accepts_almost_nothing(target_dir, model_factory, basel
     # All greedy (a sampled request over these nearly uniform distributions would accept often).
     llm, outs = run(target_dir, spec, stop, sampled=False)
     assert summary(outs) == summary(base)  # (the request that is greedy here is not compared)
-    counters = llm.engine.core.spec
-    assert counters.num_draft_tokens > 300
+    counters = llm.engine.counters
+    assert counters.spec_decode_num_draft_tokens > 300
     # Two unrelated random models over 512 tokens agree on the argmax about 1 time in 512: allow 2%.
-    assert counters.num_accepted_tokens <= 0.02 * counters.num_draft_tokens
+    assert counters.spec_decode_num_accepted_tokens <= 0.02 * counters.spec_decode_num_draft_tokens
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +236,7 @@ def test_stop_strings_inside_accepted_drafts(method, target_dir, stop_string_par
     key = lambda outs: [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].stop_reason) for o in outs]
     assert key(got) == key(want)
     assert sum(o.outputs[0].finish_reason == "stop" for o in got) >= 6
-    assert llm.engine.core.spec.num_accepted_tokens > 0
+    assert llm.engine.counters.spec_decode_num_accepted_tokens > 0
     assert llm.engine.kv.usage == 0.0 and not llm.engine.scheduler.has_unfinished()
 
 
@@ -419,11 +424,15 @@ SPECS = {
 def test_speculative_sampling_matches_the_exact_distribution(method, tiny_vocab) -> None:
     target, draft, exact = tiny_vocab
     llm, samples = sample(target, SPECS[method](draft), SETTINGS)
-    counters = llm.engine.core.spec
+    counters = llm.engine.counters
     # Both outcomes are common, at both draft positions: acceptance and rejection are both exercised.
-    assert counters.num_draft_tokens > N
-    assert 0.05 * counters.num_draft_tokens < counters.num_accepted_tokens < 0.9 * counters.num_draft_tokens
-    assert counters.accepted_per_pos[1] > 20
+    assert counters.spec_decode_num_draft_tokens > N
+    assert (
+        0.05 * counters.spec_decode_num_draft_tokens
+        < counters.spec_decode_num_accepted_tokens
+        < 0.9 * counters.spec_decode_num_draft_tokens
+    )
+    assert counters.spec_decode_num_accepted_tokens_per_pos["1"] > 20
     for name in SETTINGS:
         p = goodness_of_fit(samples[name], exact[name])
         assert p > ALPHA, f"{method}, {name}: the samples do not follow the target (p = {p:.2e})"
@@ -502,8 +511,10 @@ def test_draft_proposals_match_the_draft_model_run_from_scratch(monkeypatch) -> 
     monkeypatch.setattr(drafter, "propose", recording)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.num_hit_tokens > 0
-    assert core.spec.num_accepted_tokens < core.spec.num_draft_tokens  # rejections happened
+    assert llm.engine.counters.num_preemptions > 0 and llm.engine.counters.prefix_cache_hits > 0
+    assert (
+        core.counters.spec_decode_num_accepted_tokens < core.counters.spec_decode_num_draft_tokens
+    )  # rejections happened
     hf = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
     assert len(records) >= 30
     wrong = 0

@@ -36,7 +36,7 @@ from scheduler_harness import (
 
 from tandem.core.policy import SchedulingConfig
 from tandem.core.request import Request, RequestStatus
-from tandem.spec.config import SpeculativeConfig
+from tandem.spec.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from tandem.spec.controller import Plan
 from tandem.spec.planner import SpecPlanner
 
@@ -111,7 +111,7 @@ def harness(c: Case, mode: str | None, deterministic: bool = True, seed: int = 0
 
 
 def report(h: Harness) -> None:
-    if h.sched.num_preemptions:
+    if h.sched.counters.num_preemptions:
         event("preempted")
     if h.num_rewound:
         event("rejected drafts rewound")
@@ -121,7 +121,7 @@ def report(h: Harness) -> None:
         event("blocks held past the computed tokens after a rewind")
     if h.runner.num_copies:
         event("copy-on-write")
-    if h.kv.cache is not None and h.kv.num_hit_tokens:
+    if h.kv.cache is not None and h.sched.counters.prefix_cache_hits:
         event("prefix-cache hit")
 
 
@@ -199,10 +199,10 @@ def test_rewinds_keep_blocks_and_preemption_still_recomputes(mode: str) -> None:
     )
     h = harness(c, mode, seed=3)
     h.run(c.w.arrivals())
-    assert h.sched.num_preemptions > 0
+    assert h.sched.counters.num_preemptions > 0
     assert h.num_rewound > 0 and h.num_accepted > 0
     assert h.num_extra_blocks > 0
-    assert h.kv.num_hit_tokens > 0
+    assert h.sched.counters.prefix_cache_hits > 0
     assert h.runner.num_copies > 0
     for r in h.members.values():
         assert r.output_token_ids == reference(r, c.w.max_model_len)
@@ -271,7 +271,7 @@ def test_drafts_are_dropped_rather_than_preempting() -> None:
     h.step()  # both prompts: a holds 2 blocks, b 1
     assert h.kv.pool.num_free == 1
     out = h.step()
-    assert not out.preempted and h.sched.num_preemptions == 0
+    assert not out.preempted and h.sched.counters.num_preemptions == 0
     assert [r.request_id for r in out.requests] == ["a", "b"] and out.num_tokens == [1, 1]
     assert out.num_draft == {} and out.draft_tokens == {}
     while h.sched.has_unfinished():
@@ -346,12 +346,13 @@ def test_real_planner_ngram_counters() -> None:
     h.run(arrivals)
     for r in h.members.values():
         assert r.output_token_ids == reference(r, h.max_model_len, periodic)
-    assert planner.num_draft_tokens == h.num_draft_tokens > 0
-    assert planner.num_accepted_tokens == h.num_accepted > 0
-    assert planner.num_drafts == h.num_drafted
-    assert sum(planner.accepted_per_pos) == planner.num_accepted_tokens
-    assert all(x >= y for x, y in zip(planner.accepted_per_pos, planner.accepted_per_pos[1:]))
-    assert h.sched.num_preemptions > 0
+    assert planner.counters.spec_decode_num_draft_tokens == h.num_draft_tokens > 0
+    assert planner.counters.spec_decode_num_accepted_tokens == h.num_accepted > 0
+    assert planner.counters.spec_decode_num_drafts == h.num_drafted
+    per_pos = planner.counters.accepted_per_pos(MAX_SPECULATIVE_TOKENS)
+    assert sum(per_pos) == planner.counters.spec_decode_num_accepted_tokens
+    assert per_pos == sorted(per_pos, reverse=True)
+    assert h.sched.counters.num_preemptions > 0
 
 
 def test_speculative_config_takes_vllm_keys() -> None:
@@ -371,7 +372,7 @@ def test_speculative_config_takes_vllm_keys() -> None:
         {"model": "/some/dir", "num_speculative_tokens": 2, "adaptive": False}
     )
     assert (draft.method, draft.model, draft.adaptive) == ("draft_model", "/some/dir", False)
-    for bad in ({**ngram, "num_speculative_tokens": 0}, {**ngram, "method": "eagle"}, {**ngram, "typo": 1}):
+    for bad in ({**ngram, "num_speculative_tokens": 0}, {**ngram, "method": "mtp"}, {**ngram, "typo": 1}):
         with pytest.raises(ValueError):
             SpeculativeConfig.from_dict(bad)
 

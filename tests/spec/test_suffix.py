@@ -17,7 +17,9 @@ from tandem.spec.config import SpeculativeConfig
 from tandem.spec.suffix import SuffixConfig, SuffixSpeculator, continuation, continuation_tree, longest_match
 
 
-def brute_match(text: list[int], context: list[int], max_depth: int, exclude_tail: bool) -> tuple[int, list[int]]:
+def brute_match(
+    text: list[int], context: list[int], max_depth: int, exclude_tail: bool
+) -> tuple[int, list[int]]:
     limit = len(text) - 1 if exclude_tail else len(text)
     for m in range(min(max_depth, len(context)), 0, -1):
         pat = context[-m:]
@@ -33,7 +35,9 @@ tokens = st.lists(st.integers(0, 3), min_size=0, max_size=40)
 @settings(max_examples=300, deadline=None)
 @given(text=tokens, context=st.lists(st.integers(0, 3), min_size=1, max_size=12), depth=st.integers(1, 6))
 def test_longest_match_is_the_brute_force_one(text, context, depth):
-    got_len, got = longest_match(np.array(text, dtype=np.int32), np.array(context, dtype=np.int32), depth, False)
+    got_len, got = longest_match(
+        np.array(text, dtype=np.int32), np.array(context, dtype=np.int32), depth, False
+    )
     want_len, want = brute_match(text, context, depth, False)
     assert (got_len, sorted(got.tolist())) == (want_len, want)
 
@@ -100,7 +104,9 @@ def test_settings_are_read_and_checked():
     )
     assert cfg is not None and cfg.suffix.max_depth == 16
     with pytest.raises(ValueError, match="suffix_decoding_min_token_prob must be a number in"):
-        SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 2})
+        SpeculativeConfig.from_dict(
+            {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 2}
+        )
     with pytest.raises(ValueError, match="must be in \\[1, 32\\]"):
         SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 33})
 
@@ -114,15 +120,18 @@ def test_a_repeated_request_drafts_the_earlier_output(model_factory):
     spec = {"method": "suffix", "num_speculative_tokens": 16, "adaptive": False}
     llm = LLM(str(model_dir), speculative_config=spec, num_threads=1)
     first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
-    counters = llm.engine.core.spec
-    before = (counters.num_draft_tokens, counters.num_accepted_tokens)
+    counters = llm.engine.counters
+    before = (counters.spec_decode_num_draft_tokens, counters.spec_decode_num_accepted_tokens)
     second = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
-    drafted = counters.num_draft_tokens - before[0]
-    accepted = counters.num_accepted_tokens - before[1]
+    drafted = counters.spec_decode_num_draft_tokens - before[0]
+    accepted = counters.spec_decode_num_accepted_tokens - before[1]
     assert second == first
     assert accepted >= 0.8 * (len(second) - 1) and accepted >= 0.8 * drafted
     plain = LLM(str(model_dir), num_threads=1)
-    assert plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert (
+        plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        == first
+    )
 
 
 def test_tree_proposals_take_the_most_probable_continuations_first():

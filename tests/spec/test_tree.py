@@ -90,7 +90,9 @@ def test_the_check_has_power(monkeypatch):
         while True:
             p = probs[node + 1].double()
             for child in tree.children(node):
-                if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(p[tree.tokens[child]]):
+                if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(
+                    p[tree.tokens[child]]
+                ):
                     accepted.append(child)
                     node = child
                     break

@@ -14,8 +14,13 @@ import tandem.worker.model_runner as model_runner
 from tandem import LLM, SamplingParams
 from tandem.sampling_params import StructuredOutputsParams
 
-SPEC = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_min_token_prob": 0.0,
-        "suffix_decoding_max_spec_factor": 4.0, "adaptive": False}
+SPEC = {
+    "method": "suffix",
+    "num_speculative_tokens": 8,
+    "suffix_decoding_min_token_prob": 0.0,
+    "suffix_decoding_max_spec_factor": 4.0,
+    "adaptive": False,
+}
 
 
 def params() -> list[SamplingParams]:
@@ -72,7 +77,7 @@ def test_trees_verify_losslessly_and_move_off_branch_paths(target_dir, counted):
         assert g.keys() == w.keys()
     assert counted["trees"] >= 5 and counted["branched"] > 0 and counted["moved"] > 0, counted
     engine = llm.engine
-    assert engine.scheduler.num_preemptions > 0 and engine.kv.num_hit_tokens > 0
+    assert engine.counters.num_preemptions > 0 and engine.counters.prefix_cache_hits > 0
     assert engine.kv.usage == 0.0
     engine.kv.check_invariants()
-    assert engine.core.spec.num_accepted_tokens > 0
+    assert engine.counters.spec_decode_num_accepted_tokens > 0

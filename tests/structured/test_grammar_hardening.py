@@ -141,7 +141,9 @@ def test_deep_json_as_a_dict_is_a_value_error():
 
 def test_a_grammar_past_the_engines_limits_is_refused_up_front(engine):
     with pytest.raises(ValueError, match="exceeds the grammar engine's limits"):
-        engine.add_request("r", "x", SamplingParams(structured_outputs=StructuredOutputsParams(grammar='root ::= "a" root')))
+        engine.add_request(
+            "r", "x", SamplingParams(structured_outputs=StructuredOutputsParams(grammar='root ::= "a" root'))
+        )
     assert not engine.core.has_unfinished_requests()
 
 
@@ -175,9 +177,11 @@ def test_a_dead_end_after_the_first_token_ends_the_sample_cleanly(engine):
     token. Before, the all -inf row drew token 0, the matcher refused it inside the next step and
     the step faulted (bisection, a 500); now the sample ends with what it has, the others go on."""
     a = _single_token(engine, "a")
-    faults = engine.stats.num_request_faults
+    faults = engine.counters.num_request_faults
     sp = StructuredOutputsParams(regex="a{3}b")
-    engine.add_request("dead", "x", SamplingParams(structured_outputs=sp, allowed_token_ids=[a], max_tokens=8))
+    engine.add_request(
+        "dead", "x", SamplingParams(structured_outputs=sp, allowed_token_ids=[a], max_tokens=8)
+    )
     engine.add_request("fine", "x", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     outs = _run(engine)
     dead = outs["dead"].outputs[0]
@@ -187,7 +191,7 @@ def test_a_dead_end_after_the_first_token_ends_the_sample_cleanly(engine):
     assert dead.text == "a" * len(dead.token_ids)
     assert dead.finish_reason == "stop" and dead.stop_reason == NO_ALLOWED_TOKEN
     assert len(outs["fine"].outputs[0].token_ids) == 6
-    assert engine.stats.num_request_faults == faults
+    assert engine.counters.num_request_faults == faults
     assert engine.core.structured.num_tracked == 0
 
 
@@ -195,7 +199,9 @@ def test_a_fully_blocked_row_without_a_grammar_no_longer_emits_token_0(engine):
     """allowed_token_ids and a two-token bad word: after the first token nothing is left."""
     a = _single_token(engine, "a")
     params = SamplingParams(allowed_token_ids=[a], max_tokens=8, ignore_eos=True)
-    params.bad_words_token_ids = [[a, a]]  # the word "a a..." as tokens: its second token is blocked after one
+    params.bad_words_token_ids = [
+        [a, a]
+    ]  # the word "a a..." as tokens: its second token is blocked after one
     engine.add_request("blocked", "x", params)
     out = _run(engine)["blocked"].outputs[0]
     assert out.token_ids == [a] and 0 not in out.token_ids
@@ -208,14 +214,18 @@ def test_a_dead_end_under_speculation_keeps_the_accepted_drafts(llama_dir):
     engine = LLMEngine(EngineConfig(model=str(llama_dir), speculative_config=spec, **ENGINE))
     a = _single_token(engine, "a")
     sp = StructuredOutputsParams(regex="a{3}b")
-    engine.add_request("r", "a a a a a a", SamplingParams(structured_outputs=sp, allowed_token_ids=[a], max_tokens=8))
+    engine.add_request(
+        "r", "a a a a a a", SamplingParams(structured_outputs=sp, allowed_token_ids=[a], max_tokens=8)
+    )
     out = _run(engine)["r"].outputs[0]
     plain = LLMEngine(EngineConfig(model=str(llama_dir), **ENGINE))
-    plain.add_request("r", "a a a a a a", SamplingParams(structured_outputs=sp, allowed_token_ids=[a], max_tokens=8))
+    plain.add_request(
+        "r", "a a a a a a", SamplingParams(structured_outputs=sp, allowed_token_ids=[a], max_tokens=8)
+    )
     assert out.token_ids == _run(plain)["r"].outputs[0].token_ids
     assert out.token_ids and set(out.token_ids) == {a}
     assert out.stop_reason == NO_ALLOWED_TOKEN
-    assert engine.stats.num_request_faults == 0
+    assert engine.counters.num_request_faults == 0
 
 
 def test_a_moved_request_whose_tokens_break_its_grammar_ends_without_a_fault(engine):
@@ -225,7 +235,7 @@ def test_a_moved_request_whose_tokens_break_its_grammar_ends_without_a_fault(eng
     params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes"]), max_tokens=8)
     head = tok.encode("no", add_special_tokens=False)
     req = EngineCoreRequest("moved", tok.encode("x"), params, 8, 0.0, resumed_outputs=[head])
-    faults = engine.stats.num_request_faults
+    faults = engine.counters.num_request_faults
     engine.core.add_request(req)
     finished = []
     while engine.core.has_unfinished_requests():
@@ -233,7 +243,7 @@ def test_a_moved_request_whose_tokens_break_its_grammar_ends_without_a_fault(eng
     assert [(so.finish_reason, so.stop_reason, so.new_token_ids) for so in finished] == [
         ("stop", NO_ALLOWED_TOKEN, [])
     ]
-    assert engine.stats.num_request_faults == faults
+    assert engine.counters.num_request_faults == faults
 
 
 def test_end_dead_keeps_the_drafts_accepted_before_the_dead_row():
@@ -263,9 +273,20 @@ def test_dead_rows_lift_the_masks_of_rows_with_no_token_left():
     blocked = torch.tensor([[True, False, True], [True, True, False], [False, False, False]])
     grammar = torch.tensor([[False, True, False], [False, False, True], [False, False, False]])
     sb = SamplingBatch(
-        temperature=torch.ones(3), greedy=torch.ones(3, dtype=torch.bool), all_greedy=True, top_k=None,
-        top_p=None, min_p=None, presence=None, frequency=None, repetition=None, output_counts=None,
-        prompt_mask=None, blocked=blocked, generators=[None] * 3, num_logprobs=[None] * 3,
+        temperature=torch.ones(3),
+        greedy=torch.ones(3, dtype=torch.bool),
+        all_greedy=True,
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        presence=None,
+        frequency=None,
+        repetition=None,
+        output_counts=None,
+        prompt_mask=None,
+        blocked=blocked,
+        generators=[None] * 3,
+        num_logprobs=[None] * 3,
         grammar_forbidden=grammar,
     )
     assert dead_rows(sb) == [True, True, False]
@@ -316,7 +337,9 @@ def test_an_aborted_requests_queued_compile_is_cancelled_and_a_running_one_dropp
 
 def test_an_engine_abort_while_compiling_leaves_no_compile_behind(engine):
     manager = engine.core.structured
-    sp = StructuredOutputsParams(json={"type": "object", "properties": {"unique_name_41": {"type": "string"}}})
+    sp = StructuredOutputsParams(
+        json={"type": "object", "properties": {"unique_name_41": {"type": "string"}}}
+    )
     engine.add_request("compiling", "x", SamplingParams(structured_outputs=sp))
     assert manager.num_compiling == 1
     engine.abort_request("compiling")

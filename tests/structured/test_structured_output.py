@@ -39,7 +39,9 @@ def scalar_schemas() -> st.SearchStrategy[dict[str, Any]]:
         st.just({"type": "boolean"}),
         st.builds(
             lambda vals: {"enum": vals},
-            st.lists(st.one_of(names, st.integers(-5, 5), st.booleans()), min_size=1, max_size=4, unique=True),
+            st.lists(
+                st.one_of(names, st.integers(-5, 5), st.booleans()), min_size=1, max_size=4, unique=True
+            ),
         ),
     )
 
@@ -60,7 +62,9 @@ def array_of(inner: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict
 
 # Objects of scalars, arrays and objects, two levels deep.
 level1 = st.one_of(scalar_schemas(), array_of(scalar_schemas()))
-schemas = object_schemas(st.one_of(level1, object_schemas(level1), array_of(object_schemas(scalar_schemas()))))
+schemas = object_schemas(
+    st.one_of(level1, object_schemas(level1), array_of(object_schemas(scalar_schemas())))
+)
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +94,20 @@ def test_random_json_schemas_validate(llm, schema):
 
 
 def test_json_text_and_json_object(llm):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     check_json(schema, generate(llm, StructuredOutputsParams(json=json.dumps(schema))))
     outs = llm.generate(
         PROMPTS,
-        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(json_object=True)),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+            structured_outputs=StructuredOutputsParams(json_object=True),
+        ),
         use_tqdm=False,
     )
     for o in outs:
@@ -119,7 +132,14 @@ def test_random_regexes_match(llm, pattern):
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(choices=st.lists(st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1, max_size=8), min_size=1, max_size=5, unique=True))
+@given(
+    choices=st.lists(
+        st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1, max_size=8),
+        min_size=1,
+        max_size=5,
+        unique=True,
+    )
+)
 def test_random_choices(llm, choices):
     for c in generate(llm, StructuredOutputsParams(choice=choices)):
         assert c.finish_reason == "stop"
@@ -199,7 +219,13 @@ def test_greedy_identical_with_and_without_speculation(llama_dir, model_factory,
     sp = StructuredOutputsParams(json=SPEC_SCHEMA)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=sp)
     if method == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+            "adaptive": False,
+        }
     else:
         draft = model_factory("llama", seed=3)
         spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
@@ -209,11 +235,11 @@ def test_greedy_identical_with_and_without_speculation(llama_dir, model_factory,
     for a, b in zip(plain, fast):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         jsonschema.validate(json.loads(b.outputs[0].text), SPEC_SCHEMA)
-    stats = spec_llm.engine.core.snapshot()["spec_decode"]
-    assert stats["num_draft_tokens"] > 0
+    assert spec_llm.get_stats()["spec_decode_num_draft_tokens"] > 0
     # Sampled output under speculation is valid too (rejection sampling over masked rows).
     sampled = spec_llm.generate(
-        SPEC_PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS, structured_outputs=sp),
+        SPEC_PROMPTS,
+        SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS, structured_outputs=sp),
         use_tqdm=False,
     )
     check_json(SPEC_SCHEMA, [o.outputs[0] for o in sampled])
@@ -223,17 +249,26 @@ def test_greedy_identical_with_and_without_speculation(llama_dir, model_factory,
 def test_n_preemption_chunked_prefill_prefix_cache(llama_dir):
     # Few KV blocks for ten concurrent samples: requests are preempted and resumed; a short token
     # budget splits prompts into chunks; the repeated prompt hits the prefix cache.
-    llm = LLM(str(llama_dir), num_kv_blocks=48, block_size=4, max_num_seqs=10, max_num_batched_tokens=24, num_threads=1)
+    llm = LLM(
+        str(llama_dir),
+        num_kv_blocks=48,
+        block_size=4,
+        max_num_seqs=10,
+        max_num_batched_tokens=24,
+        num_threads=1,
+    )
     sp = StructuredOutputsParams(json=SPEC_SCHEMA)
-    prompts = [f"prompt number {i}: a fairly long prompt that spans several chunks of the budget" for i in range(4)]
+    prompts = [
+        f"prompt number {i}: a fairly long prompt that spans several chunks of the budget" for i in range(4)
+    ]
     outs = llm.generate(
         [prompts[0], *prompts],
         SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=120, structured_outputs=sp),
         use_tqdm=False,
     )
     core = llm.engine.core
-    assert core.scheduler.num_preemptions > 0
-    assert core.kv.num_hit_tokens > 0
+    assert core.counters.num_preemptions > 0
+    assert core.counters.prefix_cache_hits > 0
     samples = [c for o in outs for c in o.outputs]
     assert len(samples) == 10
     check_json(SPEC_SCHEMA, samples)
@@ -319,9 +354,18 @@ def test_slow_compile_does_not_hold_up_other_requests(llama_dir):
         return compile_real(key)
 
     core.structured._compile = held  # type: ignore[method-assign]
-    schema = {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"], "additionalProperties": False}
-    engine.add_request("slow", "a", SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)))
-    engine.add_request("bad", "a", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="z+")))
+    schema = {
+        "type": "object",
+        "properties": {"k": {"type": "boolean"}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    engine.add_request(
+        "slow", "a", SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    )
+    engine.add_request(
+        "bad", "a", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="z+"))
+    )
     engine.add_request("plain", "a", SamplingParams(max_tokens=6, ignore_eos=True))
     done: dict[str, Any] = {}
     while "plain" not in done:

@@ -25,9 +25,9 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from tandem import __version__
+from tandem.cluster.build import EngineHooks, start_engines
 from tandem.cluster.config import ClusterConfig
 from tandem.config import EngineConfig
-from tandem.engine.core_client import AsyncEngineClient, Disaggregation
 from tandem.engine.tokenizer import load_chat_template
 from tandem.entrypoints.openai import protocol as p
 from tandem.entrypoints.openai.errors import OpenAIError, bad_request, validation_error
@@ -41,7 +41,6 @@ from tandem.entrypoints.openai.tokenizer_info import tokenizer_info
 logger = logging.getLogger("tandem.server")
 
 
-
 def build_app(
     state: ServerState, config: EngineConfig, cluster: ClusterConfig | None = None, freeze_gc: bool = False
 ) -> Any:
@@ -51,63 +50,21 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:
         state.loop = asyncio.get_running_loop()
-        connections, make_dispatcher, group, disaggregation = None, None, None, None
-        if cluster is not None and cluster.disaggregated:
-            p_, d_ = cluster.prefill_instances, cluster.decode_instances
-            disaggregation = Disaggregation(
-                frozenset(range(p_)), frozenset(range(p_, p_ + d_)), cluster.pd_min_prompt_tokens
-            )
-            logger.info("prefill/decode disaggregation: %d prefill, %d decode instance(s)", p_, d_)
-        if cluster is not None:
-            from tandem.cluster.dispatch import Dispatcher
-            from tandem.cluster.ray_engine import InstanceGroup, start_ray
-
-            await asyncio.get_running_loop().run_in_executor(None, start_ray, cluster)
-            group = InstanceGroup(cluster)
-            await group.ready(timeout=300)
-            connections = group.connections(config)
-
-            def make_dispatcher(readies: list[Any]) -> Dispatcher:
-                blocks = [r.limits.num_blocks for r in readies]
-                return Dispatcher(cluster, blocks, readies[0].limits.block_size)
-
-            logger.info(
-                "%d engine instances on Ray, dispatch policy %s", cluster.num_instances, cluster.dispatch_policy
-            )
-        state.client = AsyncEngineClient(
-            config,
-            on_stats=lambda instance, stats: state.metrics.observe_stats(stats, instance),
-            on_dead=state.engine_died,
-            connections=connections,
-            make_dispatcher=make_dispatcher,
-            on_migrated=state.metrics.observe_migration,
-            disaggregation=disaggregation,
-            hang_timeout_s=cluster.instance_timeout_s if cluster is not None else None,
-            on_gone=state.metrics.forget_instance,
-        )
         state.metrics.track_admission(
             lambda: state.client.num_inflight if state.client else 0,
             lambda: state.client.num_waiting if state.client else 0,
             lambda: state.connections.total,
         )
+        hooks = EngineHooks(
+            on_stats=lambda instance, stats: state.metrics.observe_stats(stats, instance),
+            on_dead=state.engine_died,
+            on_migrated=state.metrics.observe_migration,
+            on_gone=state.metrics.forget_instance,
+            metrics=state.metrics,
+        )
+        engines = await start_engines(config, cluster, hooks)  # the cluster's composition: cluster/build.py
+        state.client, state.migrator = engines.client, engines.migrator
         try:
-            await state.client.start()
-            dispatcher = state.client.dispatcher
-            if dispatcher is not None and cluster is not None:
-                from tandem.cluster.migrator import Migrator
-
-                client = state.client
-                state.metrics.track_cluster(
-                    len(client.connections),
-                    lambda i: dispatcher.num_dispatched[i],
-                    lambda: client.num_resumed,
-                    lambda: len(client.moves),
-                    lambda: client.num_pd_fallbacks,
-                    lambda: client.num_moves_started,
-                )
-                state.migrator = Migrator(cluster, client)
-                if cluster.migration_triggers:
-                    state.migrator.start()
             logger.info(
                 "engine core process pid=%d ready; serving model %r",
                 state.client.engine_pid,
@@ -120,11 +77,7 @@ def build_app(
                 gc.freeze()
             yield
         finally:
-            if state.migrator is not None:
-                await state.migrator.stop()
-            await state.client.shutdown()
-            if group is not None:
-                group.remove()
+            await engines.close()
 
     app = FastAPI(title="tandem", version=__version__, lifespan=lifespan, redoc_url=None)
 

@@ -1,0 +1,400 @@
+"""Draft trees from heads over the target's own features: EAGLE (EAGLE-2's dynamic tree) and Medusa.
+
+The runner hands the drafter the target's last hidden states after every forward (`capture`): for
+each request, the rows whose tokens stay (a prompt chunk's, a decode's, a verification's root and
+accepted drafts), kept per request by position until a proposal has used them. Feature p is what
+the target's LM head read to choose token p + 1.
+
+**EAGLE.** The head's decoder layer keeps its own paged KV cache, indexed by the target's block
+tables (same block ids, its own tensors; copy-on-write copies it too), and catches up lazily: a
+proposal's first pass feeds every position from where the head's KV ends up to the last known
+feature, row p being (feature p, token p + 1); its last row predicts the feature after the last
+known token, whose logits (through the target's LM head) give the root's children. Then, per depth,
+the `tree_topk` best nodes of that depth (by path log-probability) are expanded: one head pass
+over every node expanded so far (the tree's nodes are this pass's queries, each seeing the context
+and its expanded ancestors: `ForwardBatch.tree_bits`), laid out in the head's KV slots after the
+last known token (slots the scheduler reserved for the target's verification of the same nodes;
+the head's own tensors, so nothing of the target's is touched, and later catch-up overwrites
+them). Row of node x at depth d: (its parent's predicted feature, x), at position root + d - 1.
+The proposal is the `num_speculative_tokens` best nodes by path log-probability (a node's is at
+most its parent's, so they form a tree), ordered depth first, best child first: the most likely
+path is the first branch, whose KV needs no copy when it is accepted.
+
+**Medusa.** Head k over the last known feature proposes the token k after the last known one; the
+tree is the best `num_speculative_tokens` paths of the per-head top-k's cartesian product by the
+product of their probabilities (best first).
+
+A request whose last known feature was never captured here (KV computed by another instance) gets
+a chain repeating its last token: rejected, harmless.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Protocol
+
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.core.draft_tree import DraftTree
+from tandem.core.request import Request
+from tandem.core.step_io import RunnerOutput
+from tandem.model.attention import get_attention_backend
+from tandem.model.draft_heads import EagleHead, HeadConfig, MedusaHeads, eagle_layer_config, load_head
+from tandem.model.kv_quant import KVCacheFormat
+from tandem.model.layers import RotaryEmbedding
+from tandem.model.loader import model_module
+from tandem.spec.config import SpeculativeConfig
+from tandem.worker.batch import build_batch
+from tandem.worker.device import DevicePlan
+
+
+class HeadHost(Protocol):
+    """What the head drafter uses of the runner: its KV layout and placement, and the target."""
+
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    plan: DevicePlan
+
+    def allocate_kv(self, mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]: ...
+
+
+class _Node:
+    __slots__ = ("children", "depth", "feature", "parent", "score", "token")
+
+    def __init__(self, token: int, parent: int, depth: int, score: float) -> None:
+        self.token = token
+        self.parent = parent
+        self.depth = depth
+        self.score = score
+        self.feature: torch.Tensor | None = None  # EAGLE: the head's prediction after this node
+        self.children: list[int] = []
+
+
+def _tree(nodes: list[_Node], chosen: list[int]) -> DraftTree:
+    """The chosen nodes (closed under parents) depth first, best child first."""
+    keep = set(chosen)
+    kids: dict[int, list[int]] = {}
+    for i in chosen:
+        kids.setdefault(nodes[i].parent, []).append(i)
+    order: list[int] = []
+    stack = sorted(kids.get(-1, []), key=lambda i: nodes[i].score)
+    while stack:
+        i = stack.pop()
+        order.append(i)
+        stack.extend(sorted((c for c in kids.get(i, []) if c in keep), key=lambda c: nodes[c].score))
+    index = {node: j for j, node in enumerate(order)}
+    return DraftTree(
+        tuple(nodes[i].token for i in order),
+        tuple(-1 if nodes[i].parent < 0 else index[nodes[i].parent] for i in order),
+    )
+
+
+def _walk(tree: DraftTree, tokens: list[int]) -> list[int]:
+    """The nodes of an accepted path from its tokens: at each node the first child holding the
+    next one, as verification takes it (a repeated child is never the one accepted)."""
+    path: list[int] = []
+    for tok in tokens:
+        path.append(next(c for c in tree.children(path[-1] if path else -1) if tree.tokens[c] == tok))
+    return path
+
+
+def _pad(nodes: list[_Node], k: int) -> None:
+    """A vocabulary smaller than the tree: repeat the best first token (a repeated child is never
+    accepted twice: verification takes the first match, or has taken its mass out of p)."""
+    while len(nodes) < k:
+        nodes.append(_Node(nodes[0].token, -1, 1, -1e9 - len(nodes)))
+
+
+def _best(nodes: list[_Node], k: int) -> list[int]:
+    """The k best nodes by path log-probability (ties: shallower, then older), closed under parents."""
+    return sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:k]
+
+
+class HeadDrafter:
+    def __init__(
+        self,
+        host: HeadHost,
+        target: object,
+        target_config: ModelConfig,
+        spec: SpeculativeConfig,
+        engine_config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        if not spec.model:
+            raise ValueError(f"speculative_config method {spec.method!r} needs the head's folder (model)")
+        cfg = HeadConfig.from_folder(spec.model)
+        if cfg.method != spec.method:
+            raise ValueError(
+                f"speculative_config.model {spec.model!r} is a {cfg.method} head, not a {spec.method} one"
+            )
+        self.host = host
+        self.method = cfg.method
+        self.target = target
+        self.target_module = model_module(target)  # type: ignore[arg-type]
+        self.topk = spec.tree_topk
+        self.depth = spec.tree_depth
+        self.head: EagleHead | MedusaHeads
+        self.kv_caches: list[torch.Tensor] = []
+        if cfg.method == "eagle":
+            layer_cfg = eagle_layer_config(target_config, cfg.intermediate_size)
+            backend = get_attention_backend(
+                host.plan.attention_backend,
+                layer_cfg.num_heads,
+                layer_cfg.num_kv_heads,
+                layer_cfg.head_dim,
+                layer_cfg.sliding_window,
+                KVCacheFormat(engine_config.kv_cache_dtype, host.dtype),
+            )
+            # Tree rows sit up to tree_depth positions past the last known token.
+            rotary = RotaryEmbedding(
+                layer_cfg.head_dim, max_model_len + spec.tree_depth + 1, layer_cfg.rope, host.device
+            )
+            self.head = load_head(cfg, target_config, host.dtype, host.device, backend, rotary)
+            self.kv_caches = host.allocate_kv(layer_cfg, num_blocks)
+        else:
+            self.head = load_head(cfg, target_config, host.dtype, host.device, None, None)
+            self.depth = min(self.depth, cfg.num_heads)
+        # request id -> (first position, [m, hidden] features of positions first .. first + m - 1)
+        self.features: dict[str, tuple[int, torch.Tensor]] = {}
+        # EAGLE: request id -> how many leading positions hold the head's KV
+        self.valid: dict[str, int] = {}
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def sync(self, reqs: list[Request], preempted: list[Request], finished: list[str]) -> None:
+        """Before a step: forget ended and preempted requests, and clip what rejected drafts or a
+        rewind made stale (features and head KV past the target's computed tokens). A request seen
+        for the first time trusts the head KV of the positions it did not compute here (a cached
+        prefix's blocks hold what the head fed for the request that computed them)."""
+        for rid in finished:
+            self.features.pop(rid, None)
+            self.valid.pop(rid, None)
+        for r in preempted:
+            self.features.pop(r.request_id, None)
+            self.valid.pop(r.request_id, None)
+        for r in reqs:
+            rid, done = r.request_id, r.num_computed_tokens
+            self.valid[rid] = min(self.valid.get(rid, done), done)
+            f = self.features.get(rid)
+            if f is not None and f[0] + f[1].shape[0] > done:
+                if f[0] >= done:
+                    del self.features[rid]
+                else:
+                    self.features[rid] = (f[0], f[1][: done - f[0]])
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.features.pop(rid, None)
+            self.valid.pop(rid, None)
+
+    def _append(self, rid: str, position: int, rows: torch.Tensor) -> None:
+        f = self.features.get(rid)
+        if self.method == "medusa":  # only the last known feature is ever read
+            self.features[rid] = (position + rows.shape[0] - 1, rows[-1:].clone())
+            return
+        if f is None or position > f[0] + f[1].shape[0] or position < f[0]:
+            self.features[rid] = (position, rows.clone())
+        else:
+            self.features[rid] = (f[0], torch.cat((f[1][: position - f[0]], rows)))
+
+    def capture(
+        self,
+        reqs: list[Request],
+        num_tokens: list[int],
+        ends: object,
+        hidden: torch.Tensor,
+        drafts: dict[str, list[int]],
+        trees: dict[str, DraftTree],
+        out: RunnerOutput,
+    ) -> None:
+        """After the target's forward and verification: keep the features of the rows whose tokens
+        stay (a forked sample's are its leader's)."""
+        for i, req in enumerate(reqs):
+            rid = req.request_id
+            end = int(ends[i])  # type: ignore[index]
+            first = end - num_tokens[i]
+            if drafts.get(rid):
+                accepted = out.accepted.get(rid, [])
+                tree = trees.get(rid)
+                if tree is not None:
+                    rows = [first] + [first + 1 + node for node in _walk(tree, accepted)]
+                else:
+                    rows = list(range(first, first + 1 + len(accepted)))
+                feats = hidden[torch.tensor(rows, device=hidden.device)]
+            else:
+                feats = hidden[first:end]
+            self._append(rid, req.num_computed_tokens, feats)
+            for child in req.pending_children:
+                # A forked sample shares the leader's blocks, so everything the leader's head has
+                # not fed yet (its prompt, unless it drafted) is the child's to feed as well.
+                self.features[child.request_id] = self.features[rid]
+                self.valid[child.request_id] = self.valid.get(rid, req.num_computed_tokens)
+
+    # -- proposals ------------------------------------------------------------------------------
+
+    def propose(self, todo: list[tuple[Request, int]]) -> dict[str, DraftTree]:
+        """A tree of exactly k nodes per request."""
+        ready: list[tuple[Request, int]] = []
+        out: dict[str, DraftTree] = {}
+        for r, k in todo:
+            f = self.features.get(r.request_id)
+            last = r.num_tokens - 2  # the last position whose feature the target has computed
+            if f is None or not f[0] <= last < f[0] + f[1].shape[0]:
+                out[r.request_id] = DraftTree.chain([r.token_ids[-1]] * k)
+            else:
+                ready.append((r, k))
+        if ready:
+            out.update(self._eagle(ready) if self.method == "eagle" else self._medusa(ready))
+        return out
+
+    def _logprobs(self, feats: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.target.compute_logits(feats).float(), dim=-1)  # type: ignore[attr-defined]
+
+    def _children(self, nodes: list[_Node], parent: int, logp: torch.Tensor, count: int) -> list[int]:
+        count = min(count, logp.shape[0])
+        values, tokens = logp.topk(count)
+        base = nodes[parent].score if parent >= 0 else 0.0
+        depth = nodes[parent].depth + 1 if parent >= 0 else 1
+        made = []
+        for v, t in zip(values.tolist(), tokens.tolist()):
+            nodes.append(_Node(t, parent, depth, base + v))
+            made.append(len(nodes) - 1)
+        if parent >= 0:
+            nodes[parent].children = made
+        return made
+
+    def _eagle(self, todo: list[tuple[Request, int]]) -> dict[str, DraftTree]:
+        host, head = self.host, self.head
+        assert isinstance(head, EagleHead)
+        embed: Any = self.target_module.embed_tokens
+        reqs = [r for r, _ in todo]
+        # Pass 0: catch up to the last known feature; its row predicts the root's children.
+        starts, q_lens, tokens, feats = [], [], [], []
+        for r in reqs:
+            first, known = self.features[r.request_id]
+            last = r.num_tokens - 2
+            s = max(min(self.valid[r.request_id], last), first)
+            starts.append(s)
+            q_lens.append(last + 1 - s)
+            tokens.extend(r.token_ids[s + 1 : last + 2])
+            feats.append(known[s - first : last + 1 - first])
+        batch, ends = build_batch(reqs, q_lens, host.block_size, host.device, starts_l=starts)
+        batch.input_ids = torch.tensor(tokens, dtype=torch.long, device=host.device)
+        head.backend.prepare(batch)
+        g = head(embed(batch.input_ids), torch.cat(feats), batch, self.kv_caches[0])
+        root_g = g[torch.from_numpy(ends - 1).to(g.device)]
+        root_logp = self._logprobs(root_g)
+        for r, f in zip(reqs, (self.features[r.request_id] for r in reqs)):
+            self.valid[r.request_id] = r.num_tokens - 1
+            keep = r.num_tokens - 1 - f[0]  # features before what the next proposal feeds: done
+            if keep > 0:
+                self.features[r.request_id] = (f[0] + keep, f[1][keep:])
+        trees: list[list[_Node]] = []
+        expanded: list[list[int]] = []
+        frontier: list[list[int]] = []
+        caps: list[int] = []
+        for i, r in enumerate(reqs):
+            nodes: list[_Node] = []
+            frontier.append(self._children(nodes, -1, root_logp[i], self.topk))
+            trees.append(nodes)
+            expanded.append([])
+            # The head's scratch rows: the slots after the last known token that the request's
+            # blocks hold (the scheduler reserved at least k).
+            # (At most 63: a tree mask is one 64-bit word per query token.)
+            room = len(r.block_ids) * host.block_size - (r.num_tokens - 1)
+            caps.append(min(room, self.topk * self.depth, 63))
+        for _ in range(1, self.depth):
+            picks: list[list[int]] = []
+            for i, nodes in enumerate(trees):
+                room = caps[i] - len(expanded[i])
+                best = sorted(frontier[i], key=lambda j: -nodes[j].score)[: min(self.topk, max(0, room))]
+                picks.append(best)
+                expanded[i].extend(best)
+            active = [i for i, p in enumerate(picks) if p]
+            if not active:
+                break
+            sub = [reqs[i] for i in active]
+            lens = [len(expanded[i]) for i in active]
+            batch, ends = build_batch(
+                sub, lens, host.block_size, host.device, starts_l=[r.num_tokens - 1 for r in sub]
+            )
+            ids, rows_f, positions, bits = [], [], [], []
+            for i in active:
+                nodes, order = trees[i], expanded[i]
+                where = {node: j for j, node in enumerate(order)}
+                root = reqs[i].num_tokens - 2
+                word: list[int] = []
+                for j, node in enumerate(order):
+                    n = nodes[node]
+                    ids.append(n.token)
+                    parent_f = root_g[i] if n.parent < 0 else nodes[n.parent].feature
+                    assert parent_f is not None
+                    rows_f.append(parent_f)
+                    positions.append(root + n.depth)
+                    word.append((0 if n.parent < 0 else word[where[n.parent]]) | (1 << j))
+                bits.extend(word)
+            dev = host.device
+            batch.input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+            batch.positions = torch.tensor(positions, dtype=torch.long, device=dev)
+            batch.tree_bits = torch.tensor(bits, dtype=torch.long, device=dev)
+            head.backend.prepare(batch)
+            g = head(embed(batch.input_ids), torch.stack(rows_f), batch, self.kv_caches[0])
+            # The new nodes' rows: the last len(picks[i]) of each request's.
+            new_rows: list[int] = []
+            for i, end in zip(active, ends.tolist()):
+                new_rows.extend(range(end - len(picks[i]), end))
+            new_g = g[torch.tensor(new_rows, device=g.device)]
+            logp = self._logprobs(new_g)
+            row = 0
+            for i in active:
+                nxt: list[int] = []
+                for node in picks[i]:
+                    trees[i][node].feature = new_g[row]
+                    nxt.extend(self._children(trees[i], node, logp[row], self.topk))
+                    row += 1
+                frontier[i] = nxt
+        out = {}
+        for i, (r, k) in enumerate(todo):
+            nodes = trees[i]
+            if len(nodes) < k:  # too few candidates for k nodes: more of the root's children
+                first = len([n for n in nodes if n.parent < 0])
+                more_v, more_t = root_logp[i].topk(min(first + k - len(nodes), root_logp.shape[1]))
+                for v, t in zip(more_v.tolist()[first:], more_t.tolist()[first:]):
+                    nodes.append(_Node(t, -1, 1, v))
+            _pad(nodes, k)
+            out[r.request_id] = _tree(trees[i], _best(trees[i], k))
+        return out
+
+    def _medusa(self, todo: list[tuple[Request, int]]) -> dict[str, DraftTree]:
+        head = self.head
+        assert isinstance(head, MedusaHeads)
+        last = torch.stack([self.features[r.request_id][1][-1] for r, _ in todo])
+        logp = self._logprobs(head(last).flatten(0, 1)).view(len(head.heads), len(todo), -1)
+        out = {}
+        for i, (r, k) in enumerate(todo):
+            width = min(self.topk, logp.shape[-1])
+            while width < logp.shape[-1] and sum(width**d for d in range(1, self.depth + 1)) < k:
+                width += 1
+            values, tokens = logp[: self.depth, i].topk(width, dim=-1)
+            vals, toks = values.tolist(), tokens.tolist()
+            nodes: list[_Node] = []
+            # Best first over the product: popping a node offers its next sibling and first child.
+            heap: list[tuple[float, int, int, int, int]] = [(-vals[0][0], 0, 1, -1, 0)]
+            seq = 1
+            while heap and len(nodes) < k:
+                neg, _, depth, parent, rank = heapq.heappop(heap)
+                nodes.append(_Node(toks[depth - 1][rank], parent, depth, -neg))
+                me = len(nodes) - 1
+                base = nodes[parent].score if parent >= 0 else 0.0
+                if rank + 1 < width:
+                    heapq.heappush(heap, (-(base + vals[depth - 1][rank + 1]), seq, depth, parent, rank + 1))
+                    seq += 1
+                if depth < self.depth:
+                    heapq.heappush(heap, (-(-neg + vals[depth][0]), seq, depth + 1, me, 0))
+                    seq += 1
+            _pad(nodes, k)
+            out[r.request_id] = _tree(nodes, list(range(len(nodes))))
+        return out
