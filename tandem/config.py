@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,7 @@ class Option:
     aliases: tuple[str, ...] = ()
     metavar: str | None = None
     group: str = "engine"
+    parse: Callable[[str], Any] | None = None
 
     def flag_name(self, field_name: str) -> str:
         return self.flag or "--" + field_name.replace("_", "-")
@@ -94,9 +96,10 @@ def option(
     aliases: tuple[str, ...] = (),
     metavar: str | None = None,
     group: str = "engine",
+    parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """A config field that is also a command-line option (`Option`), with its one default."""
-    meta = {"option": Option(help, choices, flag, aliases, metavar, group)}
+    meta = {"option": Option(help, choices, flag, aliases, metavar, group, parse)}
     return field(default=default, metadata=meta)
 
 

@@ -28,8 +28,11 @@ class ClusterConfig:
         choices=DISPATCH_POLICIES,
         group="cluster (Ray)",
     )
-    # CPUs each instance's actor reserves (its torch threads; the engine config's num_threads).
-    cpus_per_instance: float = 1.0
+    # CPUs each instance's actor reserves (its torch threads); None: `tandem serve` reserves the
+    # engine's --num-threads (cluster_kwargs in tandem/entrypoints/cli.py), elsewhere 1 (`cpus`).
+    cpus_per_instance: float | None = option(
+        None, "CPUs Ray reserves for each instance (default: --num-threads, or 1)", group="cluster (Ray)"
+    )
     # least_load: a request whose priority is below 0 (ahead of the default) counts its KV demand
     # this many times, so high-priority work lands where there is headroom.
     high_priority_weight: float = 2.0
@@ -48,7 +51,13 @@ class ClusterConfig:
     # lower-priority one there moves to where there is room). Draining an instance (scale in)
     # always migrates. Mode "live" copies the KV (tandem/kvtransfer); "recompute" resends the
     # request, which recomputes its KV where it lands.
-    migration_triggers: tuple[str, ...] = ()
+    migration_triggers: tuple[str, ...] = option(
+        (),
+        "comma-separated: imbalance (move requests off the busiest instance), priority (make room "
+        "for waiting high-priority requests); draining an instance (POST /admin/instances/N/drain) always migrates",
+        group="cluster (Ray)",
+        parse=lambda text: tuple(t.strip() for t in text.split(",") if t.strip()),
+    )
     migration_mode: str = option(
         "live",
         "live: copy the KV cache between instances; recompute: resend the request",
@@ -65,7 +74,12 @@ class ClusterConfig:
     max_concurrent_migrations: int = 4
     # An instance that says nothing for this long is taken for hung (it reports at least every
     # second; one engine step must fit well within it): its requests resume elsewhere, it is stopped.
-    instance_timeout_s: float = 60.0
+    instance_timeout_s: float = option(
+        60.0,
+        "seconds without a word from an instance before it is taken for hung (its requests move on)",
+        flag="--instance-timeout",
+        group="cluster (Ray)",
+    )
     # Prefill/decode disaggregation: instances 0..P-1 prefill, P..P+D-1 decode (num_instances = P+D).
     # Prompts shorter than `pd_min_prompt_tokens` skip it (prefilled where they decode): their
     # transfer would cost more than it saves (benchmarks/pd.py measures the crossover).
@@ -84,6 +98,11 @@ class ClusterConfig:
     )
 
     @property
+    def cpus(self) -> float:
+        """CPUs each instance's actor reserves."""
+        return 1.0 if self.cpus_per_instance is None else self.cpus_per_instance
+
+    @property
     def disaggregated(self) -> bool:
         return self.prefill_instances > 0
 
@@ -94,7 +113,7 @@ class ClusterConfig:
             raise ValueError(
                 f"--dispatch-policy must be one of {', '.join(DISPATCH_POLICIES)}, got {self.dispatch_policy!r}"
             )
-        if not self.cpus_per_instance > 0:
+        if self.cpus_per_instance is not None and not self.cpus_per_instance > 0:
             raise ValueError(f"cpus per instance must be positive, got {self.cpus_per_instance}")
         unknown = set(self.migration_triggers) - set(MIGRATION_TRIGGERS)
         if unknown:

@@ -69,7 +69,7 @@ class InstanceGroup:
         from ray.util.placement_group import placement_group
 
         self.config = config
-        bundles = [{"CPU": config.cpus_per_instance} for _ in range(config.num_instances)]
+        bundles = [{"CPU": config.cpus} for _ in range(config.num_instances)]
         self.pg = placement_group(bundles, strategy="SPREAD")
         self.actor_class = _actor_class()
 
@@ -81,7 +81,7 @@ class InstanceGroup:
         )
         if not ready:
             raise RuntimeError(
-                f"Ray could not reserve {self.config.num_instances} x {self.config.cpus_per_instance} CPUs "
+                f"Ray could not reserve {self.config.num_instances} x {self.config.cpus} CPUs "
                 f"within {timeout:.0f}s (see `ray status`)"
             )
 
@@ -117,7 +117,7 @@ class RayConnection(EngineConnection):
             placement_group=self.group.pg, placement_group_bundle_index=self.index
         )
         self.actor = self.group.actor_class.options(
-            num_cpus=self.group.config.cpus_per_instance,
+            num_cpus=self.group.config.cpus,
             scheduling_strategy=strategy,
             name=None,
         ).remote()

@@ -71,6 +71,8 @@ def add_config_options(group: argparse._ArgumentGroup, cls: type, section: str) 
         kw: dict[str, Any] = {"dest": name, "default": default, "help": opt.help}
         if kind == "bool":
             kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif opt.parse is not None:
+            kw["type"] = opt.parse
         else:
             kw["type"] = (
                 _json_object if kind.startswith("dict") else {"int": int, "float": float}.get(kind, str)
@@ -86,6 +88,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields the command line set (every field with an `Option` its parser has)."""
     check_vllm_args(args)
     return {name: getattr(args, name) for name, *_ in options(EngineConfig) if hasattr(args, name)}
+
+
+def cluster_kwargs(args: argparse.Namespace, num_threads: int | None) -> dict[str, Any]:
+    """The ClusterConfig fields the command line set; Ray reserves each instance the engine's
+    threads unless --cpus-per-instance says otherwise."""
+    kwargs = {name: getattr(args, name) for name, *_ in options(ClusterConfig) if hasattr(args, name)}
+    if kwargs.get("cpus_per_instance") is None:
+        kwargs["cpus_per_instance"] = float(num_threads or 1)
+    return kwargs
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
@@ -281,24 +292,6 @@ def add_serve_parser(sub: Any) -> None:
     )
     c = srv.add_argument_group("cluster (Ray)")
     add_config_options(c, ClusterConfig, "cluster (Ray)")
-    c.add_argument(
-        "--cpus-per-instance",
-        type=float,
-        default=None,
-        help="CPUs Ray reserves for each instance (default: --num-threads, or 1)",
-    )
-    c.add_argument(
-        "--instance-timeout",
-        type=float,
-        default=60.0,
-        help="seconds without a word from an instance before it is taken for hung (its requests move on)",
-    )
-    c.add_argument(
-        "--migration-triggers",
-        default="",
-        help="comma-separated: imbalance (move requests off the busiest instance), priority (make room "
-        "for waiting high-priority requests); draining an instance (POST /admin/instances/N/drain) always migrates",
-    )
     add_config_options(c, EngineConfig, "cluster (Ray)")
     srv.set_defaults(func=_serve)
 

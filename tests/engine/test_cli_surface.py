@@ -219,3 +219,20 @@ def test_plot_labels_name_the_load():
     assert run_label({"request_rate": 2.0, "max_concurrency": None}) == "2 req/s"
     assert run_label({"request_rate": 2.0, "max_concurrency": 4}, short=True) == "2 req/s, c=4"
     assert "None" not in run_label({"request_rate": None, "max_concurrency": None})
+
+
+def test_cluster_flags_become_the_cluster_config():
+    from tandem.cluster.config import ClusterConfig
+    from tandem.entrypoints.cli import build_parser, cluster_kwargs
+
+    args = build_parser().parse_args(
+        ["serve", "--num-instances", "2", "--migration-triggers", "imbalance, priority", "--instance-timeout", "5"]
+    )
+    cfg = ClusterConfig(**cluster_kwargs(args, num_threads=3))
+    assert cfg.migration_triggers == ("imbalance", "priority")
+    assert cfg.instance_timeout_s == 5.0
+    assert cfg.cpus == 3.0  # the engine's threads when --cpus-per-instance is not given
+    args = build_parser().parse_args(["serve", "--cpus-per-instance", "1.5", "--migration-triggers", "sideways"])
+    with pytest.raises(ValueError, match="sideways"):
+        ClusterConfig(**cluster_kwargs(args, num_threads=3))
+    assert ClusterConfig(**cluster_kwargs(build_parser().parse_args(["serve", "--cpus-per-instance", "1.5"]), 3)).cpus == 1.5

@@ -94,3 +94,29 @@ def test_packages_import_without_cycles():
 def test_the_core_imports_only_plain_modules():
     """The scheduler's package reads the shared data modules, never another package."""
     assert {d for d in package_graph().get("core", set()) if not d.startswith("tandem.")} == set()
+
+
+ENGINE_PROCESS = ("core", "core_proc", "load_report", "step_trace")
+SHARED = ("messages",)
+
+
+def test_the_engine_process_files_do_not_import_the_front_end():
+    """docs/architecture.md maps engine/ by process side; the engine process's files reach only each
+    other and the shared messages, so the map stays true (imports anywhere in the file count)."""
+    import ast
+    from pathlib import Path
+
+    engine = Path(__file__).resolve().parents[2] / "tandem" / "engine"
+    front = {p.stem for p in engine.glob("*.py")} - set(ENGINE_PROCESS) - set(SHARED) - {"__init__", "llm_engine"}
+    assert {"core_client", "processor", "streams"} <= front
+    offenders = []
+    for name in ENGINE_PROCESS:
+        for node in ast.walk(ast.parse((engine / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            offenders += [f"{name}.py imports {m}" for m in mods if m.removeprefix("tandem.engine.") in front]
+    assert not offenders, offenders

@@ -383,6 +383,7 @@ async def drain(server: Any, state: ServerState) -> None:
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
+    from tandem.entrypoints.cli import cluster_kwargs
     from tandem.entrypoints.openai.connections import (
         ConnectionLimits,
         ConnectionTable,
@@ -455,19 +456,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             raise ValueError(
                 "--num-instances > 1 and --ray-address need Ray: pip install 'tandem[cluster]'"
             ) from None
-        cluster = ClusterConfig(
-            num_instances=args.num_instances,
-            ray_address=args.ray_address,
-            dispatch_policy=args.dispatch_policy,
-            cpus_per_instance=args.cpus_per_instance or float(config.num_threads or 1),
-            migration_triggers=tuple(t for t in (args.migration_triggers or "").split(",") if t),
-            migration_mode=args.migration_mode,
-            imbalance_threshold=args.imbalance_threshold,
-            prefill_instances=args.prefill_instances,
-            decode_instances=args.decode_instances,
-            pd_min_prompt_tokens=args.pd_min_prompt_tokens,
-            instance_timeout_s=args.instance_timeout,
-        )
+        cluster = ClusterConfig(**cluster_kwargs(args, config.num_threads))
     app = build_app(state, config, cluster, freeze_gc=True)
     logger.info("HTTP parser: %s", http_implementation())
     uv_config = uvicorn.Config(
