@@ -475,10 +475,9 @@ class ModelRunner:
         if sched.block_copies:
             src = torch.tensor([s for s, _ in sched.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in sched.block_copies], device=self.device)
-            caches = self.kv_caches + (self.drafter.kv_caches if self.drafter else [])
-            caches += heads.kv_caches if heads is not None else []
-            for cache in caches:
-                cache[:, dst] = cache[:, src]
+            for caches in self.block_caches():
+                for cache in caches:
+                    cache[:, dst] = cache[:, src]
         if sched.swap_in:
             self.swap_in(sched.swap_in)
         if sched.is_empty:

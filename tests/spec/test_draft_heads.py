@@ -20,15 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from test_spec_decode import (
-    ENGINE,
     SETTINGS,
     TARGET,
     build_tiny_vocab_model,
     exact_distribution,
     goodness_of_fit,
-    make_prompts,
     sample,
 )
+from test_tree_engine import run
 
 import tandem.worker.head_drafter as head_drafter
 from tandem import LLM, SamplingParams
@@ -36,7 +35,6 @@ from tandem.checkpoints import DEFAULT_MODEL_DIR
 from tandem.config import ModelConfig
 from tandem.model.draft_heads import HeadConfig, build_head, save_head
 from tandem.model.layers import RotaryEmbedding
-from tandem.sampling_params import StructuredOutputsParams
 from tandem.spec.config import SpeculativeConfig
 
 ALPHA = 1e-3
@@ -54,26 +52,6 @@ def make_head(target: Path, method: str, out: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.3)
     save_head(head, out, method, mc, dtype=torch.float32)
     return out
-
-
-def params() -> list[SamplingParams]:
-    out = []
-    for i in range(8):
-        kw: dict = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
-        if i == 1:
-            kw.update(n=2)
-        elif i == 3:
-            kw.update(repetition_penalty=1.3, frequency_penalty=0.2, logprobs=2)
-        elif i == 5:
-            kw.update(structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,30}"))
-        out.append(SamplingParams(**kw))
-    return out
-
-
-def run(model_dir: Path, spec: dict | None, **extra):
-    llm = LLM(str(model_dir), speculative_config=spec, **{**ENGINE, **extra})
-    outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params(), use_tqdm=False)
-    return llm, [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs], outs
 
 
 @pytest.fixture(scope="module")
