@@ -102,12 +102,17 @@ def step_view(path: str, cost_path: str | None) -> dict[str, float]:
 
 
 def real(model: str, trace: str, instances: int, num: int, pin: bool = False,
-         step_trace: str | None = None) -> dict[str, float]:
+         step_trace: str | None = None, request_times: str | None = None, triggers: str = "",
+         imbalance_threshold: float = 0.2) -> dict[str, float]:
+    """One real run of `trace`; its figures. `request_times`: write what the client saw of each
+    request there (JSON: the load generator's `request_times`)."""
     args = ["--num-threads", "1", "--served-model-name", "m", *INSTANCE, "--max-model-len", "2048"]
     if step_trace:
         args += ["--step-trace", step_trace]
     if instances > 1:
         args += ["--num-instances", str(instances), "--dispatch-policy", "least_load"]
+        if triggers:
+            args += ["--migration-triggers", triggers, "--imbalance-threshold", str(imbalance_threshold)]
     with ServerProcess(model, *args, startup_timeout=600) as server:
         engine = server.engine_pid if instances == 1 else None
         if pin and engine is not None:  # the engine alone on CPU 0; front end and load generator on 1
@@ -120,8 +125,10 @@ def real(model: str, trace: str, instances: int, num: int, pin: bool = False,
         add_serve_bench_args(p)
         argv = ["--base-url", server.url, "--model", "m", "--tokenizer", model, "--dataset", "trace"]
         argv += ["--dataset-path", trace, "--num-prompts", str(num), "--ignore-eos", "--disable-tqdm"]
-        bench = p.parse_args([*argv, "--num-warmups", "0"])
+        bench = p.parse_args([*argv, "--num-warmups", "0", *(["--request-times"] if request_times else [])])
         run = run_bench(bench)["runs"][0]
+        if request_times:
+            Path(request_times).write_text(json.dumps(run.pop("request_times")))
         cpu = {f"{k}_cpu_s": process_cpu_seconds(pid) - cpu0[k] for k, pid in
                (("api", server.proc.pid), ("client", os.getpid()), ("engine", engine)) if pid}
         view = engine_view(server.metrics())
@@ -139,6 +146,8 @@ def engine_view(m: dict[str, float]) -> dict[str, float]:
     out = {
         "engine_steps": m.get("tandem:engine_steps_total", float("nan")),
         "engine_busy_s": m.get("tandem:engine_step_seconds_total", float("nan")),
+        "migrations": sum(v for k, v in m.items()
+                          if k.startswith("tandem:migrations_total{") and 'outcome="completed"' in k),
     }
     for key, name in (("ttft_server_mean", "time_to_first_token"), ("queue_mean", "request_queue_time"),
                       ("prefill_mean", "request_prefill_time")):
@@ -147,20 +156,15 @@ def engine_view(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def simulated(
-    trace: str, instances: int, cost: str | None, step_trace: str | None = None, replay: str | None = None
-) -> dict[str, float]:
+def simulated(trace: str, instances: int, cost: str | None, step_trace: str | None = None) -> dict[str, float]:
     """The trace through `tandem simulate` with the real run's settings; the instances share one host,
-    as the real ones share this machine. `replay`: a real run's step trace, whose recorded step
-    durations time the simulated steps (they ran beside the other engines already: no host sharing)."""
+    as the real ones share this machine."""
     from tandem.entrypoints.cli import build_parser
     from tandem.sim.cli import build, write_step_trace
     from tandem.sim.report import summary
 
     argv = ["simulate", "--trace", trace, "--instances", str(instances), "--policy", "least_load"]
-    argv += ["--instances-per-host", "1" if replay else str(instances)]
-    if replay:
-        argv += ["--replay-steps", replay]
+    argv += ["--instances-per-host", str(instances)]
     argv += ["--num-kv-blocks", "2048", "--block-size", "16", "--max-num-seqs", "32"]
     argv += ["--max-num-batched-tokens", "512", "--max-model-len", "2048", "--vocab-size", "4096"]
     if cost:
@@ -172,24 +176,90 @@ def simulated(
     if step_trace:
         write_step_trace(sim, step_trace)
     busy = sum(f * result.duration_s for f in result.busy_fraction)
-    out = {**figures(summary(result)), "engine_steps": result.steps, "engine_busy_s": busy}
-    if replay:  # how many simulated steps had another shape than the recorded ones (0: the same schedule)
-        replayed = [inst.cost.steps for inst in sim.instances]
-        out["replay_diverged_steps"] = sum(s.diverged for s in replayed)
-        out["replay_unrecorded_steps"] = sum(s.extra for s in replayed)
-    return out
+    return {**figures(summary(result)), "engine_steps": result.steps, "engine_busy_s": busy}
 
 
-def replayed(trace: str, instances: int, cost: str | None, real_steps: list[str],
-             runs: list[dict[str, float]]) -> list[dict[str, Any]]:
-    """Replay fidelity: each real run simulated with its own recorded step durations (and the cost
-    model's front-end times), against that run's figures."""
+def replayed(
+    trace: str, instances: int, cost: str | None, real_steps: list[str], triggers: str = "",
+    imbalance_threshold: float = 0.2,
+) -> list[dict[str, Any]]:
+    """Replay fidelity: each real run replayed from its own records (its steps' durations, the
+    loop's gaps, each request's way to its engine, when the front end placed and released each
+    request, and its moves as recorded: tandem/sim/replay_run.py), request by request
+    against that run. Engine side: each request's TTFT (the API process taking it in to the end
+    of its first token's step) and mean ITL. Client side: what the client saw, with the replay's
+    difference from the run's engine side added (the client's legs are the run's own)."""
+    from tandem.cluster.config import ClusterConfig
+    from tandem.engine.step_trace import front_end_events, move_lines, read_step_trace
+    from tandem.sim.cli import DEFAULT_COST
+    from tandem.sim.cost import load_cost
+    from tandem.sim.instance import InstanceSpec
+    from tandem.sim.replay_run import replay_served_run
+    from tandem.sim.trace import load_trace
+
+    spec = InstanceSpec(2048, 16, 32, 512, 2048)
+    cluster = ClusterConfig(
+        num_instances=instances,
+        dispatch_policy="least_load",
+        migration_triggers=tuple(t for t in triggers.split(",") if t),
+        imbalance_threshold=imbalance_threshold,
+    )
+    base = load_cost(cost or str(DEFAULT_COST))
     out = []
-    for steps, run in zip(real_steps, runs):
-        sim = simulated(trace, instances, cost, replay=steps)
-        err = {k: (sim[k] - run[k]) / run[k] if run.get(k) else float("nan") for k in METRIC_KEYS}
-        out.append({"simulated": sim, "error": err})
+    for steps in real_steps:
+        report = replay_served_run(
+            load_trace(trace), read_step_trace(steps), spec, cluster, base, 4096, front_end_events(steps),
+            move_lines(steps),
+        )
+        row: dict[str, Any] = {"engine_side": report.summary(), "replay_migrations": report.result.migrations}
+        client_path = Path(steps).with_suffix(".requests.json")
+        if client_path.exists():
+            row["client_side"] = client_side(report, json.loads(client_path.read_text()))
+        row["first_divergence"] = [None if d is None else [d[0], str(d[1]), str(d[2])]
+                                   for d in report.first_divergence]
+        # The first act of a move the replay did otherwise than the run (kind, step, blocks).
+        row["first_act_apart"] = next(
+            ([d.move, d.kind, d.step, d.blocks, d.recorded.kind, d.recorded.step, d.recorded.blocks]
+             for d in report.acts if not d.alike), None)
+        out.append(row)
     return out
+
+
+def client_side(report: Any, client: list[dict[str, Any]]) -> dict[str, float]:
+    """The client's per-request TTFT and mean ITL (first to last content chunk over the tokens
+    between), against the same with the replay's engine-side difference from the run added."""
+    seen = {c["id"] + "-0": c for c in client if c["id"] and c["chunk_times"]}
+    ttft, itl, ttft_real, ttft_rep, itl_real, itl_rep = [], [], [], [], [], []
+    for r in report.requests:
+        c = seen.get(r.request_id)
+        if c is None:
+            continue
+        t = c["chunk_times"][0]
+        t_rep = t + (r.ttft_replay - r.ttft)
+        ttft.append(abs(t_rep - t) / t)
+        ttft_real.append(t)
+        ttft_rep.append(t_rep)
+        n = c["output_tokens"]
+        if n > 1 and r.itl is not None and r.itl_replay is not None:
+            i = (c["chunk_times"][-1] - t) / (n - 1)
+            i_rep = i + (r.itl_replay - r.itl)
+            if i > 0:
+                itl.append(abs(i_rep - i) / i)
+                itl_real.append(i)
+                itl_rep.append(i_rep)
+
+    def p99(xs: list[float]) -> float:
+        return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+
+    return {
+        "requests": len(ttft),
+        "ttft_error_mean": sum(ttft) / len(ttft) if ttft else float("nan"),
+        "ttft_error_p99": p99(ttft),
+        "itl_error_mean": sum(itl) / len(itl) if itl else float("nan"),
+        "itl_error_p99": p99(itl),
+        "ttft_mean_error": (sum(ttft_rep) - sum(ttft_real)) / sum(ttft_real) if ttft_real else float("nan"),
+        "itl_mean_error": (sum(itl_rep) - sum(itl_real)) / sum(itl_real) if itl_real else float("nan"),
+    }
 
 
 def in_sample(trace: str, instances: int, real_steps: list[str], cost: str | None, tmp: str) -> dict[str, float]:
@@ -278,7 +348,8 @@ def fit_calibration(
 
 
 def compare(n: int, rate: float, path: str, real_steps: list[str], runs: list[dict[str, float]],
-            cost: str | None, keep: Path, tmp: str, replay: bool = False) -> dict[str, Any]:
+            cost: str | None, keep: Path, tmp: str, replay: bool = False, triggers: str = "",
+            imbalance_threshold: float = 0.2) -> dict[str, Any]:
     """One row: the level's real runs against its simulation (and the in-sample one), printed; the
     row's JSON."""
     print(f"\n== {n} instance(s), {rate * n:g} req/s", flush=True)
@@ -292,7 +363,7 @@ def compare(n: int, rate: float, path: str, real_steps: list[str], runs: list[di
     steps = {"real": step_view(real_steps[0], cost), "simulated": step_view(sim_steps, cost)}
     own = in_sample(path, n, real_steps, cost, tmp)
     own_err = {k: (own[k] - got[k]) / got[k] if got.get(k) else float("nan") for k in METRIC_KEYS}
-    replays = replayed(path, n, cost, real_steps, runs) if replay else []
+    replays = replayed(path, n, cost, real_steps, triggers, imbalance_threshold) if replay else []
     for key, title in METRICS:
         print(f"  {title:<14} real {got[key]:9.1f} (runs within {spread.get(key, 0):5.1%})  sim {sim[key]:9.1f}"
               f"  error {err[key]:+7.1%}", flush=True)
@@ -305,10 +376,20 @@ def compare(n: int, rate: float, path: str, real_steps: list[str], runs: list[di
     print("  in-sample (cost fitted on this run's own steps): "
           + ", ".join(f"{title} {own_err[key]:+.1%}" for key, title in METRICS), flush=True)
     for i, rp in enumerate(replays):
-        print(f"  replay of run {i + 1} (its own step durations): "
-              + ", ".join(f"{title} {rp['error'][key]:+.1%}" for key, title in METRICS)
-              + f"; steps of another shape {rp['simulated']['replay_diverged_steps']},"
-              f" unrecorded {rp['simulated']['replay_unrecorded_steps']}", flush=True)
+        e = rp["engine_side"]
+        print(f"  replay of run {i + 1} (its own records), per request |error| mean / P99: TTFT "
+              f"{e['ttft_error_mean']:.2%} / {e['ttft_error_p99']:.2%}, ITL {e['itl_error_mean']:.2%} /"
+              f" {e['itl_error_p99']:.2%}; mean TTFT {e['ttft_mean_error']:+.2%}, mean ITL {e['itl_mean_error']:+.2%};"
+              f" {e['requests_within_2pct']} of {e['requests']} requests within 2%; steps of another shape"
+              f" {e['steps_of_another_shape']} of {e['steps']}, unrecorded {e['unrecorded_steps']},"
+              f" placed elsewhere {e['placed_elsewhere']}; moves real {runs[i].get('migrations', 0):.0f},"
+              f" replayed {rp['replay_migrations']}; move acts alike {e['move_acts_alike']} of {e['move_acts']}"
+              f" (stages {e['stages_run']} / {e['stages_replay']}, pauses {e['pauses_run']} /"
+              f" {e['pauses_replay']})", flush=True)
+        if "client_side" in rp:
+            c = rp["client_side"]
+            print(f"    client side: TTFT {c['ttft_error_mean']:.2%} / {c['ttft_error_p99']:.2%}, ITL "
+                  f"{c['itl_error_mean']:.2%} / {c['itl_error_p99']:.2%} over {c['requests']} requests", flush=True)
     rs, ss = steps["real"], steps["simulated"]
     if rs and ss:
         print(f"  steps real / sim: {rs['trace_steps']} / {ss['trace_steps']}, tokens per step "
@@ -342,9 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--replay",
         action="store_true",
-        help="also simulate each real run with its own recorded step durations (replay fidelity: "
-        "tandem/sim/replay.py) and compare it with that run",
+        help="also replay each real run from its own records (step durations, loop gaps, each request's "
+        "way to its engine: tandem/sim/replay_run.py) and compare it with that run request by request",
     )
+    p.add_argument(
+        "--migration-triggers",
+        default="",
+        help="several instances: the server's --migration-triggers (imbalance, priority) for the real "
+        "runs, and the replay's (the simulated ones stay without)",
+    )
+    p.add_argument("--imbalance-threshold", type=float, default=0.2, help="with --migration-triggers imbalance")
     p.add_argument(
         "--alone-cost",
         default=None,
@@ -400,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
                 real_steps = [str(keep / f"real-{n}-{rate:g}-{r}.jsonl") for r in range(a.repeats)]
                 for old in real_steps:
                     Path(old).unlink(missing_ok=True)
-                runs = [real(model, path, n, a.num_requests, a.pin, steps) for steps in real_steps]
+                runs = [real(model, path, n, a.num_requests, a.pin, steps,
+                             str(Path(steps).with_suffix(".requests.json")) if a.replay else None,
+                             a.migration_triggers if n > 1 else "", a.imbalance_threshold)
+                        for steps in real_steps]
                 served.append((rate, path, real_steps, runs))
             for r in range(len(calibration_steps), a.calibration_rounds if a.calibrate else 0):
                 calibration_steps.append(serve_calibration(model, a, n, tmp, r))
@@ -412,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             keys = ("name", "coefficients", "fit_error", *SERVING_FIELDS, "meta")
             costs_used[n] = {k: cost_used[k] for k in keys if k in cost_used}
             for rate, path, real_steps, runs in served:
-                rows.append(compare(n, rate, path, real_steps, runs, a.cost, keep, tmp, a.replay))
+                rows.append(compare(n, rate, path, real_steps, runs, a.cost, keep, tmp, a.replay,
+                                    a.migration_triggers if n > 1 else "", a.imbalance_threshold))
     results = {
         "command_line": shlex.join(["python", *sys.argv]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},

@@ -4,15 +4,22 @@ Workloads: `code` (windows of held-out Python stdlib files, where drafts are
 often right), `agentic` (turns of an agent over one file: outputs repeat from turn to turn), `repeat` (a held-out code snippet followed by its own first
 quarter again, so continuing it means copying, as in a code edit that
 reproduces most of its input: the repetitive case prompt lookup is for) and
-`random` (random token prompts, where drafts rarely are right). For
+`random` (random token prompts, where drafts rarely are right), and for an instruct model `chat`
+(user messages of tandem/loadgen/chat_prompts.py's test split through the chat template, answers
+ending at EOS, so not `ignore_eos`). For
 each concurrency c, `--requests-per-level` requests run through one `generate`
 call with `max_num_seqs=c`, greedy, a seeded spread of output lengths (the same for every method)
 (`ignore_eos`). Methods: no speculation, n-gram lookup (the engine's default
 window, 1-4 tokens), suffix speculation (a tree, or `suffix-chain`) and the draft model, with the
 adaptive controller (the default) and, for reference, a fixed `k`.
-Model: the embedded default model and its draft unless `--model/--draft`.
+Model: the embedded default model and its draft unless `--model/--draft`; `--model
+smollm2-135m-instruct` is the pulled real model, its EAGLE/Medusa heads the recipe's (`tandem
+train-draft --model smollm2-135m-instruct ...`, written beside the model in the model cache, where
+the engine finds them; `--eagle/--medusa DIR` for others).
 
     python benchmarks/spec_decode.py --result-json benchmarks/results/spec_decode.json
+    python benchmarks/spec_decode.py --model smollm2-135m-instruct --workloads chat code \
+        --methods off ngram suffix eagle --concurrency 1 4 16 32
 """
 
 from __future__ import annotations
@@ -72,6 +79,13 @@ def agentic_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list
     return [head + file for head in heads]
 
 
+def chat_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
+    """Instructions of the chat set's test split (no template or subject the heads trained on)."""
+    from tandem.loadgen.chat_prompts import chat_messages, chat_prompt_ids
+
+    return chat_prompt_ids(tokenizer, chat_messages(n, seed, "test"))
+
+
 def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
@@ -98,6 +112,7 @@ def run_methods(
     specs: dict[str, dict | None],
     threads: int | None,
     slice_s: float,
+    ignore_eos: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """All methods' engines at once, each stepped for `slice_s` of wall time in turn (`math.inf`: each
     to the end, one after another); each method's rate is its tokens over the time its own steps took.
@@ -119,7 +134,7 @@ def run_methods(
         )
         for name, spec in specs.items()
     }
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for n in out_lens]
     busy = dict.fromkeys(llms, 0.0)
     outs: dict[str, dict[str, Any]] = {name: {} for name in llms}
     for llm in llms.values():
@@ -182,9 +197,18 @@ def main() -> None:
         "--workloads",
         nargs="+",
         default=["repeat", "code", "random"],
-        choices=["repeat", "code", "random", "agentic"],
+        choices=["repeat", "code", "random", "agentic", "chat"],
     )
     ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft", "draft-fixed-k"])
+    ap.add_argument(
+        "--eagle", default=None, help="EAGLE head folder (unset: beside the model, as the engine finds it)"
+    )
+    ap.add_argument("--medusa", default=None, help="Medusa heads folder (unset: beside the model)")
+    ap.add_argument(
+        "--head-tokens", type=int, default=8, help="EAGLE/Medusa: tree nodes (num_speculative_tokens)"
+    )
+    ap.add_argument("--tree-topk", type=int, default=4, help="EAGLE/Medusa: children per expanded node")
+    ap.add_argument("--tree-depth", type=int, default=6, help="EAGLE/Medusa: the deepest node")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -203,12 +227,21 @@ def main() -> None:
     args = ap.parse_args()
 
     from tandem.checkpoints import DEFAULT_MODEL_DIR, default_model_path
+    from tandem.checkpoints.resolve import resolve_model
 
     model = args.model or default_model_path()
     draft = args.draft or str(DEFAULT_MODEL_DIR.parent / "default-draft")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model)
+    # A pulled name or a GGUF file reads its tokenizer from the folder prepared from it.
+    tok = AutoTokenizer.from_pretrained(resolve_model(model).path)
+    tree = {
+        "num_speculative_tokens": args.head_tokens,
+        "tree_topk": args.tree_topk,
+        "tree_depth": args.tree_depth,
+    }
+    eagle = {"method": "eagle", **tree} | ({"model": args.eagle} if args.eagle else {})
+    medusa = {"method": "medusa", **tree} | ({"model": args.medusa} if args.medusa else {})
     methods: dict[str, dict | None] = {
         "off": None,
         "ngram": {
@@ -232,10 +265,11 @@ def main() -> None:
             "suffix_decoding_tree": False,
         },
         # The heads shipped for the default model (`--model` elsewhere: `tandem train-draft` first,
-        # the head in the folder beside the model); a tree of 8 nodes, the engine's default.
-        "eagle": {"method": "eagle"},
-        "eagle-fixed": {"method": "eagle", "adaptive": False},
-        "medusa": {"method": "medusa"},
+        # the head in the folder beside the model); by default a tree of 8 nodes, the engine's.
+        "eagle": eagle,
+        "eagle-fixed": eagle | {"adaptive": False},
+        "medusa": medusa,
+        "medusa-fixed": medusa | {"adaptive": False},
         "draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k},
         "draft-fixed-k": {
             "method": "draft_model",
@@ -258,18 +292,22 @@ def main() -> None:
                 prompts = repeat_prompts(tok, n, args.prompt_len, args.seed)
             elif wl == "agentic":
                 prompts = agentic_prompts(tok, n, args.prompt_len, args.seed)
+            elif wl == "chat":
+                prompts = chat_prompts(tok, n, args.seed)
             else:
                 prompts = random_prompts(len(tok), n, args.prompt_len, args.seed)
             out_lens = output_lengths(n, args.output_len, args.output_len_spread, args.seed)
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
             for _ in range(args.repeats):
                 if args.slice > 0:  # all methods take turns within the repeat
-                    got = run_methods(model, prompts, out_lens, conc, methods, args.threads, args.slice)
+                    got = run_methods(
+                        model, prompts, out_lens, conc, methods, args.threads, args.slice, wl != "chat"
+                    )
                 else:  # one after another, so a slow patch of the machine hits all methods
                     got = {}
                     for name, spec in methods.items():
                         got |= run_methods(
-                            model, prompts, out_lens, conc, {name: spec}, args.threads, math.inf
+                            model, prompts, out_lens, conc, {name: spec}, args.threads, math.inf, wl != "chat"
                         )
                 for name in methods:
                     runs[name].append(got[name])
@@ -316,6 +354,7 @@ def main() -> None:
                 "model": repo_relative(model),
                 "draft": repo_relative(draft),
                 "k": args.k,
+                "heads": {"eagle": eagle, "medusa": medusa},
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,
                 "output_len_spread": args.output_len_spread,

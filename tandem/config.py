@@ -563,6 +563,14 @@ class EngineConfig:
     )
     # CUDA only: no CUDA graphs (every decode step runs eagerly, as on a CPU).
     enforce_eager: bool = option(False, "CUDA: no CUDA graphs for decode batches (a CPU never uses them)")
+    # Overlap scheduling (vLLM's name): plan and launch step N+1 before step N's tokens are read back,
+    # so the host's scheduling hides behind the device's forward (docs/gpu.md). None: on for CUDA,
+    # off on a CPU (where the forward runs on the same cores that would schedule).
+    async_scheduling: bool | None = option(
+        None,
+        "overlap scheduling: plan and launch step N+1 while step N runs (unset: on for CUDA, off on "
+        "a CPU); steps that need their tokens on the host first run synchronously (docs/gpu.md)",
+    )
     # Quantization of the linear layers: None (the checkpoint's own, if any), "int8" (a float
     # checkpoint quantized at load, tandem/model/quant.py; on a 4-bit checkpoint, the layers it
     # keeps in float, such as the LM head), or the checkpoint's method named ("awq", "gptq",
@@ -700,6 +708,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a boolean, got {self.enforce_eager!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a boolean or None, got {self.async_scheduling!r}")
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",

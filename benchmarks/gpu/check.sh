@@ -105,6 +105,9 @@ step throughput-qwen3-0.6b 100 "${BENCH[@]}" throughput --model "$MODELS/qwen3-0
     --out "$RESULTS/throughput-qwen3-0.6b.json"
 [ "${CHECK_TESTS:-1}" = 1 ] && step tests-parity-cuda 150 env TANDEM_TEST_DEVICE=cuda "${PYTEST[@]}" \
     tests/gpu/test_gpu_path_on_cpu.py tests/gpu/test_triton_parity.py --junitxml="$RESULTS/tests-parity-cuda.xml"
+# Overlap scheduling on CUDA: outputs against the synchronous loop, one read per collected step.
+[ "${CHECK_TESTS:-1}" = 1 ] && step tests-overlap-cuda 90 env TANDEM_TEST_DEVICE=cuda "${PYTEST[@]}" \
+    tests/gpu/test_overlap_scheduling.py --junitxml="$RESULTS/tests-overlap-cuda.xml"
 step decode-qwen3-0.6b 70 "${BENCH[@]}" decode --model "$MODELS/qwen3-0.6b" ${L[@]+"${L[@]}"} \
     --prompt-len 512 --output-len "$OUTLEN" --max-model-len 4096 --out "$RESULTS/decode-qwen3-0.6b.json"
 step throughput-llama3-8b 150 "${BENCH[@]}" throughput --model "$MODELS/llama3-8b" ${L[@]+"${L[@]}"} \

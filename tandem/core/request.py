@@ -37,6 +37,10 @@ class RequestStatus(enum.IntEnum):
 # token to choose at its next position: it ends there, finish_reason "stop".
 NO_ALLOWED_TOKEN = "no_allowed_token"
 
+# Overlap scheduling: the value in `Request.token_ids` of an output token sampled on the device but
+# not yet read back to the host (the runner feeds the real one from the device; never a vocabulary id).
+PLACEHOLDER = -1
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -89,6 +93,9 @@ class Request:
     # With `sampling.prompt_logprobs`: the index of the next prompt token whose logprob is owed
     # (the first token has none). Survives preemption, so a recomputed prompt emits nothing twice.
     prompt_logprobs_next: int = 1
+    # Overlap scheduling: output tokens at the end of `token_ids` that are still PLACEHOLDER (0 or 1:
+    # the step that sampled it has been launched, not collected; `Scheduler.advance` / `resolve`).
+    num_placeholders: int = 0
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

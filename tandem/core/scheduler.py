@@ -61,7 +61,7 @@ from tandem.core.policy import (
     order_waiting,
 )
 from tandem.core.preemption import RECOMPUTE, PreemptionCost
-from tandem.core.request import NO_ALLOWED_TOKEN, Request, RequestStatus
+from tandem.core.request import NO_ALLOWED_TOKEN, PLACEHOLDER, Request, RequestStatus
 from tandem.core.stats import EngineCounters
 from tandem.core.step_io import RunnerOutput, SchedulerOutput, SpecPlan
 
@@ -245,6 +245,9 @@ class Scheduler:
         stalled = False
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_placeholders and self._ends_by_length(req):
+                i += 1  # its token in flight ends it whatever its value: no step to waste on it
+                continue
             owed = req.num_tokens - req.num_computed_tokens
             k = min(drafts.get(req.request_id, 0), budget - owed) if owed < budget else 0
             n = min(owed, budget) + k
@@ -553,6 +556,51 @@ class Scheduler:
                 self.kv.cache_computed(req)
         return changed
 
+    # -- overlap scheduling (tandem/core/overlap.py) ----------------------------
+
+    def advance(self, sched: SchedulerOutput) -> list[Request]:
+        """A step was launched and its tokens are not on the host yet: count its tokens computed now,
+        so the next step can be planned, and give each request that samples a PLACEHOLDER token (the
+        runner feeds the real one to the next step from the device). Requests that ended since the
+        step was planned are left alone: what the step computed for them is dropped. Returns the
+        requests given a placeholder, for `resolve`. Drafts, forks and prompt logprobs never come
+        here (`sync_reason`)."""
+        placed: list[Request] = []
+        for req, n in zip(sched.requests, sched.num_tokens):
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(PLACEHOLDER)
+                req.num_placeholders += 1
+                placed.append(req)
+        return placed
+
+    def resolve(self, placed: list[Request], result: RunnerOutput) -> list[Request]:
+        """The launched step's tokens are on the host: each placeholder `advance` gave becomes its
+        token, and the stop checks run on it (one step late: the request may be in the step launched
+        since, whose token for it `advance` then drops). A request that ended meanwhile (aborted, a
+        stop string) gets nothing. Returns the requests with a new token."""
+        now = self.clock()
+        changed: list[Request] = []
+        for req in placed:
+            if req.is_finished or not req.num_placeholders:
+                continue
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                raise RuntimeError(f"no sampled token for request {req.request_id} in a collected step")
+            req.token_ids.pop()
+            req.num_placeholders -= 1
+            self._append(req, token, now)
+            changed.append(req)
+        for req in placed:
+            if not req.is_finished and req.status == RequestStatus.RUNNING:
+                self.kv.cache_computed(req)
+        return changed
+
+    def _ends_by_length(self, req: Request) -> bool:
+        return req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
+
     def _fork(self, leader: Request, result: RunnerOutput) -> list[Request]:
         children = leader.pending_children
         leader.pending_children = []
@@ -612,6 +660,10 @@ class Scheduler:
     ) -> None:
         if not already_removed and req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif not already_removed and req in self.waiting:
+            # Overlap scheduling: a victim preempted while its last token was in flight ends when
+            # that token arrives (`resolve`).
+            self.waiting.remove(req)
         req.status = status
         req.stop_reason = reason
         req.finished_time = self.clock()

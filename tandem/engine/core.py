@@ -27,6 +27,7 @@ from tandem.config import (
 from tandem.core.engine_io import EngineCoreRequest, SampleOutput, sample_request
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.limits import EngineLimits
+from tandem.core.overlap import FAULT, sync_reason, without_finished
 from tandem.core.policy import SchedulingConfig, parse_tenant_quotas
 from tandem.core.preemption import PreemptionCost, model_flops
 from tandem.core.request import Request, RequestStatus
@@ -51,6 +52,18 @@ GRAMMAR_WAIT_S = 0.05
 MAX_FAULTED_STEPS = 8
 
 logger = logging.getLogger("tandem.engine")
+
+
+@dataclasses.dataclass(slots=True)
+class InFlight:
+    """A step launched ahead of the host (overlap scheduling), collected by the next step() call."""
+
+    sched: SchedulerOutput
+    handle: Any  # tandem.worker.step_handle.StepHandle (the engine core imports no torch-side type)
+    placed: list[Request]  # the requests `Scheduler.advance` gave a placeholder
+    # perf_counter and monotonic clocks its seconds run from (set to the collecting call's start).
+    start: float
+    began: float
 
 
 def scheduling_config(config: EngineConfig) -> SchedulingConfig:
@@ -254,6 +267,15 @@ class EngineCore:
         # it is ready, so a slow compile never holds up a step.
         self._awaiting_grammar: dict[str, tuple[EngineCoreRequest, Future[Any]]] = {}
         self.step_trace = StepTrace(config.step_trace) if config.step_trace else None
+        # Overlap scheduling (tandem/core/overlap.py): the step launched and not yet collected;
+        # outputs of one collected outside step() (before a move reads its request), for the next.
+        # Speculation plans from the tokens on the host every step: it keeps the synchronous loop.
+        self.overlap = self.plan.async_scheduling and self.spec is None
+        self._in_flight: InFlight | None = None
+        self._held: list[SampleOutput] = []
+        # Steps run synchronously in overlap mode, by reason (`sync_reason`); steps launched ahead.
+        self.overlap_sync_steps: dict[str, int] = {}
+        self.overlap_steps = 0
 
     def _seed_costs(self, spec: SpecPlanner, config: EngineConfig, k: int, adaptive: AdaptiveConfig) -> None:
         """Time verification steps and draft passes of one request and of a full batch now, so the
@@ -288,6 +310,8 @@ class EngineCore:
         resumed = req.resumed_outputs
         if resumed is not None and len(resumed) != params.n:
             raise ValueError(f"resumed_outputs has {len(resumed)} entries for n={params.n} samples")
+        if self.step_trace is not None:
+            self.step_trace.added(req.request_id, time.monotonic(), req.arrival_time)
         if params.structured_outputs is not None:
             pending = self.structured.prepare(req.request_id, params.structured_outputs)
             if pending is not None:
@@ -324,6 +348,8 @@ class EngineCore:
 
     def samples(self, request_id: str) -> list[Request | None] | None:
         """A user request's samples as the scheduler holds them (None: one that has ended), or None."""
+        if self._in_flight is not None:
+            self._collect_in_flight()  # a move reads their tokens: none may be a placeholder
         ids = self._groups.get(request_id)
         if ids is None:
             return None
@@ -421,7 +447,12 @@ class EngineCore:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._awaiting_grammar)
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._awaiting_grammar)
+            or self._in_flight is not None
+            or bool(self._held)
+        )
 
     def _admit_compiled(self) -> list[SampleOutput]:
         """Admit the requests whose grammar has compiled; fail those whose grammar did not."""
@@ -449,25 +480,76 @@ class EngineCore:
 
     def step(self) -> list[SampleOutput]:
         refused = self._admit_compiled() if self._awaiting_grammar else []
-        out = self._step()
+        out = self._step_overlapped() if self.overlap else self._step()
         return refused + out if refused else out
 
-    def _step(self) -> list[SampleOutput]:
+    def _step_overlapped(self) -> list[SampleOutput]:
+        """Plan and launch step N+1, then collect step N (in flight since the last call): the
+        host's planning runs while the device computes N. A step `sync_reason` names runs the
+        synchronous way, after N is collected."""
+        start = time.perf_counter()
+        began = time.monotonic() if self.step_trace is not None else 0.0
+        sched = self.scheduler.schedule()
+        prev, self._in_flight = self._in_flight, None
+        out, self._held = self._held, []
+        reason = sync_reason(sched)
+        if reason is None:
+            try:
+                handle = self.runner.launch(sched, None if prev is None else prev.handle)
+            except Exception:
+                reason = FAULT  # collected below, then run (and bisected) the synchronous way
+        if prev is not None:
+            # Timed from this call's start: the loop's period, so the steps' seconds add up to the
+            # run's (timed from its own launch, each step would also count the one after it).
+            prev.start, prev.began = start, began
+        if reason is not None:
+            self.overlap_sync_steps[reason] = self.overlap_sync_steps.get(reason, 0) + 1
+            if prev is not None:
+                out += self._step(in_flight=prev)
+                sched = without_finished(sched)
+            return out + self._step(sched)
+        self.overlap_steps += 1
+        self.structured.forget(sched.finished_ids)
+        if prev is not None:
+            out += self._step(in_flight=prev)
+        self._in_flight = InFlight(sched, handle, self.scheduler.advance(sched), start, began)
+        return out
+
+    def _collect_in_flight(self) -> None:
+        """Collect the step in flight now (its outputs go out with the next step's): before a move
+        reads a request's tokens or pauses it."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            self._held += self._step(in_flight=prev)
+
+    def _step(self, planned: SchedulerOutput | None = None, in_flight: InFlight | None = None) -> list[SampleOutput]:
+        """One synchronous step (of `planned`, or of a plan made now), or the collection of a step
+        launched ahead (`in_flight`)."""
         start = time.perf_counter()
         tracing = self.step_trace is not None
         began = time.monotonic() if tracing else 0.0  # the trace's clock: comparable across processes
-        sched = self.scheduler.schedule()
+        if in_flight is not None:
+            sched, start, began = in_flight.sched, in_flight.start, in_flight.began
+        else:
+            sched = self.scheduler.schedule() if planned is None else planned
         shape = shape_of(sched) if tracing else None
         self.structured.forget(sched.finished_ids)
-        before = {r.request_id: r.num_tokens for r in sched.requests}
-        try:
-            result = self.runner.execute(sched)
-        except Exception as exc:
-            return self._isolate_fault(sched, exc)
+        if in_flight is not None:
+            before = {r.request_id: r.num_tokens - r.num_placeholders for r in in_flight.placed}
+            result = self.runner.collect(in_flight.handle)
+        else:
+            before = {r.request_id: r.num_tokens for r in sched.requests}
+            try:
+                result = self.runner.execute(sched)
+            except Exception as exc:
+                return self._isolate_fault(sched, exc)
         self._faulted_steps = 0
         if sched.is_empty:
             return []
-        changed = self.scheduler.update(sched, result)
+        if in_flight is not None:
+            changed = self.scheduler.resolve(in_flight.placed, result)
+        else:
+            changed = self.scheduler.update(sched, result)
         if result.prompt_logprobs:
             # Prompt chunks that sampled nothing still hand their prompt logprobs out now.
             listed = {id(r) for r in changed}
@@ -491,7 +573,17 @@ class EngineCore:
                 r.arrival_time for r in sched.requests
                 if r.first_scheduled_time is not None and r.first_scheduled_time >= began
             ]
-            self.step_trace.record(began, elapsed, shape, self.scheduler.num_waiting, arrivals)
+            # One entry per user request (its first sample): what a replay sets its own against.
+            leaders = [r for r in changed if r.sample_index == 0]
+            first = [
+                r.group_id for r in leaders
+                if 0 < r.num_output_tokens == r.num_tokens - before.get(r.request_id, r.num_prompt_tokens)
+            ]
+            done = [(r.group_id, r.num_output_tokens) for r in leaders if r.is_finished]
+            # Timed on the trace's own clock from `began`: `start` is read apart from it, and a
+            # process descheduled between the two reads would end this step after the next began.
+            seconds = time.monotonic() - began
+            self.step_trace.record(began, seconds, shape, self.scheduler.num_waiting, arrivals, first, done)
         generated = sum(len(so.new_token_ids) for so in out)
         self._count_step(sched, result, generated, elapsed)
         if self.spec is not None:
@@ -565,6 +657,7 @@ class EngineCore:
     # -- the KV plane's host (tandem.kvtransfer.host.KVHost) -----------------------
 
     def pause(self, req: Request) -> None:
+        self._collect_in_flight()
         self.scheduler.pause(req)
 
     def unpause(self, req: Request) -> None:

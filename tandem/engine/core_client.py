@@ -29,6 +29,7 @@ from tandem.core.engine_io import EngineCoreRequest, SampleOutput
 from tandem.core.limits import EngineLimits
 from tandem.engine import messages as m
 from tandem.engine.connection import EngineConnection, EngineDeadError, ProcessConnection
+from tandem.engine.front_trace import FrontEndTrace
 from tandem.engine.instances import Instances
 from tandem.engine.moves import Moves
 from tandem.engine.placement import Disaggregation, DispatchHook
@@ -88,6 +89,9 @@ class AsyncEngineClient:
         self.tokenizer: Tokenizer | None = None
         self.inputs: InputProcessor | None = None
         self.outputs: OutputProcessor | None = None
+        # The front end's share of a step trace: when each request was placed and released.
+        traced = None if config is None else config.step_trace
+        self.front_trace = FrontEndTrace(traced) if traced else None
 
     @property
     def _outputs(self) -> OutputProcessor:
@@ -216,6 +220,8 @@ class AsyncEngineClient:
         handoff = None
         if instance is None:
             instance, handoff = self.router.place(req)
+            if self.front_trace is not None:
+                self.front_trace.event("placed", req.request_id, time.monotonic())
         if instance not in self.instances.live:
             raise EngineDeadError(f"engine instance {instance} is not running")
         if req.request_id in self.streams:
@@ -257,6 +263,8 @@ class AsyncEngineClient:
     def _unroute(self, request_id: str) -> int | None:
         """Forget where a request runs (it ended); returns the instance it ran on."""
         instance, move = self.router.forget(request_id)
+        if self.front_trace is not None:
+            self.front_trace.event("released", request_id, time.monotonic())
         self.migrations.ended(request_id, move)
         return instance
 
@@ -292,6 +300,8 @@ class AsyncEngineClient:
             table = self.router.table
             self.deliver(instance, [so for so in msg.outputs if table.sort(instance, so)])
         elif isinstance(msg, m.Migrated):
+            if self.front_trace is not None:
+                self.front_trace.move("landed", msg.request_id, time.monotonic(), outcome=msg.outcome.value)
             self.migrations.outcome(instance, msg)
         elif isinstance(msg, m.TransferDropped):
             self.migrations.dropped(instance, msg)
@@ -353,6 +363,8 @@ class AsyncEngineClient:
             self.migrations.start(request_id, source, instance)
         except (EngineDeadError, ValueError):
             return False
+        if self.front_trace is not None:
+            self.front_trace.move("decided", request_id, time.monotonic(), source=source, destination=instance)
         return True
 
     def migrate_by_recompute(self, request_id: str, instance: int) -> bool:

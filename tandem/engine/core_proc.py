@@ -127,7 +127,8 @@ class EngineLoop:
         gc.collect()
         gc.freeze()
         if kv_bind is not None:
-            self.kv = KVPlane.open(core, config, kv_bind, self._send)  # core is its KVHost
+            log = None if core.step_trace is None else core.step_trace.move
+            self.kv = KVPlane.open(core, config, kv_bind, self._send, log=log)  # core is its KVHost
             self.poller.register(self.kv.socket, zmq.POLLIN)
         kv_address = None if self.kv is None else self.kv.address
         self._send(m.Ready(os.getpid(), self.core.limits, self.core.kv.cache is not None, kv_address))

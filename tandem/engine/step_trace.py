@@ -5,12 +5,29 @@ engine's steps against a step-time model and the simulator's steps (benchmarks/s
 Enabled by `EngineConfig.step_trace` (`--step-trace FILE`). Several engine processes may append to
 one file: each line names its process. Lines are written as steps end (line-buffered), so a trace
 is complete up to the last step even if the engine is killed.
+
+A line also carries what a replay of the run needs (tandem/sim/replay_run.py), only where it
+happened: `added`, the requests this engine took in since its previous step, each as [request id,
+when the engine took it in, when the API process did]; `first`, the requests whose first token
+this step made; `done`, each request that finished in this step as [request id, its output
+tokens]. A token leaves the engine at its step's end (`start + seconds`). The API process adds
+its own lines to the same file (`engine/front_trace.py`): when it placed each request on an instance and
+when it released it from the dispatcher's count (it saw the request end), the two moments the
+dispatcher's view changes; `read_step_trace` leaves them out, `front_end_events` reads them.
+
+A move adds lines of its own (`move_lines` reads them): the API process's when it decided a move
+("decided": which request, from which instance to which) and when the source's outcome reached it
+("landed"); each engine's when its KV plane acted (`StepTrace.move`: the source began the move,
+took a stage, paused the request and ended the transfer; the destination accepted it and installed
+it), each with `step`, how many steps this engine had recorded then: the plane acts between
+steps, so `step` k places the act after the engine's k-th step and before its next.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -26,28 +43,76 @@ class StepTrace:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1, encoding="utf-8")
         self._pid = os.getpid() if pid is None else pid
+        self._added: list[list[Any]] = []  # taken in since the last recorded step
+        self._steps = 0  # step lines written
+
+    def added(self, request_id: str, at: float, arrival: float) -> None:
+        """The engine took a request in at `at` (time.monotonic()); the API process had at
+        `arrival`. Rounded down, so it never ties with the start of the step that follows."""
+        self._added.append([request_id, math.floor(at * 1e6) / 1e6, round(arrival, 6)])
 
     def record(
-        self, start: float, seconds: float, shape: StepShape, waiting: int, arrivals: list[float] | None = None
+        self,
+        start: float,
+        seconds: float,
+        shape: StepShape,
+        waiting: int,
+        arrivals: list[float] | None = None,
+        first: list[str] | None = None,
+        done: list[tuple[str, int]] | None = None,
     ) -> None:
         """`start`: time.monotonic() as the step began (comparable across processes on a host);
         `arrivals`: when the requests this step schedules for the first time arrived (the API
-        process's time.monotonic())."""
+        process's time.monotonic()); `first`: the requests whose first token this step made;
+        `done`: (request id, output tokens) of those it finished."""
         line: dict[str, Any] = {
             "pid": self._pid, "start": round(start, 6), "seconds": round(seconds, 6), "waiting": waiting, **asdict(shape)
         }
         if arrivals:
             line["arrivals"] = [round(a, 6) for a in arrivals]
+        if self._added:
+            line["added"], self._added = self._added, []
+        if first:
+            line["first"] = first
+        if done:
+            line["done"] = [[rid, n] for rid, n in done]
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._steps += 1
+
+    def move(self, kind: str, request_id: str, at: float, **fields: Any) -> None:
+        """The KV plane acted on a move of `request_id` at `at` (time.monotonic()): `kind` is one of
+        "begin", "stage", "pause", "end" (the source) or "accept", "install" (the destination);
+        `fields` what it moved (blocks, outcome, measured seconds)."""
+        line = {"pid": self._pid, "move": kind, "request": request_id, "at": round(at, 7), "step": self._steps}
+        self._file.write(json.dumps({**line, **fields}, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         self._file.close()
 
 
-def read_step_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The lines of a trace file, in file order."""
+def _lines(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_step_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The step lines of a trace file, in file order."""
+    return [line for line in _lines(path) if "start" in line]
+
+
+def front_end_events(path: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
+    """The API process's lines of a trace file: per kind ("placed", "released"), request id -> when."""
+    events: dict[str, dict[str, float]] = {"placed": {}, "released": {}}
+    for line in _lines(path):
+        for kind, times in events.items():
+            if kind in line:
+                times[line[kind]] = line["at"]
+    return events
+
+
+def move_lines(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The lines of a trace file about moves (the engines' and the API process's), in file order."""
+    return [line for line in _lines(path) if "move" in line]
 
 
 def line_shape(line: dict[str, Any]) -> StepShape:

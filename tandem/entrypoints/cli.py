@@ -70,7 +70,8 @@ def add_config_options(group: argparse._ArgumentGroup, cls: type, section: str) 
         kind = annotation.split("|")[0].strip()
         kw: dict[str, Any] = {"dest": name, "default": default, "help": opt.help}
         if kind == "bool":
-            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+            # On by default, or unset (None: decided later, as async_scheduling): --x and --no-x.
+            kw["action"] = argparse.BooleanOptionalAction if default or default is None else "store_true"
         elif opt.parse is not None:
             kw["type"] = opt.parse
         else:

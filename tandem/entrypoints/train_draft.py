@@ -4,13 +4,16 @@ answers (self-distillation; nothing is downloaded).
 1. **Data.** The target answers a prompt set greedily (Tandem's engine, float32): by default code
    prompts cut from the Python standard library's package sources (`lib/*/*.py`; the code benchmark
    cuts its prompts from the top-level modules, `tandem.loadgen.datasets.code_dataset`, which this
-   set leaves out), or the lines of `--prompts FILE` (plain text, or JSONL with a "prompt" field).
+   set leaves out), the chat set of tandem/loadgen/chat_prompts.py through the model's chat
+   template (`--prompts chat`, or `chat+code` for both), or the lines of `--prompts FILE` (plain
+   text, or JSONL with a "prompt" field).
    Then one plain-torch forward of the target over each prompt + answer records its last hidden
    state (after the final norm: what its LM head reads) at every position.
 2. **Training.** EAGLE: row p is (feature p, token p + 1); the head predicts feature p + 1, with a
    smooth-L1 loss against the target's and a cross-entropy of its logits (through the target's LM
    head) against the target's distribution there; the input features carry uniform noise, as
-   EAGLE's training does, so the head tolerates its own predictions when it drafts deeper. Medusa:
+   EAGLE's training does, so the head tolerates its own predictions when it drafts deeper; with
+   `--unroll D` it also trains D - 1 further depths on its own predicted features. Medusa:
    head k over feature p, cross-entropy against the target's distribution for token p + 1 + k.
    Adam with a linear decay; a tqdm bar shows the loss and the top-1 agreement.
 3. **Checkpoints.** Every `--save-every` steps and at the end: the head folder (config.json,
@@ -33,13 +36,21 @@ if TYPE_CHECKING:
 
 # torch and numpy are imported where used: the CLI builds this command's parser on every start.
 STATE_DIR = ".train"
+# Built-in prompt sets for --prompts: stdlib code, the chat set of tandem/loadgen/chat_prompts.py
+# (through the tokenizer's chat template), or both.
+PROMPT_SETS = ("code", "chat", "chat+code")
+PROMPT_SOURCES = {
+    "code": "python stdlib package sources (lib/*/*.py)",
+    "chat": "tandem/loadgen/chat_prompts.py train split, chat template",
+    "chat+code": "2/3 tandem/loadgen/chat_prompts.py train split (chat template), 1/3 stdlib code",
+}
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     model: str
     method: str
-    out: str
+    out: str | None = None  # unset: beside the target, where the engine looks (head_folder)
     prompts: str | None = None
     steps: int = 600
     resume: bool = False
@@ -54,6 +65,9 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 0
     threads: int | None = None
+    unroll: int = 1  # EAGLE: depths trained on the head's own predictions (1: teacher forcing only)
+    ce_rows: int = 0  # EAGLE: rows per step through the LM head's cross-entropy (0: every row)
+    answer_dtype: str = "float32"  # the answering engine's dtype ("auto": as served, e.g. packed GGUF)
 
     def validate(self) -> None:
         if self.method not in ("eagle", "medusa"):
@@ -72,6 +86,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.seq_len < 3:
             raise ValueError("--seq-len must be at least 3")
+        if self.unroll < 1 or self.unroll > self.seq_len - 2:
+            raise ValueError(f"--unroll must be in [1, seq_len - 2], got {self.unroll}")
+        if self.ce_rows < 0:
+            raise ValueError(f"--ce-rows must be at least 0, got {self.ce_rows}")
 
 
 def code_prompts(tokenizer: Any, n: int, tokens: int, seed: int) -> list[list[int]]:
@@ -116,21 +134,66 @@ def file_prompts(path: str, tokenizer: Any, n: int) -> list[list[int]]:
     return [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts[:n]]
 
 
+def head_folder(model_dir: str, method: str) -> Path:
+    """Where the engine finds a head given no folder (engine/core.py's default_head_path): beside
+    the target's folder, `<target>-<method>`; for a pulled GGUF model, in the model cache beside
+    the folder prepared from its file."""
+    folder = Path(model_dir)
+    return folder.with_name(f"{folder.name}-{method}")
+
+
+def build_prompts(cfg: TrainConfig, tokenizer: Any) -> list[list[int]]:
+    """The prompt set `--prompts` names: a built-in set (PROMPT_SETS) or a file."""
+    source = cfg.prompts or "code"
+    if source not in PROMPT_SETS:
+        return file_prompts(source, tokenizer, cfg.num_prompts)
+    from tandem.loadgen.chat_prompts import chat_messages, chat_prompt_ids
+
+    # "chat+code": two thirds chat (a quarter of it programming requests), a third raw code.
+    n_chat = {"code": 0, "chat": cfg.num_prompts, "chat+code": cfg.num_prompts * 2 // 3}[source]
+    chat = chat_prompt_ids(tokenizer, chat_messages(n_chat, cfg.seed, "train")) if n_chat else []
+    code = code_prompts(tokenizer, cfg.num_prompts - n_chat, cfg.prompt_tokens, cfg.seed)
+    # Interleaved, so the held-out tail (the last sequences) holds both kinds.
+    mixed = chat + code
+    import numpy as np
+
+    order = np.random.default_rng(cfg.seed).permutation(len(mixed))
+    return [mixed[int(i)] for i in order]
+
+
 class _TrainAttention:
-    """Causal attention over [B, L] windows, for training the head's layer (no KV cache)."""
+    """Attention over [B, L] windows, for training the head's layer (no KV cache).
+
+    The d-th call since `past` was cleared is depth d of an unrolled step: row p of depth d stands
+    for a node d - 1 deep in a draft, so it sees what that node sees when drafting: the context's
+    rows up to p - d + 1 (depth 1's, computed from the target's features) and its ancestors, row
+    p - (d - e) of each depth e in 2..d (itself at e = d). Depth 1 alone is plain causal attention.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.shape = (1, 1)
+        self.past: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, q, k, v, kv_cache, batch, layer=None):
+        import torch
         import torch.nn.functional as F
 
         b, n = self.shape
         q = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.reshape(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        self.past.append((k, v))
+        d = len(self.past)
+        if d == 1:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            p = torch.arange(n)[:, None]
+            j = torch.arange(n)[None, :]
+            mask = torch.cat([j <= p - (d - 1)] + [j == p - (d - e) for e in range(2, d + 1)], dim=1)
+            keys = torch.cat([kk for kk, _ in self.past], dim=2)
+            values = torch.cat([vv for _, vv in self.past], dim=2)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return o.transpose(1, 2).reshape(b * n, self.num_heads, self.head_dim)
 
 
@@ -168,12 +231,9 @@ def _record(cfg: TrainConfig, model_dir: str, log: Any) -> dict[str, Any]:
     from tandem.worker.batch import build_batch
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    if cfg.prompts:
-        prompts = file_prompts(cfg.prompts, tok, cfg.num_prompts)
-    else:
-        prompts = code_prompts(tok, cfg.num_prompts, cfg.prompt_tokens, cfg.seed)
+    prompts = build_prompts(cfg, tok)
     log(f"generating the target's answers to {len(prompts)} prompts ...")
-    llm = LLM(model_dir, dtype="float32", num_threads=cfg.threads, enable_prefix_caching=False)
+    llm = LLM(model_dir, dtype=cfg.answer_dtype, num_threads=cfg.threads, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=cfg.answer_tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
@@ -222,7 +282,7 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model_dir = resolve_model(cfg.model).path
-    out = Path(cfg.out)
+    out = Path(cfg.out) if cfg.out else head_folder(model_dir, cfg.method)
     state_dir = out / STATE_DIR
     state_file, data_file = state_dir / "state.pt", state_dir / "data.pt"
     if cfg.resume and not state_file.is_file():
@@ -272,24 +332,48 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
         feats = torch.stack([features[i][o : o + L] for i, o in zip(ids, offsets)]).float()
         return toks, feats
 
-    def losses(toks: torch.Tensor, feats: torch.Tensor, noise: float) -> tuple[torch.Tensor, float]:
+    def losses(
+        toks: torch.Tensor, feats: torch.Tensor, noise: float, ce_rows: int = 0
+    ) -> tuple[torch.Tensor, list[float]]:
+        """The loss and the top-1 agreement with the target per depth (per head for Medusa)."""
         b = toks.shape[0]
-        with torch.no_grad():
-            teacher = torch.log_softmax(plain.compute_logits(feats), dim=-1)
         if cfg.method == "eagle":
-            attn.shape = (b, L - 1)
+            n = L - 1
+            attn.shape, attn.past = (b, n), []
+            # The cross-entropy through the LM head (a vocabulary-wide product per row, forward and
+            # back) costs most of a step on a large vocabulary: with ce_rows it takes that many rows
+            # a step, the same rows at every depth; rows too early for the deepest depth are out.
+            valid = torch.arange(cfg.unroll - 1, n)
+            rows = torch.stack([valid + i * n for i in range(b)]).reshape(-1)
+            if ce_rows and ce_rows < len(rows):
+                rows = rows[torch.randperm(len(rows), generator=gen)[:ce_rows]]
+            target_f = feats[:, 1:].reshape(-1, mc.hidden_size)
+            with torch.no_grad():
+                target_p = torch.log_softmax(plain.compute_logits(target_f[rows]), dim=-1).exp()
+            emb = embed(toks[:, 1:]).reshape(-1, mc.hidden_size)
+            pos = _Positions(torch.arange(n).repeat(b))
             x = feats[:, :-1]
             if noise:
                 x = x + (torch.rand(x.shape, generator=gen) - 0.5) * 2 * noise * x.abs().mean()
-            pos = _Positions(torch.arange(L - 1).repeat(b))
-            g = head(embed(toks[:, 1:]).reshape(-1, mc.hidden_size), x.reshape(-1, mc.hidden_size), pos, None)
-            g = g.view(b, L - 1, -1)
-            target_f, target_p = feats[:, 1:], teacher[:, 1:]
-            reg = F.smooth_l1_loss(g, target_f)
-            logp = torch.log_softmax(plain.compute_logits(g), dim=-1)
-            ce = -(target_p.exp() * logp).sum(-1).mean()
-            agree = (logp.argmax(-1) == target_p.argmax(-1)).float().mean().item()
-            return reg + 0.1 * ce, agree
+            x = x.reshape(-1, mc.hidden_size)
+            total = torch.zeros(())
+            agrees = []
+            for depth in range(cfg.unroll):
+                # Depth d + 1 reads the head's own depth-d predictions (row p: its prediction for
+                # feature p), as drafting deeper does: EAGLE-3's training-time test, with the
+                # attention of _TrainAttention giving each row the context and its ancestors only.
+                g = head(emb, x, pos, None)
+                reg = F.smooth_l1_loss(g.view(b, n, -1)[:, depth:], target_f.view(b, n, -1)[:, depth:])
+                logp = torch.log_softmax(plain.compute_logits(g[rows]), dim=-1)
+                ce = -(target_p * logp).sum(-1).mean()
+                total = total + (0.8**depth) * (reg + 0.1 * ce)
+                agrees.append((logp.argmax(-1) == target_p.argmax(-1)).float().mean().item())
+                x = torch.cat((g.view(b, n, -1)[:, :1], g.view(b, n, -1)[:, :-1]), dim=1).reshape(
+                    -1, mc.hidden_size
+                )
+            return total, agrees
+        with torch.no_grad():
+            teacher = torch.log_softmax(plain.compute_logits(feats), dim=-1)
         hs = head(feats.reshape(-1, mc.hidden_size)).view(len(head.heads), b, L, -1)  # type: ignore[arg-type]
         total = torch.zeros(())
         agree = 0.0
@@ -300,7 +384,7 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
             total = total + (0.8**k) * -(target_p.exp() * logp).sum(-1).mean()
             if k == 0:
                 agree = (logp.argmax(-1) == target_p.argmax(-1)).float().mean().item()
-        return total, agree
+        return total, [agree]
 
     def save(done: int) -> None:
         torch.save(
@@ -325,7 +409,8 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
             group["lr"] = lr
         ids = [train_ids[int(j)] for j in torch.randint(len(train_ids), (cfg.batch_size,), generator=gen)]
         offsets = [int(torch.randint(len(tokens[i]) - L + 1, (), generator=gen)) for i in ids]
-        loss, agree = losses(*batch_of(ids, offsets), cfg.noise)
+        loss, agree_by_depth = losses(*batch_of(ids, offsets), cfg.noise, cfg.ce_rows)
+        agree = agree_by_depth[0]
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -338,12 +423,15 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
         if step % cfg.save_every == 0 and step < cfg.steps:
             save(step)
     bar.close()
-    # Agreement with the target's argmax on the held-out sequences (first head for Medusa).
+    # Agreement with the target's argmax on the held-out sequences (first head for Medusa; for
+    # EAGLE trained with --unroll, at each depth of its own predictions too).
     held_ids = list(range(len(tokens) - held, len(tokens)))
     with torch.no_grad():
         agrees = [losses(*batch_of([i], [0]), 0.0)[1] for i in held_ids if len(tokens[i]) >= L]
+    by_depth = np.mean(agrees, axis=0) if agrees else [math.nan]
     stats.update(
-        held_out_top1=round(float(np.mean(agrees)), 4) if agrees else math.nan,
+        held_out_top1=round(float(by_depth[0]), 4),
+        held_out_top1_by_depth=[round(float(a), 4) for a in by_depth],
         train_top1_ema=round(float(ema_agree or 0.0), 4),
         sequences=len(tokens),
         prompts=int(data["num_prompts"]),
@@ -352,8 +440,12 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
         prompt_tokens=cfg.prompt_tokens,
         answer_tokens=cfg.answer_tokens,
         learning_rate=cfg.learning_rate,
+        unroll=cfg.unroll,
+        ce_rows=cfg.ce_rows,
+        noise=cfg.noise,
+        answer_dtype=cfg.answer_dtype,
         seconds_this_run=round(time.perf_counter() - started, 1),
-        prompt_source=cfg.prompts or "python stdlib package sources (lib/*/*.py)",
+        prompt_source=PROMPT_SOURCES.get(cfg.prompts or "code", cfg.prompts),
     )
     if cfg.method == "medusa":
         stats["medusa_heads"] = cfg.medusa_heads
@@ -371,9 +463,16 @@ def add_train_draft_parser(sub: Any) -> None:
         "--model", default=None, help="the target (folder or pulled name; unset: the embedded model)"
     )
     p.add_argument("--method", required=True, choices=["eagle", "medusa"], help="which head to train")
-    p.add_argument("--out", required=True, help="the head folder to write")
     p.add_argument(
-        "--prompts", default=None, help="prompts, one a line (or JSONL with 'prompt'); unset: code"
+        "--out",
+        default=None,
+        help="the head folder to write (unset: beside the target's folder, where the engine finds it)",
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="a built-in set: code (the default), chat (through the chat template), chat+code; "
+        "or a file, one prompt a line (or JSONL with 'prompt')",
     )
     p.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps in all")
     p.add_argument("--resume", action="store_true", help="go on from OUT/.train (data and optimizer state)")
@@ -392,6 +491,24 @@ def add_train_draft_parser(sub: Any) -> None:
     p.add_argument("--save-every", type=int, default=TrainConfig.save_every, help="steps between checkpoints")
     p.add_argument("--seed", type=int, default=TrainConfig.seed, help="prompt choice and training order")
     p.add_argument("--threads", type=int, default=None, help="torch threads (unset: torch's default)")
+    p.add_argument(
+        "--answer-dtype",
+        default=TrainConfig.answer_dtype,
+        help="dtype of the engine answering the prompts (auto: as served, a GGUF file's 4-bit blocks "
+        "packed; faster than float32 on a large model)",
+    )
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=TrainConfig.unroll,
+        help="EAGLE: depths trained on the head's own predicted features (1: the target's only)",
+    )
+    p.add_argument(
+        "--ce-rows",
+        type=int,
+        default=TrainConfig.ce_rows,
+        help="EAGLE: rows a step through the LM head's cross-entropy (0: all; large vocabularies)",
+    )
     p.set_defaults(func=_train_draft)
 
 
@@ -415,6 +532,9 @@ def _train_draft(args: Any) -> int:
             save_every=args.save_every,
             seed=args.seed,
             threads=args.threads,
+            unroll=args.unroll,
+            ce_rows=args.ce_rows,
+            answer_dtype=args.answer_dtype,
         )
     )
     return 0

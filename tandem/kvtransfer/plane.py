@@ -42,6 +42,7 @@ class KVPlane:
         max_stages: int,
         stop_blocks: int,
         clock: Callable[[], float] = time.monotonic,
+        log: p.MoveLog | None = None,
     ) -> None:
         self.transport = transport
         self.address = transport.address
@@ -57,8 +58,9 @@ class KVPlane:
             max_stages=max_stages,
             stop_blocks=stop_blocks,
             clock=clock,
+            log=log,
         )
-        self.receiver = Receiver(host, self._send, report, timeout_s=timeout_s, clock=clock)
+        self.receiver = Receiver(host, self._send, report, timeout_s=timeout_s, clock=clock, log=log)
 
     @classmethod
     def open(
@@ -68,8 +70,10 @@ class KVPlane:
         bind: str,
         report: Callable[[p.Migrated | p.TransferDropped], None],
         clock: Callable[[], float] = time.monotonic,
+        log: p.MoveLog | None = None,
     ) -> KVPlane:
-        """A plane with the transport and the transfer settings `config` names, its inbox at `bind`."""
+        """A plane with the transport and the transfer settings `config` names, its inbox at `bind`;
+        `log`: where it notes each act of a move (the engine's step trace)."""
         return cls(
             host,
             make_transport(config.kv_transport, bind),
@@ -78,6 +82,7 @@ class KVPlane:
             max_stages=config.migration_max_stages,
             stop_blocks=config.migration_stop_blocks,
             clock=clock,
+            log=log,
         )
 
     @property

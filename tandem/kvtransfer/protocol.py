@@ -63,10 +63,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Protocol
 
 import msgspec
 
 from tandem.core.engine_io import EngineCoreRequest
+
+
+class MoveLog(Protocol):
+    """Where a plane notes each act of a move as it happens (an engine's step trace,
+    tandem/engine/step_trace.py: what a replay of the run takes its moves from): `kind` is "begin",
+    "stage", "pause", "end" on the source, "accept", "install" on the destination; `at` the plane's
+    clock."""
+
+    def __call__(self, kind: str, request_id: str, at: float, **fields: Any) -> None: ...
 
 
 class TransferState(Enum):

@@ -31,6 +31,7 @@ from tandem.kvtransfer.protocol import (
     Cancel,
     Handover,
     Installed,
+    MoveLog,
     SampleState,
     Staged,
     TransferDropped,
@@ -67,8 +68,10 @@ class Receiver:
         *,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        log: MoveLog | None = None,
     ) -> None:
         self.host = host
+        self.log = log
         self.send = send
         self.report = report
         self.clock = clock
@@ -90,6 +93,8 @@ class Receiver:
         reason = self._refusal(msg)
         if reason is None:
             reason = self._reserve(msg)
+        if reason is None and self.log is not None:
+            self.log("accept", msg.request.request_id, self.clock(), blocks=msg.num_blocks, seats=msg.num_seats)
         self._reply(msg.reply_to, Accepted(msg.transfer_id, reason is None, reason or ""))
 
     def _refusal(self, msg: Begin) -> str | None:
@@ -174,6 +179,8 @@ class Receiver:
         del self.transfers[inc.transfer_id]
         self.host.drop_blocks(list(inc.mapped.values()) + inc.reserved)
         self.host.release_seats(inc.seats)
+        if self.log is not None:
+            self.log("install", inc.request.request_id, self.clock(), blocks=len(inc.mapped))
         self.installed[inc.transfer_id] = (inc.request.request_id, inc.request.incarnation)
         while len(self.installed) > REMEMBERED_INSTALLS:
             self.installed.popitem(last=False)

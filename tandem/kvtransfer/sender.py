@@ -49,6 +49,7 @@ from tandem.kvtransfer.protocol import (
     Installed,
     Migrated,
     MigrateOut,
+    MoveLog,
     MoveOutcome,
     SampleState,
     Staged,
@@ -92,8 +93,10 @@ class Sender:
         max_stages: int,
         stop_blocks: int,
         clock: Callable[[], float] = time.monotonic,
+        log: MoveLog | None = None,
     ) -> None:
         self.host = host
+        self.log = log
         self.address = address
         self.send = send
         self.report = report
@@ -148,7 +151,12 @@ class Sender:
             block_bytes=self.host.kv_block_bytes,
             kv_cache_dtype=self.host.kv_format_name,
         )
-        self._send(out, begin)
+        if self._send(out, begin):
+            self._note("begin", rid, blocks=num_blocks)
+
+    def _note(self, kind: str, request_id: str, **fields: Any) -> None:
+        if self.log is not None:
+            self.log(kind, request_id, self.clock(), **fields)
 
     def _refuse(self, msg: MigrateOut, outcome: MoveOutcome, reason: str) -> None:
         self.report(Migrated(msg.request.request_id, msg.transfer_id, outcome, reason))
@@ -222,6 +230,10 @@ class Sender:
         # The destination runs it now: end it here without a word to the front end (but this).
         self.host.abort_requests([out.request_id])
         now = self.clock()
+        self._note(
+            "end", out.request_id, outcome=MoveOutcome.COMPLETED.value, stages=out.num_stages,
+            transfer_s=round(now - out.started, 7), pause_s=round(now - out.paused_at, 7),
+        )
         logger.debug(
             "%s moved: %d stage(s) while it ran, %d bytes, paused %.1f ms",
             out.request_id, out.num_stages, out.num_bytes, (now - out.paused_at) * 1e3,
@@ -307,6 +319,7 @@ class Sender:
         out.held.update(dict.fromkeys(blocks))
         out.queued += blocks
         out.num_stages += 1
+        self._note("stage", out.request_id, blocks=len(blocks))
 
     def _send_next(self, out: Outgoing) -> None:
         """The queue's next message; a live migration's last one of a stage asks for Staged."""
@@ -339,6 +352,7 @@ class Sender:
         out.paused_at = self.clock()
         rest = out.queued + [b for b in self._computed(leaders, partial=True) if b not in out.held]
         out.queued = []
+        self._note("pause", out.request_id, blocks=len(rest))
         samples = self.host.samples(out.request_id) or []
         states: list[SampleState | None] = [None] * len(samples)
         for r in leaders:
@@ -379,6 +393,7 @@ class Sender:
             if r.status == RequestStatus.PAUSED:
                 self.host.unpause(r)
         self._release(out)
+        self._note("end", out.request_id, outcome=outcome.value, stages=out.num_stages)
         if cancel:
             # An unreachable destination times the transfer out on its own.
             with contextlib.suppress(Exception):

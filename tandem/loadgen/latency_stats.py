@@ -25,6 +25,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     start: float = 0.0  # wall-clock send time (perf_counter), for the timeline
     error: str = ""
+    request_id: str = ""  # the server's id for it (its chunks' `id`)
+    sent_at: float = 0.0  # time.monotonic() as it was sent: comparable with a server's step trace
 
     @property
     def tpot(self) -> float:

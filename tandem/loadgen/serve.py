@@ -61,6 +61,12 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--result-json", default=None, help="write the results here (JSON)")
     g.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots here")
     g.add_argument("--label", default=None, help="name of this system in the results")
+    g.add_argument(
+        "--request-times",
+        action="store_true",
+        help="also keep each request's server id, send time (time.monotonic()) and content chunk "
+        "times in the results (`request_times`): a replay of the run sets its own against them",
+    )
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -117,6 +123,7 @@ async def send_request(client: Any, args: argparse.Namespace, s: Sample) -> Requ
     server at --base-url."""
     path, body = _payload(args, s)
     r = RequestResult(prompt_len=s.prompt_len)
+    r.sent_at = time.monotonic()
     r.start = time.perf_counter()
     usage_tokens = None
     content_chunks = 0
@@ -129,6 +136,8 @@ async def send_request(client: Any, args: argparse.Namespace, s: Sample) -> Requ
             async for payload in _sse_data(resp.content):
                 now = time.perf_counter() - r.start
                 data = json.loads(payload)
+                if not r.request_id:
+                    r.request_id = data.get("id") or ""
                 if data.get("usage"):
                     usage_tokens = data["usage"].get("completion_tokens")
                     if s.prompt_len <= 0 or args.tokenizer is None:
@@ -228,6 +237,11 @@ async def run_once(
         output_lens=[r.output_tokens for r in results],
         input_lens=[r.prompt_len for r in results],
     )
+    if getattr(args, "request_times", False):
+        summary["request_times"] = [
+            {"id": r.request_id, "sent_at": r.sent_at, "chunk_times": r.chunk_times, "output_tokens": r.output_tokens}
+            for r in results
+        ]
     return summary
 
 

@@ -401,9 +401,10 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-# The registry: "torch" (any device; Tandem's CPU kernels where they are built) and "triton" (the
-# GPU path's kernel, tandem/model/triton_backend.py; imported only when asked for).
-ATTENTION_BACKENDS = ("torch", "triton")
+# The registry: "torch" (any device; Tandem's CPU kernels where they are built), "triton" (the
+# GPU path's kernel, tandem/model/triton_backend.py) and "flashinfer" (where that package is
+# installed, tandem/model/flashinfer_backend.py); the last two imported only when asked for.
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 
 
 def get_attention_backend(
@@ -423,7 +424,8 @@ def get_attention_backend(
             raise ValueError(f"the triton attention backend needs Triton installed: {exc}") from None
         return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window, kv_format=kv_format)
     if name == "flashinfer":
-        # The name is taken (tandem/worker/device.py checks the package is there and the device is
-        # CUDA); the backend itself is not written yet: docs/gpu.md.
-        raise ValueError("attention_backend='flashinfer': Tandem has no FlashInfer backend yet; use 'triton'")
+        # Imports flashinfer itself: without it, a ValueError saying so (docs/gpu.md).
+        from tandem.model.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(num_heads, num_kv_heads, head_dim, sliding_window, kv_format=kv_format)
     raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")

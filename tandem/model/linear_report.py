@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig
+from tandem.model.fp8_linear import Fp8Linear
 from tandem.model.int4 import Int4Linear
 from tandem.model.linear import PackedLinear
 from tandem.model.quant import W8_KERNEL_MAX_ROWS, Int8Linear
@@ -41,6 +42,8 @@ def _tensor_bytes(*tensors: torch.Tensor | None) -> int:
 
 def linear_path(m: nn.Module) -> tuple[str, int]:
     """(what the layer runs, its weight bytes) for one linear layer."""
+    if isinstance(m, Fp8Linear):
+        return "torch._scaled_mm fp8, rows quantized one by one", _tensor_bytes(m.qweight, m.scale, m.bias)
     if isinstance(m, Int4Linear):
         return f"{m.path()}, groups of {m.group_size}", _tensor_bytes(m.qweight, m.scales, m.zs, m.bias)
     if isinstance(m, Int8Linear):
@@ -77,7 +80,7 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
     raise TypeError(f"not a linear layer: {type(m).__name__}")
 
 
-LINEAR_TYPES = (Int4Linear, Int8Linear, PackedLinear, nn.Linear)
+LINEAR_TYPES = (Fp8Linear, Int4Linear, Int8Linear, PackedLinear, nn.Linear)
 
 
 def linear_report(model: nn.Module) -> tuple[dict[str, LayerKind], int]:

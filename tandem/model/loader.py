@@ -16,6 +16,7 @@ from tandem.model.attention import get_attention_backend
 from tandem.model.direct_call import bind_submodules
 from tandem.model.dummy_weights import fill_dummy_weights
 from tandem.model.experts import Experts, prepare_experts
+from tandem.model.fp8_linear import fp8_weight_path
 from tandem.model.fused_ops import use_fused_ops, wants_fused_ops
 from tandem.model.gemma import GemmaForCausalLM
 from tandem.model.gguf_weights import GGUFCheckpoint, gguf_mode
@@ -151,6 +152,8 @@ def load_model(
         why = "" if gguf.packed else " (a dtype given, no quantization: 'gguf' keeps 4-bit blocks packed)"
         logger.info("GGUF %s: %s%s", Path(gguf.file).name, gguf.report.summary(), why)
     module = module.to(dtype=dtype).eval().requires_grad_(False)
+    if isinstance(ckpt, QuantizedCheckpoint) and ckpt.qcfg.weights == "fp8":
+        _keep_fp8(module, model, ckpt, device, dtype)
     for name, lin in int4.items():
         bias = swap_module(module, name, lin).bias
         if isinstance(bias, torch.Tensor):
@@ -167,6 +170,20 @@ def load_model(
     quantized = at_load is not None or cfg.quantization is not None or bool(int4)
     _finish(module, model, cfg, dtype, device, at_load, quantized, cpu_kernels)
     return model
+
+
+def _keep_fp8(
+    module: nn.Module, mapping: CausalLM, ckpt: QuantizedCheckpoint, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Where `fp8_weight_path` says so, swap the widened fp8 layers for `Fp8Linear`s."""
+    path, why = fp8_weight_path(device, dtype)
+    if path != "scaled_mm":
+        logger.info("fp8 checkpoint: weights widened to the model dtype at load (%s)", why)
+        return
+    found = ckpt.fp8_linears(module, mapping)
+    for name, lin in found.layers.items():
+        swap_module(module, name, lin)
+    logger.info("fp8 checkpoint: %s", found.summary(why))
 
 
 def _finish(

@@ -4,7 +4,9 @@
 tandem/model/int4_formats.py and assembled into `Int4Linear` modules, one per model linear (the
 checkpoint's q/k/v or gate/up shards fused in the rows the mapping gives them); the float loader
 then reads everything else from `tensors()`, which leaves the 4-bit tensors out and hands FP8
-weights over dequantized (times their scales), so they load like any float weight.
+weights over dequantized (times their scales), so they load like any float weight. Where FP8
+layers run `torch._scaled_mm` (tandem/model/fp8_linear.py), `fp8_linears` then reads their float8
+bytes and scales again and builds those layers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tandem.model.fp8_linear import DIM_MULTIPLE, Fp8Layers, Fp8Linear, ScaledMM, row_scales
 from tandem.model.int4 import DequantScratch, Int4Linear, check_shape, fuse_int4
 from tandem.model.int4_formats import dequantize_fp8, read_awq, read_compressed_tensors, read_gptq
 from tandem.model.weights import WeightMapping, checkpoint_files
@@ -132,6 +135,57 @@ class QuantizedCheckpoint:
             except ValueError as exc:
                 raise ValueError(f"checkpoint {self.folder}: cannot fuse the parts of {param}: {exc}") from exc
         return layers
+
+    def fp8_linears(self, model: nn.Module, mapping: WeightMapping, matmul: ScaledMM | None = None) -> Fp8Layers:
+        """The fp8 layers that can run `torch._scaled_mm` (tandem/model/fp8_linear.py), built from
+        the checkpoint's own fp8 bytes and scales (the loaded float copy was rounded to the model
+        dtype, so it cannot give them back), on the device and with the bias of the loaded
+        `nn.Linear` each replaces; and, by parameter, why the others stay widened."""
+        found = Fp8Layers()
+        modules = dict(model.named_modules())
+        # Names first, bytes one layer at a time: the host never holds more than one layer's.
+        prefixes: dict[str, dict[tuple[int, int] | None, str]] = {}
+        for prefix in self.fp8_prefixes:
+            target = mapping.checkpoint_target(f"{prefix}.weight")
+            if target is None:
+                continue
+            if target.index or not isinstance(modules.get(target.param.removesuffix(".weight")), nn.Linear):
+                found.widened[target.param] = "stacked experts"
+                continue
+            prefixes.setdefault(target.param, {})[target.rows] = prefix
+        for param, got in prefixes.items():
+            if param in found.widened:
+                continue
+            needed = [t.rows for t in mapping.param_parts(param)]
+            if any(r not in got for r in needed):
+                found.widened[param] = "fused with shards that are not fp8"
+                continue
+            shards = [self._fp8_rows(got[r]) for r in needed]
+            if any(scale is None for _, scale in shards):
+                found.widened[param] = "block scales"
+                continue
+            q = torch.cat([w for w, _ in shards])
+            scale = torch.cat([s for _, s in shards if s is not None])
+            layer = param.removesuffix(".weight")
+            lin = modules[layer]
+            if tuple(q.shape) != tuple(lin.weight.shape):
+                raise ValueError(
+                    f"checkpoint {self.folder}: {param} is {tuple(q.shape)} in fp8, expected {tuple(lin.weight.shape)}"
+                )
+            if q.shape[0] % DIM_MULTIPLE or q.shape[1] % DIM_MULTIPLE:
+                found.widened[param] = f"dimensions not multiples of {DIM_MULTIPLE}"
+                continue
+            device = lin.weight.device
+            found.layers[layer] = Fp8Linear(q.to(device), scale.to(device), lin.bias, matmul)
+        return found
+
+    def _fp8_rows(self, prefix: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An fp8 layer's float8 weight and its scale per row (None: block scales)."""
+        scale = self._maybe(f"{prefix}.weight_scale_inv")
+        if scale is None:
+            scale = self._need(f"{prefix}.weight_scale")
+        q = self.get(f"{prefix}.weight")
+        return q, row_scales(prefix, scale, q.shape[0])
 
     def tensors(self, model_params: set[str], mapping: WeightMapping) -> Iterator[tuple[str, str, torch.Tensor]]:
         """Every other tensor for the float loader: FP8 weights dequantized, 4-bit ones left out."""

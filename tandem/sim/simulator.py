@@ -6,7 +6,8 @@ by the same `build_cluster` (tandem/cluster/build.py): requests are placed by th
 placement (tandem/engine/placement.py: the real `Dispatcher`, prefill/decode roles) over load
 reports built by the engines' own builder (tandem/engine/load_report.py, every
 `REPORT_INTERVAL_S`); running requests move in the real `Migrator`'s rounds, for which the
-simulator is the front end (`MoveFront`); with prefill/decode roles, a request prefilled on a
+simulator is the front end (`MoveFront`), or, replaying a served run, as the run recorded them
+(tandem/sim/move_replay.py); with prefill/decode roles, a request prefilled on a
 prefill instance moves to the least loaded decode instance at its first token. Where each request
 runs, which run of it is followed and the moves under way are kept in the front end's own route
 table (tandem/kvtransfer/routes.py), and each request is built as the engine builds it
@@ -60,6 +61,8 @@ from tandem.sim.cost import CostModel
 from tandem.sim.frontend import FrontEnd
 from tandem.sim.host import Host
 from tandem.sim.instance import InstanceSpec, SimInstance
+from tandem.sim.move_replay import MoveReplay
+from tandem.sim.replay import RecordedTimes
 from tandem.sim.trace import Trace
 
 # As the engine loop reports (tandem/engine/core_proc.py).
@@ -67,7 +70,7 @@ REPORT_INTERVAL_S = STATS_INTERVAL_S
 # KV usage is sampled this often for the report's timeline.
 USAGE_SAMPLE_S = 1.0
 
-ARRIVAL, STEP, REPORT, REBALANCE, MOVED, SAMPLE, PLAN, ADMIT = range(8)
+ARRIVAL, STEP, REPORT, REBALANCE, MOVED, SAMPLE, PLAN, ADMIT, RELEASE, MOVE_ACT, MOVE_FRONT = range(11)
 
 
 @dataclass(slots=True)
@@ -136,16 +139,20 @@ class ClusterSim:
         instances_per_host: int = 1,
         max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
         instance_costs: list[CostModel] | None = None,
+        recorded: RecordedTimes | None = None,
     ) -> None:
         """`max_waiting_requests`: the front end's bound on accepted requests with no token yet,
         past which it refuses new ones (the server's `--max-waiting-requests`); None: unbounded.
         `instance_costs`: each instance's own step-time model (a replay of a real run's steps,
-        tandem/sim/replay.py); by default `cost` for all."""
+        tandem/sim/replay.py); by default `cost` for all. `recorded`: a replayed run's own way in of
+        each request, first step of each instance and (optionally) the moments its front end saw
+        each request end, in place of the cost model's ingress and of releasing at the step's end."""
         self.trace = trace
         self.cost = cost
         self.spec = spec
         self.cluster = cluster
         self.vocab_size = vocab_size
+        self.recorded = recorded
         self.progress = progress
         self.clock = [0.0]
         n = cluster.num_instances
@@ -191,6 +198,10 @@ class ClusterSim:
         with_prefixes = cluster.dispatch_policy == "prefix_aware"
         self._load = [LoadReport(with_prefixes) for _ in range(n)]
         self._seqs: dict[str, int] = {}
+        # A replayed run's moves, as recorded, in place of the migration policy's rounds.
+        self.move_replay = (
+            MoveReplay(self, recorded.moves) if recorded is not None and recorded.moves is not None else None
+        )
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -202,8 +213,18 @@ class ClusterSim:
             self._at(r.arrival_s, ARRIVAL, i)
         self._at(0.0, REPORT)
         self._at(0.0, SAMPLE)
-        if self.cluster.migration_triggers:
+        if self.move_replay is not None:
+            for t, landed, i in self.move_replay.front_events():
+                self._at(t, MOVE_FRONT, (landed, i))
+            for inst in self.instances:  # acts before an instance's first step
+                first = None if self.recorded is None else self.recorded.first_step_s[inst.index]
+                self._due_acts(inst.index, first)
+        elif self.cluster.migration_triggers:
             self._at(self.cluster.migration_interval_s, REBALANCE)
+        if self.recorded is not None:  # no step before the recorded first one (the replay's clock)
+            for inst, first in zip(self.instances, self.recorded.first_step_s):
+                inst.in_loop_gap = True
+                self._at(first, PLAN, inst.index)
         remaining = len(self.trace.requests)
         done = 0
         next_progress = 0.0
@@ -230,6 +251,18 @@ class ClusterSim:
                 self._at(t + self.cluster.migration_interval_s, REBALANCE)
             elif kind == MOVED:
                 self._moved(payload)
+            elif kind == RELEASE:
+                self.dispatcher.release(payload)
+            elif kind == MOVE_ACT:
+                assert self.move_replay is not None
+                self.move_replay.act(*payload)
+            elif kind == MOVE_FRONT:
+                assert self.move_replay is not None
+                landed, i = payload
+                if landed:
+                    self.move_replay.landed(i)
+                else:
+                    self.move_replay.decided(i)
             elif kind == SAMPLE:
                 self.usage_timeline.append((t, [inst.kv_usage for inst in self.instances]))
                 self._at(t + USAGE_SAMPLE_S, SAMPLE)
@@ -288,7 +321,10 @@ class ClusterSim:
         self.not_started += 1
         record.instance = instance
         self._seqs[rid] = index
-        ingress = self.cost.ingress_seconds() * self._front_end_slowdown()
+        if self.recorded is not None:
+            ingress = self.recorded.ingress_s[index]
+        else:
+            ingress = self.cost.ingress_seconds() * self._front_end_slowdown()
         self._at(self.clock[0] + ingress, ADMIT, (core_req, instance, handoff))
         return 0
 
@@ -357,7 +393,8 @@ class ClusterSim:
                 transfer = self.transfers.get(req.request_id)
                 if transfer is not None and transfer.move.after_prefill and not transfer.started:
                     self._hand_over(transfer)
-        gap = self.cost.loop_gap_seconds()
+        gap = inst.cost.loop_gap_seconds()
+        self._due_acts(index, now + gap)  # before the next plan: the plane acts between steps
         if gap > 0:  # the loop sends outputs and takes in requests before it plans again
             inst.in_loop_gap = True
             self._at(now + gap, PLAN, index)
@@ -365,8 +402,26 @@ class ClusterSim:
             self._kick(inst)
         return finished
 
+    def _due_acts(self, index: int, plan_at: float | None) -> None:
+        """A replayed move's acts on this instance that come after the steps it has run, each at
+        its recorded time but before the instance plans again (at `plan_at`): the trace's times
+        are rounded, and the plane acted before the engine's next step."""
+        if self.move_replay is not None:
+            for t, i, act in self.move_replay.due(index):
+                at = t if plan_at is None else min(t, plan_at)
+                if at <= self.clock[0]:  # now: before this instance plans (a loop with no gap)
+                    self.move_replay.act(i, act)
+                else:
+                    self._at(at, MOVE_ACT, (i, act))
+
     def _forget(self, rid: str) -> None:
-        self.dispatcher.release(rid)
+        released = None if self.recorded is None or self.recorded.release_s is None else (
+            self.recorded.release_s[self._seqs[rid]]
+        )
+        if released is not None and released > self.clock[0]:
+            self._at(released, RELEASE, rid)  # the front end had not seen the end yet
+        else:
+            self.dispatcher.release(rid)
         self.table.forget(rid)
         self.requests.pop(rid, None)
         self.core_reqs.pop(rid, None)

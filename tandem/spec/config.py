@@ -56,6 +56,13 @@ class AdaptiveConfig:
     explore_cost: float = 0.01
     explore_every: int = 8
     max_explore: int = 256
+    # Over all buckets together, what explorations lose against the better mode (in steps: a
+    # close call's cost next to nothing) stays within `explore_budget` of all gate steps, beyond
+    # a first allowance of 2 * `min_samples` steps; an exploration due past it waits.
+    explore_budget: float = 0.05
+    # While the gate explores speculation, a method that drafts in passes (a draft model, EAGLE)
+    # runs at most this many: exploring is measured on a small, cheap tree or chain.
+    explore_max_passes: int = 2
     # -- draft-model catch-up: tokens one step may feed drafts beyond what proposals feed anyway
     # (the closest request goes through even over it), and the most steps a request's catch-up is
     # priced as paid off over.
@@ -80,11 +87,13 @@ class AdaptiveConfig:
             self._check(name, float, lambda v: 0.0 < v < math.inf, "a positive number")
         self._check("explore_z", float, lambda v: 0.0 <= v < math.inf, "a number >= 0")
         self._check("explore_cost", float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
+        self._check("explore_budget", float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
         for name, low in (
             ("warmup_steps", 0),
             ("catch_up_tokens_per_step", 0),
             ("min_samples", 1),
             ("explore_every", 1),
+            ("explore_max_passes", 1),
             ("feed_horizon_steps", 1),
             ("seed_max_requests", 1),
             ("seed_context", 2),  # the catch-up cost per token is timed over seed_context - 1 tokens

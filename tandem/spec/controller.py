@@ -36,10 +36,20 @@ class AdaptiveSpeculation:
     """Plans draft lengths per step and learns, from each step's feedback, what speculation costs and
     how often each request's drafts are accepted."""
 
-    def __init__(self, max_k: int, adaptive: bool = True, config: AdaptiveConfig | None = None) -> None:
+    def __init__(
+        self,
+        max_k: int,
+        adaptive: bool = True,
+        config: AdaptiveConfig | None = None,
+        passes_for: Callable[[int], int] | None = None,
+    ) -> None:
         self.config = cfg = config or AdaptiveConfig()
         self.max_k = max_k
         self.adaptive = adaptive
+        # Draft passes a proposal of k tokens (a chain, or a tree of k nodes) takes, for a method
+        # that drafts in passes the plan prices (`draft_passes_cost`): a draft model's k (one per
+        # token), EAGLE's min(tree_depth, k) (one per depth), Medusa's 1. None: k.
+        self.passes_for = passes_for or (lambda k: k)
         self.step_cost = LinearCost(cfg.cost_decay)
         self.draft_cost = LinearCost(cfg.cost_decay)
         self._acc: dict[str, tuple[float, float]] = {}
@@ -218,10 +228,15 @@ class AdaptiveSpeculation:
         # likely to be accepted, so once one more pass does not pay, none does).
         k = dict.fromkeys(request_ids, 0)
         best = n / max(self.step_cost.predict(other_tokens + n), 1e-9)
-        for passes in range(1, self.max_k + 1) if draft_passes_cost else (0,):
-            plan_p, rate = self._allocate(
-                request_ids, alphas, other_tokens, passes or self.max_k, passes, owed
-            )
+        caps = range(1, self.max_k + 1) if draft_passes_cost else range(self.max_k, self.max_k + 1)
+        for cap in caps:
+            passes = self.passes_for(cap) if draft_passes_cost else 0
+            # Exploring, or pass costs never measured (priced as free): a cheap proposal is what
+            # gets measured, not the largest one.
+            cheap = choice.exploring or self.draft_cost.count == 0
+            if draft_passes_cost and cheap and passes > max(1, self.config.explore_max_passes):
+                break
+            plan_p, rate = self._allocate(request_ids, alphas, other_tokens, cap, passes, owed)
             if rate <= best:
                 break
             k, best = plan_p, rate

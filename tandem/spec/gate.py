@@ -35,6 +35,10 @@ class SpecGate:
         self._burst: dict[int, tuple[bool, int]] = {}
         # Running mean of what switching a draft model on costs (its catch-up), in steps.
         self.switch_steps = 0.0
+        # All buckets: steps chosen, and what the steps run in a mode not measured better there
+        # lost against the better one, in steps (a close call's exploration costs next to nothing).
+        self.steps = 0
+        self.explored = 0.0
 
     @staticmethod
     def bucket(num_decoding: int) -> int:
@@ -91,9 +95,28 @@ class SpecGate:
             return self.rate(b, True) is None
         return verdict
 
+    def _loss(self, bucket: int) -> float:
+        """Steps lost per step run in the worse of a bucket's measured modes (0 if unmeasured)."""
+        on_rate, off_rate = self.rate(bucket, True), self.rate(bucket, False)
+        if on_rate is None or off_rate is None:
+            return 0.0
+        return max(on_rate, off_rate) / max(min(on_rate, off_rate), 1e-12) - 1.0
+
+    def may_explore(self, bucket: int) -> bool:
+        """Whether the exploration budget has room for an exploration of `bucket`'s worse mode."""
+        cfg = self.config
+        cost = cfg.min_samples * self._loss(bucket)
+        return self.explored + cost <= max(2 * cfg.min_samples, cfg.explore_budget * self.steps)
+
     def choose(self, num_decoding: int) -> GateChoice:
-        """The mode for a pure-decode step: the better one, or (now and then) the other."""
+        """The mode for a pure-decode step: the better one, or (now and then, within the
+        exploration budget) the other. A bucket's first tries of its unmeasured modes are what
+        `preferred` says, not explorations: at most 2 * `min_samples` steps a bucket."""
+        preferred = self.preferred(num_decoding)
+        self.steps += 1
         on = self._choose(num_decoding)
+        if on != preferred:
+            self.explored += self._loss(self.bucket(num_decoding))
         return GateChoice(on, exploring=on and self._measured(self.bucket(num_decoding)) is not True)
 
     def _choose(self, num_decoding: int) -> bool:
@@ -113,9 +136,11 @@ class SpecGate:
             if self.rate(b, borrowed) is None:
                 return borrowed
             # The borrowed mode is measured here; sample the other one on the slow schedule.
-            return self._explore(b, not borrowed) if step % self.config.max_explore == 0 else borrowed
+            if step % self.config.max_explore == 0 and self.may_explore(b):
+                return self._explore(b, not borrowed)
+            return borrowed
         best = on_rate >= off_rate
-        if step % self.explore_interval(on_rate, off_rate) == 0:
+        if step % self.explore_interval(on_rate, off_rate) == 0 and self.may_explore(b):
             return self._explore(b, not best)
         return best
 

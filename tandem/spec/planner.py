@@ -35,14 +35,26 @@ class SpecPlanner:
         self._fed: dict[str, int] = {}
         self.suffix = SuffixSpeculator(config.suffix) if config.method == "suffix" else None
         self.controller = AdaptiveSpeculation(
-            config.num_speculative_tokens, adaptive=config.adaptive, config=config.adaptive_config
+            config.num_speculative_tokens,
+            adaptive=config.adaptive,
+            config=config.adaptive_config,
+            passes_for=self._passes_for,
         )
         # The engine's counters (tandem/core/stats.py): drafts and acceptance, per method too.
         self.counters = counters if counters is not None else EngineCounters()
 
     @property
     def proposes_in_runner(self) -> bool:
-        return self.config.method == "draft_model"
+        """A draft model and draft heads propose in the runner, in timed passes the plan prices."""
+        return self.config.method == "draft_model" or self.config.uses_head
+
+    def _passes_for(self, k: int) -> int:
+        """The runner's passes for a proposal of k tokens (worker/drafter.py, head_drafter.py)."""
+        if self.config.method == "medusa":
+            return 1
+        if self.config.method == "eagle":
+            return min(self.config.tree_depth, k)
+        return k
 
     def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> Plan:
         """Draft length for each decoding request (capped where the request is about to end)."""
@@ -64,6 +76,8 @@ class SpecPlanner:
     def _behind(self, r: Request) -> int:
         """Tokens the request's draft must catch up on before proposing, beyond the one or two
         every proposal feeds."""
+        if self.config.method == "medusa":  # reads the last feature only: never behind
+            return 0
         fed = min(self._fed.get(r.request_id, 0), r.num_computed_tokens)
         return max(0, r.num_tokens - fed - 2)
 
@@ -118,7 +132,9 @@ class SpecPlanner:
         if num_draft <= 0:
             return
         rid = req.request_id
-        self._fed[rid] = req.num_tokens - 1 + num_draft
+        # A draft model has fed the k drafts; a head's KV, the known tokens (its tree rows are
+        # scratch), and its next proposal feeds the accepted ones as a matter of course.
+        self._fed[rid] = req.num_tokens - 1 + (num_accepted if self.config.uses_head else num_draft)
         self.controller.observe_acceptance(rid, num_draft, num_accepted)
         c, method = self.counters, self.config.method
         c.spec_decode_num_drafts += 1

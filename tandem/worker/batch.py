@@ -20,6 +20,16 @@ class SampleRow:
     history: list[int]  # draft tokens preceding this position (count as output for penalties)
 
 
+def to_device(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list or numpy array) as a tensor on `device`. To a GPU through pinned memory
+    and a non-blocking copy: from pageable memory torch waits for the stream to drain, which would
+    stall the host behind the step in flight (overlap scheduling)."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def build_batch(
     reqs: list[Request],
     q_lens_l: list[int],
@@ -57,9 +67,9 @@ def build_batch(
     positions = np.arange(int(qsl[-1])) - qsl[:-1][req_of_token] + starts[req_of_token]
     slots = tables[req_of_token, positions // block_size] * block_size + positions % block_size
     batch = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.from_numpy(positions).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
+        input_ids=to_device(input_ids, torch.long, device),
+        positions=to_device(positions, torch.long, device),
+        slot_mapping=to_device(slots, torch.long, device),
         logits_indices=torch.empty(0, dtype=torch.long, device=device),
         query_start_loc=qsl,
         query_lens=q_lens,

@@ -69,6 +69,20 @@ def graph_step(
     return True
 
 
+class _Staging:
+    """One set of host buffers for a decode step's inputs, with numpy views made once (filling them
+    reads no tensor)."""
+
+    def __init__(self, rows: int, max_blocks: int, pad_block: int, pin: bool) -> None:
+        self.ids = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
+        self.pos = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
+        self.slots = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
+        self.lens = torch.ones(rows, dtype=torch.int32, pin_memory=pin)
+        self.tables = torch.full((rows, max_blocks), pad_block, dtype=torch.int32, pin_memory=pin)
+        self.ids_np, self.pos_np, self.slots_np = self.ids.numpy(), self.pos.numpy(), self.slots.numpy()
+        self.lens_np, self.tables_np = self.lens.numpy(), self.tables.numpy()
+
+
 class DecodeGraphs:
     """Static input buffers, one graph (or, in padded mode, one eager run) per captured size."""
 
@@ -95,19 +109,19 @@ class DecodeGraphs:
         self.capture_graphs = capture
         max_bs = sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
-        pin = device.type == "cuda"
-        # Host staging (pinned on CUDA: the copies to the device do not wait on the host).
-        self.h_ids = torch.zeros(max_bs, dtype=torch.long, pin_memory=pin)
-        self.h_pos = torch.zeros(max_bs, dtype=torch.long, pin_memory=pin)
-        self.h_slots = torch.zeros(max_bs, dtype=torch.long, pin_memory=pin)
-        self.h_lens = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
-        self.h_tables = torch.full((max_bs, self.max_blocks), pad_block, dtype=torch.int32, pin_memory=pin)
+        # Host staging, two sets used in turn (pinned on CUDA: the copies to the device do not wait
+        # on the host). With overlap scheduling a step is filled while the one before may still
+        # have its copies queued; the set before that was read by a step whose tokens the host has
+        # since waited for, so it is free to rewrite.
+        self.staging = [_Staging(max_bs, self.max_blocks, pad_block, device.type == "cuda") for _ in range(2)]
+        self._turn = 0
+        first = self.staging[0]
         # The device buffers every graph reads (rows past a step's size hold padding).
-        self.ids = self.h_ids.to(device, copy=True)
-        self.pos = self.h_pos.to(device, copy=True)
+        self.ids = first.ids.to(device, copy=True)
+        self.pos = first.pos.to(device, copy=True)
         self.slots = torch.full((max_bs,), pad_block * block_size, dtype=torch.long, device=device)
-        self.lens = self.h_lens.to(device, copy=True)
-        self.tables = self.h_tables.to(device, copy=True)
+        self.lens = first.lens.to(device, copy=True)
+        self.tables = first.tables.to(device, copy=True)
         self.qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every graph writes its logits into the first rows of this one buffer: the logits each
@@ -163,21 +177,18 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
-    def fill(self, requests: Sequence[Request]) -> int:
+    def fill(self, requests: Sequence[Request], feed: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """Write the decode inputs of `requests` into the first rows, padding up to the captured
-        size, which it returns."""
+        size, which it returns. `feed`: (rows, tokens) on the device, input tokens the host does not
+        know yet (overlap scheduling's placeholders), written over those rows after the copy."""
         n = len(requests)
         size = padded_size(n, self.sizes)
         if size is None:
             raise ValueError(f"a decode batch of {n} is past the largest captured size {self.sizes[-1]}")
         bs, pad = self.block_size, self.pad_block
-        ids, pos, slots, lens = (
-            self.h_ids.numpy(),
-            self.h_pos.numpy(),
-            self.h_slots.numpy(),
-            self.h_lens.numpy(),
-        )
-        tables = self.h_tables.numpy()
+        host = self.staging[self._turn]
+        self._turn ^= 1
+        ids, pos, slots, lens, tables = host.ids_np, host.pos_np, host.slots_np, host.lens_np, host.tables_np
         width = 1
         for i, req in enumerate(requests):
             p = req.num_computed_tokens
@@ -197,17 +208,20 @@ class DecodeGraphs:
         slots[n:size] = pad * bs
         lens[n:size] = 1
         tables[n:size, 0] = pad
-        # The host buffers are written again only after this step's sampling has synchronised.
-        self.ids[:size].copy_(self.h_ids[:size], non_blocking=True)
-        self.pos[:size].copy_(self.h_pos[:size], non_blocking=True)
-        self.slots[:size].copy_(self.h_slots[:size], non_blocking=True)
-        self.lens[:size].copy_(self.h_lens[:size], non_blocking=True)
-        self.tables[:size, :width].copy_(self.h_tables[:size, :width], non_blocking=True)
+        self.ids[:size].copy_(host.ids[:size], non_blocking=True)
+        self.pos[:size].copy_(host.pos[:size], non_blocking=True)
+        self.slots[:size].copy_(host.slots[:size], non_blocking=True)
+        self.lens[:size].copy_(host.lens[:size], non_blocking=True)
+        self.tables[:size, :width].copy_(host.tables[:size, :width], non_blocking=True)
+        if feed is not None:
+            self.ids.index_copy_(0, *feed)
         return size
 
-    def run(self, requests: Sequence[Request]) -> torch.Tensor:
-        """The logits [n, V] of a decode step over `requests` (graph_step said yes)."""
-        size = self.fill(requests)
+    def run(
+        self, requests: Sequence[Request], feed: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The logits [n, V] of a decode step over `requests` (graph_step said yes); `feed` as `fill`."""
+        size = self.fill(requests, feed)
         self.steps += 1
         if self.capture_graphs:
             self.graphs[size].replay()

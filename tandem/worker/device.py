@@ -32,6 +32,9 @@ class DevicePlan:
     decode_graphs: str  # GRAPHS_CAPTURE, GRAPHS_PADDED or GRAPHS_OFF
     # Why "auto" resolved as it did (said at start-up), e.g. "auto: a CUDA GPU is visible".
     reason: str = ""
+    # Overlap scheduling: step N+1 is planned and launched before step N's tokens are read back
+    # (tandem/core/overlap.py). `async_scheduling` None: on for CUDA, off on a CPU.
+    async_scheduling: bool = False
 
     @property
     def on_gpu(self) -> bool:
@@ -86,11 +89,13 @@ def resolve_device_plan(
     if device == "cuda" and (config.quantization in QUANTIZATION_METHODS or config.quantization == "gguf"):
         raise ValueError(
             f"quantization={config.quantization!r} runs on Tandem's CPU kernels only; on CUDA the weights run "
-            "in bfloat16 or float16 (an fp8 checkpoint is widened at load; 4-bit ones are not taken)"
+            "in bfloat16 or float16 (an fp8 checkpoint runs torch._scaled_mm from compute capability 8.9, "
+            "else is widened at load; 4-bit ones are not taken)"
         )
     cpu_kernels = device == "cpu" and backend == "torch"
     if config.enforce_eager or not graph_safe or backend != "triton":
         graphs = GRAPHS_OFF
     else:
         graphs = GRAPHS_CAPTURE if device == "cuda" else GRAPHS_PADDED
-    return DevicePlan(device, backend, cpu_kernels, graphs, reason)
+    overlap = device == "cuda" if config.async_scheduling is None else config.async_scheduling
+    return DevicePlan(device, backend, cpu_kernels, graphs, reason, overlap)

@@ -1,36 +1,46 @@
 """Draft trees from heads over the target's own features: EAGLE (EAGLE-2's dynamic tree) and Medusa.
 
-The runner hands the drafter the target's last hidden states after every forward (`capture`): for
-each request, the rows whose tokens stay (a prompt chunk's, a decode's, a verification's root and
-accepted drafts), kept per request by position until a proposal has used them. Feature p is what
-the target's LM head read to choose token p + 1.
+The runner hands the drafter the target's last hidden states after every forward (`capture`): they
+go into a paged **feature store** beside the KV cache, indexed like it (one row of `hidden_size`
+per KV slot, `block_caches` so copy-on-write and swapping move it with the KV), in one write per
+step: every row at its own slot, so a step costs the same few tensor operations whatever the
+requests' lengths and whether or not the head drafted (a verified tree's accepted path, when it
+is not the first branch, is then moved down like its KV). Feature p is what the target's LM head
+read to choose token p + 1; a cached prefix's blocks hold the features of the request that
+computed them, as they hold its KV.
 
 **EAGLE.** The head's decoder layer keeps its own paged KV cache, indexed by the target's block
 tables (same block ids, its own tensors; copy-on-write copies it too), and catches up lazily: a
 proposal's first pass feeds every position from where the head's KV ends up to the last known
-feature, row p being (feature p, token p + 1); its last row predicts the feature after the last
-known token, whose logits (through the target's LM head) give the root's children. Then, per depth,
-the `tree_topk` best nodes of that depth (by path log-probability) are expanded: one head pass
-over every node expanded so far (the tree's nodes are this pass's queries, each seeing the context
-and its expanded ancestors: `ForwardBatch.tree_bits`), laid out in the head's KV slots after the
-last known token (slots the scheduler reserved for the target's verification of the same nodes;
-the head's own tensors, so nothing of the target's is touched, and later catch-up overwrites
-them). Row of node x at depth d: (its parent's predicted feature, x), at position root + d - 1.
-The proposal is the `num_speculative_tokens` best nodes by path log-probability (a node's is at
+feature, row p being (feature p, token p + 1), read from the store in one gather; its last row
+predicts the feature after the last known token, whose logits (through the target's LM head) give
+the root's children. While the controller keeps the head off nothing of it runs; the positions it
+missed are fed by the next proposal's first pass (`DraftPass.catch_up_tokens`, which the
+controller prices and the planner caps per step). Then, per depth, the `tree_topk` best nodes of
+that depth (by path log-probability) are expanded: one head pass over every node expanded so far
+(the tree's nodes are this pass's queries, each seeing the context and its expanded ancestors:
+`ForwardBatch.tree_bits`), laid out in the head's KV slots after the last known token (slots the
+scheduler reserved for the target's verification of the same nodes; the head's own tensors, so
+nothing of the target's is touched, and later catch-up overwrites them). Row of node x at depth d:
+(its parent's predicted feature, x), at position root + d - 1. A tree of k nodes is at most k deep,
+so a request given k nodes is expanded to depth min(`tree_depth`, k): a smaller node budget costs
+fewer head passes. The proposal is the k best nodes by path log-probability (a node's is at
 most its parent's, so they form a tree), ordered depth first, best child first: the most likely
 path is the first branch, whose KV needs no copy when it is accepted.
 
 **Medusa.** Head k over the last known feature proposes the token k after the last known one; the
 tree is the best `num_speculative_tokens` paths of the per-head top-k's cartesian product by the
-product of their probabilities (best first).
+product of their probabilities (best first). One pass, whatever the tree's size.
 
-A request whose last known feature was never captured here (KV computed by another instance) gets
+A request whose last known feature was not computed here (KV computed by another instance) gets
 a chain repeating its last token: rejected, harmless.
 """
 
 from __future__ import annotations
 
 import heapq
+import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -38,7 +48,7 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.draft_tree import DraftTree
 from tandem.core.request import Request
-from tandem.core.step_io import RunnerOutput
+from tandem.core.step_io import DraftPass, RunnerOutput
 from tandem.model.attention import get_attention_backend
 from tandem.model.draft_heads import EagleHead, HeadConfig, MedusaHeads, eagle_layer_config, load_head
 from tandem.model.kv_quant import KVCacheFormat
@@ -58,6 +68,21 @@ class HeadHost(Protocol):
     plan: DevicePlan
 
     def allocate_kv(self, mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]: ...
+
+
+@dataclass(slots=True)
+class HeadWork:
+    """What the drafter has done, counted (tests and benchmarks read it: a step in which no request
+    drafts must cost one feature write and nothing else)."""
+
+    # Target forwards whose features were stored: one store write each (`capture`).
+    feature_writes: int = 0
+    # Feature rows written: the forwards' rows plus accepted paths moved into place.
+    feature_rows: int = 0
+    # Head forward passes (EAGLE: a catch-up pass and one per expanded depth; Medusa: one).
+    passes: int = 0
+    # Positions fed to the head's KV beyond what proposing on consecutive steps feeds.
+    catch_up_tokens: int = 0
 
 
 class _Node:
@@ -98,6 +123,10 @@ def _walk(tree: DraftTree, tokens: list[int]) -> list[int]:
     for tok in tokens:
         path.append(next(c for c in tree.children(path[-1] if path else -1) if tree.tokens[c] == tok))
     return path
+
+
+def _slot(req: Request, position: int, block_size: int) -> int:
+    return req.block_ids[position // block_size] * block_size + position % block_size
 
 
 def _pad(nodes: list[_Node], k: int) -> None:
@@ -157,98 +186,133 @@ class HeadDrafter:
         else:
             self.head = load_head(cfg, target_config, host.dtype, host.device, None, None)
             self.depth = min(self.depth, cfg.num_heads)
-        # request id -> (first position, [m, hidden] features of positions first .. first + m - 1)
-        self.features: dict[str, tuple[int, torch.Tensor]] = {}
+        # The feature store: one row per KV slot, `[1, num_blocks, block_size, hidden]` (a cache
+        # `block_caches` lists: copy-on-write and swapping treat it as one more layer).
+        self.feature_cache = torch.zeros(
+            (1, num_blocks, host.block_size, target_config.hidden_size), dtype=host.dtype, device=host.device
+        )
+        self._flat = self.feature_cache.view(-1, target_config.hidden_size)
+        # request id -> the first position whose feature was computed here (earlier ones: a cached
+        # prefix's, trusted like its KV, or another instance's, never written here).
+        self.seen_from: dict[str, int] = {}
         # EAGLE: request id -> how many leading positions hold the head's KV
         self.valid: dict[str, int] = {}
+        # request id -> its token count after the last step it drafted in (what a proposal on the
+        # next step feeds is that step's; anything past it, a catch-up).
+        self.drafted_to: dict[str, int] = {}
+        self.work = HeadWork()
+        # The last proposal's passes, timed (the runner reports them with the step's output).
+        self.passes: list[DraftPass] = []
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
+    def block_caches(self) -> list[list[torch.Tensor]]:
+        """The caches indexed by the target's block ids: the head's KV (EAGLE) and the features."""
+        return ([self.kv_caches] if self.kv_caches else []) + [[self.feature_cache]]
+
     def sync(self, reqs: list[Request], preempted: list[Request], finished: list[str]) -> None:
-        """Before a step: forget ended and preempted requests, and clip what rejected drafts or a
-        rewind made stale (features and head KV past the target's computed tokens). A request seen
-        for the first time trusts the head KV of the positions it did not compute here (a cached
-        prefix's blocks hold what the head fed for the request that computed them)."""
+        """Before a step: forget ended and preempted requests, and clip the head KV that rejected
+        drafts or a rewind made stale (past the target's computed tokens). A request seen for the
+        first time trusts the head KV and features of the positions it did not compute here (a
+        cached prefix's blocks hold what the request that computed them fed and stored)."""
         for rid in finished:
-            self.features.pop(rid, None)
-            self.valid.pop(rid, None)
+            self._drop(rid)
         for r in preempted:
-            self.features.pop(r.request_id, None)
-            self.valid.pop(r.request_id, None)
+            self._drop(r.request_id)
+        valid, seen = self.valid, self.seen_from
         for r in reqs:
             rid, done = r.request_id, r.num_computed_tokens
-            self.valid[rid] = min(self.valid.get(rid, done), done)
-            f = self.features.get(rid)
-            if f is not None and f[0] + f[1].shape[0] > done:
-                if f[0] >= done:
-                    del self.features[rid]
-                else:
-                    self.features[rid] = (f[0], f[1][: done - f[0]])
+            v = valid.get(rid)
+            if v is None:
+                valid[rid] = seen[rid] = done
+            elif v > done:
+                valid[rid] = done
+
+    def _drop(self, rid: str) -> None:
+        self.valid.pop(rid, None)
+        self.seen_from.pop(rid, None)
+        self.drafted_to.pop(rid, None)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.features.pop(rid, None)
-            self.valid.pop(rid, None)
-
-    def _append(self, rid: str, position: int, rows: torch.Tensor) -> None:
-        f = self.features.get(rid)
-        if self.method == "medusa":  # only the last known feature is ever read
-            self.features[rid] = (position + rows.shape[0] - 1, rows[-1:].clone())
-            return
-        if f is None or position > f[0] + f[1].shape[0] or position < f[0]:
-            self.features[rid] = (position, rows.clone())
-        else:
-            self.features[rid] = (f[0], torch.cat((f[1][: position - f[0]], rows)))
+            self._drop(rid)
 
     def capture(
         self,
         reqs: list[Request],
-        num_tokens: list[int],
-        ends: object,
+        slots: torch.Tensor,
         hidden: torch.Tensor,
-        drafts: dict[str, list[int]],
         trees: dict[str, DraftTree],
         out: RunnerOutput,
     ) -> None:
-        """After the target's forward and verification: keep the features of the rows whose tokens
-        stay (a forked sample's are its leader's)."""
-        for i, req in enumerate(reqs):
-            rid = req.request_id
-            end = int(ends[i])  # type: ignore[index]
-            first = end - num_tokens[i]
-            if drafts.get(rid):
-                accepted = out.accepted.get(rid, [])
-                tree = trees.get(rid)
-                if tree is not None:
-                    rows = [first] + [first + 1 + node for node in _walk(tree, accepted)]
-                else:
-                    rows = list(range(first, first + 1 + len(accepted)))
-                feats = hidden[torch.tensor(rows, device=hidden.device)]
-            else:
-                feats = hidden[first:end]
-            self._append(rid, req.num_computed_tokens, feats)
+        """After the target's forward and verification: store every row's feature at its own slot
+        (`slots`: the batch's slot mapping), then move each accepted tree path that is not the
+        first branch down to the slots after its root, as its KV was (a forked sample's features
+        are its leader's: they share blocks)."""
+        self._flat.index_copy_(0, slots, hidden.to(self._flat.dtype))
+        w = self.work
+        w.feature_writes += 1
+        w.feature_rows += int(hidden.shape[0])
+        for req in reqs:
             for child in req.pending_children:
-                # A forked sample shares the leader's blocks, so everything the leader's head has
-                # not fed yet (its prompt, unless it drafted) is the child's to feed as well.
-                self.features[child.request_id] = self.features[rid]
-                self.valid[child.request_id] = self.valid.get(rid, req.num_computed_tokens)
+                # Everything the leader's head has not fed yet (its prompt, unless it drafted) is
+                # the child's to feed as well.
+                cid = child.request_id
+                self.valid[cid] = self.valid.get(req.request_id, req.num_computed_tokens)
+                self.seen_from[cid] = self.seen_from.get(req.request_id, req.num_computed_tokens)
+        if not out.accepted and not trees:
+            return
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.host.block_size
+        for req in reqs:
+            rid = req.request_id
+            accepted = out.accepted.get(rid)
+            if accepted is None:
+                continue
+            # The drafting step's tokens: the root, the accepted drafts and the target's own.
+            self.drafted_to[rid] = req.num_tokens + len(accepted) + 1
+            tree = trees.get(rid)
+            if tree is None or not accepted:
+                continue
+            root = req.num_computed_tokens  # not advanced yet
+            for j, node in enumerate(_walk(tree, accepted)):
+                if node != j:
+                    src.append(_slot(req, root + node + 1, bs))
+                    dst.append(_slot(req, root + j + 1, bs))
+        if src:
+            dev = self._flat.device
+            self._flat[torch.tensor(dst, device=dev)] = self._flat[torch.tensor(src, device=dev)]
+            w.feature_rows += len(src)
 
     # -- proposals ------------------------------------------------------------------------------
 
     def propose(self, todo: list[tuple[Request, int]]) -> dict[str, DraftTree]:
-        """A tree of exactly k nodes per request."""
+        """A tree of exactly k nodes per request. The head's passes, timed, are left in
+        `self.passes` for the runner to report (`RunnerOutput.draft_passes`)."""
+        self.passes = []
         ready: list[tuple[Request, int]] = []
         out: dict[str, DraftTree] = {}
         for r, k in todo:
-            f = self.features.get(r.request_id)
             last = r.num_tokens - 2  # the last position whose feature the target has computed
-            if f is None or not f[0] <= last < f[0] + f[1].shape[0]:
+            if last < self.seen_from.get(r.request_id, last + 1):
                 out[r.request_id] = DraftTree.chain([r.token_ids[-1]] * k)
             else:
                 ready.append((r, k))
         if ready:
             out.update(self._eagle(ready) if self.method == "eagle" else self._medusa(ready))
         return out
+
+    def _catch_up(self, r: Request, start: int) -> tuple[int, int]:
+        """Positions from `start` to the last known one that a proposal on every step would not
+        feed now (its previous step's tokens are what it feeds), and of those, how many follow the
+        prompt (missed while the head was off; the rest are a new request's prompt)."""
+        last = r.num_tokens - 2
+        drafted = self.drafted_to.get(r.request_id)
+        first = start if drafted is None else max(start, drafted - 1)
+        behind = max(0, last + 1 - first)
+        missed = max(0, last + 1 - max(first, r.num_prompt_tokens))
+        return behind, min(missed, behind)
 
     def _logprobs(self, feats: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.target.compute_logits(feats).float(), dim=-1)  # type: ignore[attr-defined]
@@ -271,27 +335,29 @@ class HeadDrafter:
         assert isinstance(head, EagleHead)
         embed: Any = self.target_module.embed_tokens
         reqs = [r for r, _ in todo]
+        # A tree of k nodes is at most k deep: expansions past that depth could place no node.
+        depths = [min(self.depth, k) for _, k in todo]
+        start_t = time.perf_counter()
         # Pass 0: catch up to the last known feature; its row predicts the root's children.
-        starts, q_lens, tokens, feats = [], [], [], []
+        starts, q_lens, tokens = [], [], []
+        behind = missed = 0
         for r in reqs:
-            first, known = self.features[r.request_id]
             last = r.num_tokens - 2
-            s = max(min(self.valid[r.request_id], last), first)
+            s = min(self.valid[r.request_id], last)
+            b, m = self._catch_up(r, s)
+            behind, missed = behind + b, missed + m
             starts.append(s)
             q_lens.append(last + 1 - s)
             tokens.extend(r.token_ids[s + 1 : last + 2])
-            feats.append(known[s - first : last + 1 - first])
         batch, ends = build_batch(reqs, q_lens, host.block_size, host.device, starts_l=starts)
         batch.input_ids = torch.tensor(tokens, dtype=torch.long, device=host.device)
         head.backend.prepare(batch)
-        g = head(embed(batch.input_ids), torch.cat(feats), batch, self.kv_caches[0])
+        feats = self._flat[batch.slot_mapping]  # the target's features of every fed position
+        g = head(embed(batch.input_ids), feats, batch, self.kv_caches[0])
         root_g = g[torch.from_numpy(ends - 1).to(g.device)]
         root_logp = self._logprobs(root_g)
-        for r, f in zip(reqs, (self.features[r.request_id] for r in reqs)):
+        for r in reqs:
             self.valid[r.request_id] = r.num_tokens - 1
-            keep = r.num_tokens - 1 - f[0]  # features before what the next proposal feeds: done
-            if keep > 0:
-                self.features[r.request_id] = (f[0] + keep, f[1][keep:])
         trees: list[list[_Node]] = []
         expanded: list[list[int]] = []
         frontier: list[list[int]] = []
@@ -305,11 +371,18 @@ class HeadDrafter:
             # blocks hold (the scheduler reserved at least k).
             # (At most 63: a tree mask is one 64-bit word per query token.)
             room = len(r.block_ids) * host.block_size - (r.num_tokens - 1)
-            caps.append(min(room, self.topk * self.depth, 63))
-        for _ in range(1, self.depth):
+            caps.append(min(room, self.topk * depths[i], 63))
+        w = self.work
+        w.passes += 1
+        w.catch_up_tokens += behind
+        self.passes.append(
+            DraftPass(len(reqs), time.perf_counter() - start_t, catch_up_tokens=behind, missed_tokens=missed)
+        )
+        for level in range(1, max(depths)):
+            start_t = time.perf_counter()
             picks: list[list[int]] = []
             for i, nodes in enumerate(trees):
-                room = caps[i] - len(expanded[i])
+                room = caps[i] - len(expanded[i]) if level < depths[i] else 0
                 best = sorted(frontier[i], key=lambda j: -nodes[j].score)[: min(self.topk, max(0, room))]
                 picks.append(best)
                 expanded[i].extend(best)
@@ -356,6 +429,8 @@ class HeadDrafter:
                     nxt.extend(self._children(trees[i], node, logp[row], self.topk))
                     row += 1
                 frontier[i] = nxt
+            w.passes += 1
+            self.passes.append(DraftPass(len(active), time.perf_counter() - start_t))
         out = {}
         for i, (r, k) in enumerate(todo):
             nodes = trees[i]
@@ -371,8 +446,14 @@ class HeadDrafter:
     def _medusa(self, todo: list[tuple[Request, int]]) -> dict[str, DraftTree]:
         head = self.head
         assert isinstance(head, MedusaHeads)
-        last = torch.stack([self.features[r.request_id][1][-1] for r, _ in todo])
+        start_t = time.perf_counter()
+        bs = self.host.block_size
+        where = [_slot(r, r.num_tokens - 2, bs) for r, _ in todo]  # each request's last known feature
+        last = self._flat[torch.tensor(where, device=self._flat.device)]
         logp = self._logprobs(head(last).flatten(0, 1)).view(len(head.heads), len(todo), -1)
+        # One pass reads only the last feature: nothing to catch up on, whatever was missed.
+        self.work.passes += 1
+        self.passes.append(DraftPass(len(todo), time.perf_counter() - start_t))
         out = {}
         for i, (r, k) in enumerate(todo):
             width = min(self.topk, logp.shape[-1])

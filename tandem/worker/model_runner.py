@@ -16,13 +16,14 @@ from tandem.model.loader import auto_dtype, load_model, resolve_dtype
 from tandem.sampling_params import SamplingParams
 from tandem.spec.config import SpeculativeConfig
 from tandem.worker import prompt_logprobs
-from tandem.worker.batch import SampleRow, build_batch
+from tandem.worker.batch import SampleRow, build_batch, to_device
 from tandem.worker.cuda_graphs import DecodeGraphs, capture_sizes, graph_step
 from tandem.worker.device import GRAPHS_CAPTURE, GRAPHS_OFF, GRAPHS_PADDED, DevicePlan, resolve_device_plan
 from tandem.worker.drafter import Drafter
 from tandem.worker.gpu_memory import CudaMemoryProbe, KVBudget, MemoryProbe, graph_reserve, size_kv_cache
 from tandem.worker.head_drafter import HeadDrafter
 from tandem.worker.sampler import PenaltyState, Sampler, SamplingBatch
+from tandem.worker.step_handle import StepHandle, placeholder_inputs
 from tandem.worker.token_mask import GrammarHook, token_mask
 from tandem.worker.tree_verify import compact_accepted, lay_out_trees, path_history, verify_trees
 
@@ -358,8 +359,8 @@ class ModelRunner:
         out = [self.kv_caches]
         if self.drafter is not None:
             out.append(self.drafter.kv_caches)
-        if self.head_drafter is not None and self.head_drafter.kv_caches:
-            out.append(self.head_drafter.kv_caches)
+        if self.head_drafter is not None:  # its KV (EAGLE) and the target's features it keeps
+            out.extend(self.head_drafter.block_caches())
         return out
 
     def swap_block_bytes(self) -> int:
@@ -473,11 +474,7 @@ class ModelRunner:
         if sched.swap_out:
             self.swap_out(sched.swap_out)
         if sched.block_copies:
-            src = torch.tensor([s for s, _ in sched.block_copies], device=self.device)
-            dst = torch.tensor([d for _, d in sched.block_copies], device=self.device)
-            for caches in self.block_caches():
-                for cache in caches:
-                    cache[:, dst] = cache[:, src]
+            self._copy_blocks(sched.block_copies)
         if sched.swap_in:
             self.swap_in(sched.swap_in)
         if sched.is_empty:
@@ -499,6 +496,7 @@ class ModelRunner:
                 drafts[rid] = list(head_tree.tokens)
                 if not head_tree.is_chain:  # verified as a tree, like the scheduler's (suffix) trees
                     sched.draft_trees[rid] = head_tree
+            out.draft_passes = heads.passes  # timed: the controller prices head passes per depth
 
         trees = sched.draft_trees
         graphs = self.graphs
@@ -547,8 +545,100 @@ class ModelRunner:
             out.forward_time += time.perf_counter() - t0
             self._sample(logits, rows, spans, sched, drafts, draft_probs, out)
         if heads is not None:
-            heads.capture(sched.requests, sched.num_tokens, ends, hidden, drafts, trees, out)
+            heads.capture(sched.requests, batch.slot_mapping, hidden, trees, out)
         return out
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: (src, dst) blocks in every cache."""
+        src = to_device([s for s, _ in pairs], torch.long, self.device)
+        dst = to_device([d for _, d in pairs], torch.long, self.device)
+        for caches in self.block_caches():
+            for cache in caches:
+                cache[:, dst] = cache[:, src]
+
+    # -- one step launched ahead of the host (overlap scheduling) -------------
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
+        """Queue a step whose tokens nobody needs on the host before the next step is planned
+        (tandem/core/overlap.py's `sync_reason` is None: no drafts, forks, swaps, prompt logprobs,
+        grammars, penalties or token masks). Inputs that are placeholders come from
+        `prev.tokens` on the device. Nothing is read back here: `collect` does it."""
+        for rid in sched.finished_ids:
+            self.generators.pop(rid, None)
+        if self._penalty_state is not None:
+            self._penalty_state.forget(sched.finished_ids)
+        if sched.block_copies:
+            self._copy_blocks(sched.block_copies)
+        out = RunnerOutput()
+        index, offset, src = placeholder_inputs(sched.requests, sched.num_tokens, prev)
+        fed = None
+        if index:
+            assert prev is not None and prev.tokens is not None  # placeholder_inputs checked
+            fed = prev.tokens[to_device(src, torch.long, self.device)]
+        graphs = self.graphs
+        logits: torch.Tensor | None
+        t0 = time.perf_counter()
+        if graphs is not None and graph_step(sched.requests, sched.num_tokens, False, graphs.sizes[-1]):
+            # Every request decodes its last token: a placeholder sits at offset 0 of its own row.
+            feed = None if fed is None else (to_device(index, torch.long, self.device), fed)
+            logits = graphs.run(sched.requests, feed)
+            sampling = list(sched.requests)
+        else:
+            batch, ends = build_batch(sched.requests, sched.num_tokens, self.block_size, self.device)
+            if fed is not None:
+                starts = batch.query_start_loc
+                flat = [int(starts[i]) + at for i, at in zip(index, offset)]
+                batch.input_ids[to_device(flat, torch.long, self.device)] = fed
+            sampling, logits_rows = [], []
+            for i, req in enumerate(sched.requests):
+                if req.num_computed_tokens + sched.num_tokens[i] >= req.num_tokens:
+                    sampling.append(req)
+                    logits_rows.append(int(ends[i]) - 1)
+            batch.logits_indices = to_device(logits_rows, torch.long, self.device)
+            self.backend.prepare(batch)
+            hidden = self.model(batch, self.kv_caches)
+            logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
+        out.forward_time = time.perf_counter() - t0  # on CUDA: until the work is queued
+        if logits is None:
+            return StepHandle(None, None, None, out=out)
+        tokens = self.sampler.sample_tokens(logits, self.sampling_batch([SampleRow(r, []) for r in sampling]))
+        num_logprobs = [r.sampling.logprobs for r in sampling]
+        lps = None
+        if any(k is not None for k in num_logprobs):
+            lps = Sampler.logprob_tensors(torch.log_softmax(logits.float(), dim=-1), tokens, num_logprobs)
+        ready = None
+        if self.device.type == "cuda":
+
+            def to_host(t: torch.Tensor) -> torch.Tensor:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                return host.copy_(t, non_blocking=True)
+
+            host = to_host(tokens)
+            if lps is not None:
+                lps = (to_host(lps[0]), to_host(lps[1]), to_host(lps[2]), to_host(lps[3]))
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = tokens
+        rows = {r.request_id: i for i, r in enumerate(sampling)}
+        return StepHandle(tokens, host, ready, rows, out, lps, num_logprobs)
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """The launched step's output: waits for its tokens' copy to the host (the step's one
+        synchronisation; logprobs, where asked, were copied before the same event)."""
+        if handle.host is not None:
+            if handle.ready is not None:
+                handle.ready.synchronize()
+            values = handle.host.tolist()
+            handle.out.sampled = {rid: values[row] for rid, row in handle.rows.items()}
+            if handle.logprobs is not None:
+                lps = Sampler.logprobs_of(handle.logprobs, handle.num_logprobs)
+                for rid, row in handle.rows.items():
+                    lp = lps[row]
+                    if lp is not None:
+                        handle.out.logprobs[rid] = [lp]
+        return handle.out
 
     def _sample(
         self,
@@ -684,17 +774,15 @@ class ModelRunner:
         dev = self.device
         params = [r.request.sampling for r in rows]
         greedy_l = [p.greedy for p in params]
-        temperature = torch.tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy_l)], device=dev
-        )
+        temperature = to_device([1.0 if g else p.temperature for p, g in zip(params, greedy_l)], torch.float32, dev)
         vocab = self.vocab_size
         top_k = top_p = min_p = None
         if any(p.top_k for p in params):
-            top_k = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in params], device=dev)
+            top_k = to_device([min(p.top_k, vocab) if p.top_k else vocab for p in params], torch.long, dev)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
+            top_p = to_device([p.top_p for p in params], torch.float32, dev)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            min_p = to_device([p.min_p for p in params], torch.float32, dev)
 
         presence = frequency = repetition = counts = prompt_mask = None
         penalized = [p.uses_penalties for p in params]
@@ -712,7 +800,7 @@ class ModelRunner:
                 if stops:
                     if held_stops is None:
                         held_stops = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
-                    held_stops[i, torch.tensor(stops, device=dev)] = True
+                    held_stops[i, to_device(stops, torch.long, dev)] = True
 
         bias = blocked = None
         if any(p.uses_token_controls for p in params):
@@ -735,7 +823,8 @@ class ModelRunner:
             generators.append(gen)
         return SamplingBatch(
             temperature=temperature,
-            greedy=torch.tensor(greedy_l, device=dev),
+            greedy=to_device(greedy_l, torch.bool, dev),
+            greedy_rows=greedy_l,
             all_greedy=all(greedy_l),
             top_k=top_k,
             top_p=top_p,
@@ -768,8 +857,8 @@ class ModelRunner:
             if sp.logit_bias:
                 if bias is None:
                     bias = torch.zeros(len(rows), vocab, device=dev)
-                ids = torch.tensor(list(sp.logit_bias.keys()), device=dev)
-                bias[i, ids] = torch.tensor(list(sp.logit_bias.values()), dtype=bias.dtype, device=dev)
+                ids = to_device(list(sp.logit_bias.keys()), torch.long, dev)
+                bias[i, ids] = to_device(list(sp.logit_bias.values()), bias.dtype, dev)
             if sp.allowed_token_ids is not None:
                 allowed = torch.zeros(vocab, dtype=torch.bool, device=dev)
                 allowed[torch.tensor(sp.allowed_token_ids, device=dev)] = True

@@ -50,6 +50,9 @@ class SamplingBatch:
     # nothing else is allowed (a finished grammar, an allowed set of stop tokens only), since
     # min_tokens cannot be met there without breaking a hard constraint.
     held_stops: torch.Tensor | None = None
+    # `greedy` as the host knows it: where given, the sampler finds the rows to draw for without
+    # reading the device (overlap scheduling launches a step with no read back).
+    greedy_rows: list[bool] | None = None
 
 
 @dataclass(slots=True)
@@ -131,17 +134,28 @@ class Sampler:
         logits = logits.float()
         want_lp = any(k is not None for k in sb.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
-        logits = self._process(logits, sb)
-        tokens = row_argmax(logits)
-        if not sb.all_greedy:
-            rows = torch.nonzero(~sb.greedy).squeeze(1)
-            probs = self._probs(logits[rows], sb, rows)
-            tokens[rows] = self._draw(probs, sb, rows)
+        tokens = self.sample_tokens(logits, sb)
         token_list = tokens.tolist()
         lps: list[SampledLogprobs | None] = [None] * len(token_list)
         if raw_logprobs is not None:
             lps = self.logprobs(raw_logprobs, tokens, sb.num_logprobs)
         return token_list, lps
+
+    def sample_tokens(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """Each row's token as a device tensor; with `sb.greedy_rows` given, nothing is read back
+        to the host on the way."""
+        logits = self._process(logits.float(), sb)
+        tokens = row_argmax(logits)
+        if not sb.all_greedy:
+            if sb.greedy_rows is None:
+                rows = torch.nonzero(~sb.greedy).squeeze(1)
+                row_list = rows.tolist()
+            else:
+                row_list = [i for i, g in enumerate(sb.greedy_rows) if not g]
+                rows = torch.tensor(row_list, dtype=torch.long, device=logits.device)
+            probs = self._probs(logits[rows], sb, rows)
+            tokens[rows] = self._draw(probs, sb, rows, row_list)
+        return tokens
 
     def greedy_tokens(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """The argmax of each row after penalties and `min_tokens` masking."""
@@ -206,9 +220,12 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
 
-    def _draw(self, probs: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    def _draw(
+        self, probs: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor, row_list: list[int] | None = None
+    ) -> torch.Tensor:
         noise = torch.empty_like(probs)
-        row_list = rows.tolist()
+        if row_list is None:
+            row_list = rows.tolist()
         unseeded = [i for i, r in enumerate(row_list) if sb.generators[r] is None]
         if unseeded:
             if len(unseeded) == len(row_list):
@@ -248,10 +265,26 @@ class Sampler:
     def logprobs(
         raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
     ) -> list[SampledLogprobs | None]:
+        return Sampler.logprobs_of(Sampler.logprob_tensors(raw, tokens, num_logprobs), num_logprobs)
+
+    @staticmethod
+    def logprob_tensors(
+        raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where `raw` is: each row's sampled-token logprob and rank, and the top logprobs and ids
+        (as many as the most any row asks for)."""
         k_max = max(k for k in num_logprobs if k is not None)
         chosen = raw.gather(1, tokens[:, None]).squeeze(1)
         ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
         top_vals, top_ids = raw.topk(k_max, dim=-1) if k_max > 0 else (raw[:, :0], tokens[:, None][:, :0])
+        return chosen, ranks, top_vals, top_ids
+
+    @staticmethod
+    def logprobs_of(
+        tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], num_logprobs: list[int | None]
+    ) -> list[SampledLogprobs | None]:
+        """`logprob_tensors`' output read into each row's SampledLogprobs (None where not asked)."""
+        chosen, ranks, top_vals, top_ids = tensors
         chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
         vals_l, ids_l = top_vals.tolist(), top_ids.tolist()
         out: list[SampledLogprobs | None] = []

@@ -258,6 +258,8 @@ def test_train_draft_writes_a_head_that_loads_and_resumes(method, target_dir, tm
         "--threads",
         "1",
     ]
+    if method == "eagle":  # two depths on the head's own predictions, the LM head on 8 rows
+        common += ["--unroll", "2", "--ce-rows", "8"]
     assert main([*common, "--steps", "3"]) == 0
     state = torch.load(out / ".train" / "state.pt")
     assert state["step"] == 3
@@ -274,6 +276,76 @@ def test_train_draft_writes_a_head_that_loads_and_resumes(method, target_dir, tm
     assert len(out_tokens[0].outputs[0].token_ids) == 6
     # A resume with nothing to resume from is a usage error (exit status 2, the message on stderr).
     assert main([*common[:6], str(tmp_path / "none"), "--resume"]) == 2
+
+
+def test_train_draft_without_out_writes_where_the_engine_looks(model_factory) -> None:
+    """No --out: the head lands beside the target's folder (for a pulled model, in the model
+    cache), which is where `{"method": "eagle"}` with no model finds it."""
+    from tandem.entrypoints.cli import main
+
+    target = model_factory("llama", seed=11, **TARGET)
+    args = ["train-draft", "--model", str(target), "--method", "eagle", "--num-prompts", "4"]
+    args += ["--answer-tokens", "8", "--seq-len", "8", "--batch-size", "2", "--steps", "1"]
+    assert main([*args, "--threads", "1"]) == 0
+    assert (target.with_name(f"{target.name}-eagle") / "config.json").is_file()
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "adaptive": False}
+    out = LLM(str(target), speculative_config=spec, num_threads=1).generate(
+        [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_unrolled_training_attention_sees_the_context_and_the_ancestors_only() -> None:
+    """Depth d of an unrolled EAGLE step (`--unroll`): row p stands for a node d - 1 deep in a
+    draft from the context up to p - d + 1, so its output depends on depth 1's rows up to p - d + 1
+    (the target's features) and on row p - (d - e) of each depth e in 2..d, nothing else."""
+    from tandem.entrypoints.train_draft import _TrainAttention
+
+    heads, kv_heads, dim, n, depth = 2, 1, 4, 7, 3
+    attn = _TrainAttention(heads, kv_heads, dim)
+    attn.shape = (1, n)
+    torch.manual_seed(0)
+    ks = [torch.randn(n, kv_heads, dim, requires_grad=True) for _ in range(depth)]
+    vs = [torch.randn(n, kv_heads, dim, requires_grad=True) for _ in range(depth)]
+    for d in range(depth):
+        out = attn.forward(torch.randn(n, heads, dim), ks[d], vs[d], None, None)
+    p = 5
+    out[p].sum().backward()
+    for e in range(depth):
+        reached = {j for j in range(n) if vs[e].grad is not None and vs[e].grad[j].abs().sum() > 0}
+        expected = set(range(p - depth + 2)) if e == 0 else {p - (depth - 1 - e)}
+        assert reached == expected, (e, reached, expected)
+    # Depth 1 alone is plain causal attention.
+    attn.past = []
+    q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    causal = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1).expand(heads, n, dim),
+        v.transpose(0, 1).expand(heads, n, dim),
+        is_causal=True,
+    )
+    assert torch.allclose(attn.forward(q, k, v, None, None), causal.transpose(0, 1), atol=1e-6)
+
+
+def test_chat_and_code_prompt_set(tokenizer_dir) -> None:
+    """`--prompts chat+code`: two thirds the chat set's train split through the chat template, a
+    third raw code, mixed; `chat` alone needs a chat template."""
+    from transformers import AutoTokenizer
+
+    from tandem.entrypoints.train_draft import TrainConfig, build_prompts
+    from tandem.loadgen.chat_prompts import chat_messages
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        build_prompts(TrainConfig(model="m", method="eagle", prompts="chat", num_prompts=3), tok)
+    tok.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    cfg = TrainConfig(model="m", method="eagle", prompts="chat+code", num_prompts=12, prompt_tokens=24)
+    texts = [tok.decode(p) for p in build_prompts(cfg, tok)]
+    chat = [t for t in texts if t.startswith("<<")]
+    assert len(texts) == 12 and len(chat) == 8
+    assert {t[2:-2] for t in chat} == set(chat_messages(8, 0, "train"))
+    assert chat != texts[:8]  # interleaved, so the held-out tail holds both kinds
 
 
 def test_the_best_nodes_form_a_tree_with_the_likeliest_path_first() -> None:
