@@ -31,7 +31,13 @@ CASES = [
 ]
 
 
-async def run(config: EngineConfig, seed: int, live: bool) -> tuple[dict[int, list[list[int]]], int, dict]:
+# Moves the test wants; the streams run in rounds until that many have happened, so a fast engine
+# (streams ending between two moves) takes more rounds, never fewer moves.
+MIN_MOVES = 10
+MAX_ROUNDS = 20
+
+
+async def run(config: EngineConfig, seed: int, live: bool) -> tuple[list[dict[int, list[list[int]]]], int, dict]:
     stats: dict[int, object] = {}
     client = AsyncEngineClient(
         config,
@@ -42,31 +48,35 @@ async def run(config: EngineConfig, seed: int, live: bool) -> tuple[dict[int, li
     try:
         assert client.inputs is not None
         rng = random.Random(seed)
-        streams = []
-        for i, (prompt, params) in enumerate(zip(PROMPTS, CASES)):
-            req, text = client.inputs.process(f"r{i}", {"prompt_token_ids": prompt}, params)
-            streams.append(client.add(req, text, asyncio.Event(), instance=i % 2))
-        finals: dict[int, list[list[int]]] = {}
-        while len(finals) < len(streams):
-            # Short gaps: a fast engine finishes these streams in well under a second, and the test
-            # needs many moves while they run.
-            await asyncio.sleep(rng.uniform(0.0005, 0.008))
-            for i, stream in enumerate(streams):
-                rid = f"r{i}"
-                if rid in client.routes and rng.random() < 0.4:
-                    move = client.migrate_live if live else client.migrate_by_recompute
-                    move(rid, 1 - client.routes[rid])
-                out = stream.take()
-                if out is not None and out.finished:
-                    finals[i] = [list(c.token_ids) for c in out.outputs]
+        rounds: list[dict[int, list[list[int]]]] = []
+
+        def moved() -> int:
+            return client.num_live_migrations if live else client.num_migrated
+
+        while moved() < MIN_MOVES and len(rounds) < MAX_ROUNDS:
+            streams = []
+            for i, (prompt, params) in enumerate(zip(PROMPTS, CASES)):
+                req, text = client.inputs.process(f"r{len(rounds)}-{i}", {"prompt_token_ids": prompt}, params)
+                streams.append(client.add(req, text, asyncio.Event(), instance=i % 2))
+            finals: dict[int, list[list[int]]] = {}
+            while len(finals) < len(streams):
+                await asyncio.sleep(rng.uniform(0.0005, 0.008))
+                for i, stream in enumerate(streams):
+                    rid = f"r{len(rounds)}-{i}"
+                    if rid in client.routes and rng.random() < 0.4:
+                        move = client.migrate_live if live else client.migrate_by_recompute
+                        move(rid, 1 - client.routes[rid])
+                    out = stream.take()
+                    if out is not None and out.finished:
+                        finals[i] = [list(c.token_ids) for c in out.outputs]
+            rounds.append(finals)
         assert client.streams == {} and client.routes == {} and client.requests == {} and client.moves == {}
         # Both instances report nothing running and no block held.
         for _ in range(200):
             if len(stats) == 2 and all(s.num_running == 0 and s.kv_usage == 0.0 for s in stats.values()):
                 break
             await asyncio.sleep(0.05)
-        moved = client.num_live_migrations if live else client.num_migrated
-        return finals, moved, dict(stats)
+        return rounds, moved(), dict(stats)
     finally:
         await client.shutdown()
 
@@ -74,13 +84,14 @@ async def run(config: EngineConfig, seed: int, live: bool) -> tuple[dict[int, li
 @pytest.mark.parametrize(("seed", "live"), [(0, True), (1, True), (0, False)])
 def test_migrating_at_random_moments_changes_no_token(llama_dir, seed, live):
     config = EngineConfig(model=str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4, max_num_seqs=8)
-    finals, migrated, stats = asyncio.run(run(config, seed, live))
-    assert migrated >= 10, migrated
+    rounds, migrated, stats = asyncio.run(run(config, seed, live))
+    assert migrated >= MIN_MOVES, (migrated, len(rounds))
     assert all(s.num_running == 0 and s.kv_usage == 0.0 for s in stats.values()), stats
     offline = LLM(str(llama_dir), num_kv_blocks=128, num_threads=1, block_size=4)
     for i, (prompt, params) in enumerate(zip(PROMPTS, CASES)):
         expected = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-        assert finals[i] == [list(c.token_ids) for c in expected.outputs], i
+        for finals in rounds:
+            assert finals[i] == [list(c.token_ids) for c in expected.outputs], i
 
 
 async def kill_during_moves(config: EngineConfig, victim: int, delay: float) -> tuple[dict, dict]:
