@@ -102,6 +102,10 @@ class CostModel(Protocol):
 
 # The features a fitted model may use, each a number of a StepShape; `select_features` picks a subset
 # from the measurements. Each stands for a cost that scales differently:
+# The AMX tile kernel's largest row count (tandem/model/linear.py `_AMX_MAX_ROWS`; a test keeps the
+# two equal): the simulator does not import the model's torch-side modules.
+TILE_KERNEL_MAX_ROWS = 64
+
 FEATURES: Mapping[str, Callable[[StepShape], float]] = MappingProxyType(
     {
         # per step: scheduling, batch building, launching every layer's operators
@@ -109,6 +113,10 @@ FEATURES: Mapping[str, Callable[[StepShape], float]] = MappingProxyType(
         # per step of more than one token: the matmuls leave the matrix-vector path (a one-row step is
         # markedly cheaper than the per-token cost predicts, on CPUs at least)
         "multi_row": lambda s: 1.0 if s.tokens > 1 else 0.0,
+        # per step of more rows than the AMX tile kernel takes: bfloat16 linears go to oneDNN, which
+        # pays a fixed cost a step (128-token chunks 20-25% above a fit without it on the Sapphire
+        # Rapids VM); where no step crosses it or it costs nothing, forward selection leaves it out
+        "big_step": lambda s: 1.0 if s.tokens > TILE_KERNEL_MAX_ROWS else 0.0,
         # per query token: the weight matmuls (drafts are tokens too)
         "tokens": lambda s: float(s.tokens),
         # per row that computes logits and samples (a decode and each verified draft), beyond its token

@@ -258,6 +258,25 @@ def test_fit_recovers_the_coefficients_of_synthetic_steps():
         assert fitted.coefficients[name] == pytest.approx(value, rel=1e-3)
 
 
+def test_a_step_cost_past_the_tile_kernels_rows_is_found_and_matches_the_kernel():
+    from tandem.model.linear import _AMX_MAX_ROWS
+    from tandem.sim.cost import TILE_KERNEL_MAX_ROWS
+
+    assert TILE_KERNEL_MAX_ROWS == _AMX_MAX_ROWS
+    truth = {"const": 2e-3, "tokens": 40e-6, "context_tokens": 1e-8, "big_step": 1.5e-3}
+    generator = FittedCost("truth", truth)
+    shapes = synthetic_shapes(160, seed=2)
+    assert any(s.tokens > TILE_KERNEL_MAX_ROWS for s in shapes) and any(s.tokens <= TILE_KERNEL_MAX_ROWS for s in shapes)
+    seconds = [generator.step_seconds(s) for s in shapes]
+    assert "big_step" in select_features(shapes, seconds)
+    from tandem.sim.profile import describe
+
+    assert "big_step" in describe(FittedCost("x", {n: 1e-3 for n in FEATURES}))  # every feature has a unit
+    # Without that cost in the steps, the feature does not earn its place.
+    plain = FittedCost("plain", {k: v for k, v in truth.items() if k != "big_step"})
+    assert "big_step" not in select_features(shapes, [plain.step_seconds(s) for s in shapes])
+
+
 def test_fit_with_noise_keeps_the_coefficients_close_and_reports_held_out_error():
     truth = {"const": 2e-3, "tokens": 40e-6, "context_tokens": 1e-8, "extra_attention": 3e-9}
     generator = FittedCost("truth", truth)
