@@ -114,8 +114,8 @@ FEATURES: Mapping[str, Callable[[StepShape], float]] = MappingProxyType(
         # markedly cheaper than the per-token cost predicts, on CPUs at least)
         "multi_row": lambda s: 1.0 if s.tokens > 1 else 0.0,
         # per step of more rows than the AMX tile kernel takes: bfloat16 linears go to oneDNN, which
-        # pays a fixed cost a step (128-token chunks 20-25% above a fit without it on the Sapphire
-        # Rapids VM); where no step crosses it or it costs nothing, forward selection leaves it out
+        # pays a fixed cost a step that one per-token cost cannot follow (docs/simulator.md, (b));
+        # where no step crosses it or it costs nothing, forward selection leaves it out
         "big_step": lambda s: 1.0 if s.tokens > TILE_KERNEL_MAX_ROWS else 0.0,
         # per query token: the weight matmuls (drafts are tokens too)
         "tokens": lambda s: float(s.tokens),

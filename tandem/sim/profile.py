@@ -93,9 +93,8 @@ QUICK_GRID = Grid(
     transfer_blocks=(1, 4, 16, 64, 256),
 )
 # Untimed steps a decoding batch takes at each new size before its steps are timed: the first
-# steps after the mixed steps (a prompt of up to 1024 tokens joined the batch) run 15-40% slower
-# than the same batch later on, which a single settle step did not cover (the 3-row probe after
-# the 4-row mixed steps was 26-28% above the fit on the Sapphire Rapids VM; three steps remove it).
+# steps after the mixed steps (a prompt of up to 1024 tokens joined the batch) run slower than the
+# same batch later on, and timing them would charge that to the batch's shape (docs/simulator.md, (b)).
 SETTLE_STEPS = 3
 # Share of the points held out of the fit to report its error, and the seed that picks them.
 HELD_OUT_FRACTION = 0.25
