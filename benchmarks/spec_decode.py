@@ -1,7 +1,9 @@
 """Speculative decoding: output tokens/s with and without speculation, same run, several concurrencies.
 
 Workloads: `code` (windows of held-out Python stdlib files, where drafts are
-often right), `agentic` (turns of an agent over one file: outputs repeat from turn to turn), `repeat` (a held-out code snippet followed by its own first
+often right), `agentic` (turns of an agent over one file: outputs repeat from turn to turn; for a
+`--model` with a chat template, an agent's edit turns through it, tandem/loadgen/agentic.py,
+answers ending at EOS), `repeat` (a held-out code snippet followed by its own first
 quarter again, so continuing it means copying, as in a code edit that
 reproduces most of its input: the repetitive case prompt lookup is for) and
 `random` (random token prompts, where drafts rarely are right), and for an instruct model `chat`
@@ -11,7 +13,7 @@ each concurrency c, `--requests-per-level` requests run through one `generate`
 call with `max_num_seqs=c`, greedy, a seeded spread of output lengths (the same for every method)
 (`ignore_eos`). Methods: no speculation, n-gram lookup (the engine's default
 window, 1-4 tokens), suffix speculation (a tree, or `suffix-chain`) and the draft model, with the
-adaptive controller (the default) and, for reference, a fixed `k`.
+adaptive controller (the default) and, for reference, a fixed `k` (`-fixed`, `-fixed-k`).
 Model: the embedded default model and its draft unless `--model/--draft`; `--model
 smollm2-135m-instruct` is the pulled real model, its EAGLE/Medusa heads the recipe's (`tandem
 train-draft --model smollm2-135m-instruct ...`, written beside the model in the model cache, where
@@ -31,6 +33,7 @@ import os
 import random
 import shlex
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,29 @@ def agentic_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list
     (file,) = code_prompts(tokenizer, 1, file_len, seed + 7)
     heads = code_prompts(tokenizer, n, length - file_len, seed)
     return [head + file for head in heads]
+
+
+def agentic_chat_prompts(tokenizer: Any, n: int, seed: int, output_len: int) -> tuple[list[list[int]], list[int]]:
+    """An agent's turns over parts of held-out stdlib files through the chat template
+    (tandem/loadgen/agentic.py): each asks for the whole part back after an edit, and the next turn
+    shows the part as edited. Each turn may write the part again plus `output_len` tokens (answers
+    end at EOS); returns the prompts and those limits."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from train_default_model import stdlib_files
+
+    from tandem.loadgen.agentic import agentic_prompt_ids, agentic_turns
+
+    _, held = stdlib_files()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    # The encodings' codec modules are one boilerplate file many times over: sessions on two of
+    # them would draft for each other as no two files of an agent's repository do.
+    sources = [
+        (str(f.relative_to(root)), f.read_text(encoding="utf-8", errors="replace"))
+        for f in held
+        if "encodings" not in f.relative_to(root).parts
+    ]
+    turns = agentic_turns(sources, tokenizer, n, seed)
+    return agentic_prompt_ids(tokenizer, turns), [t.part_tokens + output_len for t in turns]
 
 
 def chat_prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
@@ -163,6 +189,8 @@ def run_methods(
             "token_ids": [o.outputs[0].token_ids for o in ordered],
         }
         stats = llm.get_stats()
+        # Steps (prefill and decode) against output tokens: what speculation saved, in forwards.
+        results[name]["engine_steps"] = stats["engine_steps"]
         if stats["spec_decode_num_drafts"]:
             results[name]["spec"] = {
                 key.removeprefix("spec_decode_"): value
@@ -194,6 +222,27 @@ def main() -> None:
     )
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument(
+        "--suffix-tokens",
+        type=int,
+        default=None,
+        help="suffix speculation's most draft tokens (tree nodes) a step (default: min(32, 4 * k))",
+    )
+    ap.add_argument(
+        "--suffix-spec-factor",
+        type=float,
+        default=None,
+        help="suffix_decoding_max_spec_factor: draft at most this many tokens per matched token "
+        "(default: the engine's, 1.0)",
+    )
+    ap.add_argument(
+        "--agentic",
+        choices=["auto", "chat", "tokens"],
+        default="auto",
+        help="`agentic` workload: turns through the chat template (`chat`), or token windows of "
+        "one file (`tokens`); auto: chat for a --model with a chat template, tokens for the embedded "
+        "default model (a code model: its template is a stub it was not tuned on)",
+    )
+    ap.add_argument(
         "--workloads",
         nargs="+",
         default=["repeat", "code", "random"],
@@ -209,6 +258,12 @@ def main() -> None:
     )
     ap.add_argument("--tree-topk", type=int, default=4, help="EAGLE/Medusa: children per expanded node")
     ap.add_argument("--tree-depth", type=int, default=6, help="EAGLE/Medusa: the deepest node")
+    ap.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="EAGLE/Medusa: tokens the heads' read-out multiplies (unset: the engine's default; 0: all)",
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -240,8 +295,17 @@ def main() -> None:
         "tree_topk": args.tree_topk,
         "tree_depth": args.tree_depth,
     }
+    if args.draft_vocab_size is not None:
+        tree["draft_vocab_size"] = args.draft_vocab_size
     eagle = {"method": "eagle", **tree} | ({"model": args.eagle} if args.eagle else {})
     medusa = {"method": "medusa", **tree} | ({"model": args.medusa} if args.medusa else {})
+    suffix_k = args.suffix_tokens or min(32, 4 * args.k)
+    suffix: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": suffix_k}
+    if args.suffix_spec_factor is not None:
+        suffix["suffix_decoding_max_spec_factor"] = args.suffix_spec_factor
+    agentic_chat = args.agentic == "chat" or (
+        args.agentic == "auto" and args.model is not None and bool(getattr(tok, "chat_template", None))
+    )
     methods: dict[str, dict | None] = {
         "off": None,
         "ngram": {
@@ -258,12 +322,9 @@ def main() -> None:
             "adaptive": False,
         },
         # Suffix speculation drafts long repeats: four times the chain methods' k, as a tree.
-        "suffix": {"method": "suffix", "num_speculative_tokens": min(32, 4 * args.k)},
-        "suffix-chain": {
-            "method": "suffix",
-            "num_speculative_tokens": min(32, 4 * args.k),
-            "suffix_decoding_tree": False,
-        },
+        "suffix": suffix,
+        "suffix-fixed": suffix | {"adaptive": False},
+        "suffix-chain": suffix | {"suffix_decoding_tree": False},
         # The heads shipped for the default model (`--model` elsewhere: `tandem train-draft` first,
         # the head in the folder beside the model); by default a tree of 8 nodes, the engine's.
         "eagle": eagle,
@@ -297,17 +358,21 @@ def main() -> None:
             else:
                 prompts = random_prompts(len(tok), n, args.prompt_len, args.seed)
             out_lens = output_lengths(n, args.output_len, args.output_len_spread, args.seed)
+            # Chat answers end at EOS; token windows have no end, so run to their length.
+            ignore_eos = not (wl == "chat" or (wl == "agentic" and agentic_chat))
+            if wl == "agentic" and agentic_chat:
+                prompts, out_lens = agentic_chat_prompts(tok, n, args.seed, args.output_len)
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
             for _ in range(args.repeats):
                 if args.slice > 0:  # all methods take turns within the repeat
                     got = run_methods(
-                        model, prompts, out_lens, conc, methods, args.threads, args.slice, wl != "chat"
+                        model, prompts, out_lens, conc, methods, args.threads, args.slice, ignore_eos
                     )
                 else:  # one after another, so a slow patch of the machine hits all methods
                     got = {}
                     for name, spec in methods.items():
                         got |= run_methods(
-                            model, prompts, out_lens, conc, {name: spec}, args.threads, math.inf, wl != "chat"
+                            model, prompts, out_lens, conc, {name: spec}, args.threads, math.inf, ignore_eos
                         )
                 for name in methods:
                     runs[name].append(got[name])
@@ -343,6 +408,8 @@ def main() -> None:
                         "ratio_vs_off": ratio,
                         "ratio_vs_off_repeats": pairs,
                         "greedy_identical_fraction": same,
+                        "output_tokens": r["output_tokens"],
+                        "engine_steps": r["engine_steps"],
                         "spec": r.get("spec"),
                     }
                 )
@@ -354,6 +421,7 @@ def main() -> None:
                 "model": repo_relative(model),
                 "draft": repo_relative(draft),
                 "k": args.k,
+                "suffix": suffix,
                 "heads": {"eagle": eagle, "medusa": medusa},
                 "prompt_len": args.prompt_len,
                 "output_len": args.output_len,

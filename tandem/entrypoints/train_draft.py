@@ -19,6 +19,10 @@ answers (self-distillation; nothing is downloaded).
 3. **Checkpoints.** Every `--save-every` steps and at the end: the head folder (config.json,
    model.safetensors, training.json) and, under `OUT/.train/`, the recorded data and the optimizer
    state, so `--resume` goes on where a run stopped (or past its end, with a larger `--steps`).
+4. **Draft vocabulary.** The answers' tokens, counted, go into the head folder's draft_vocab.json
+   (tandem/model/draft_vocab.py: the rows the head's read-out multiplies, `draft_vocab_size`) before
+   training starts. `--vocab-only` writes just that file for an existing head: from the answers
+   recorded under `OUT/.train/` when they are there, else from new ones (no features, no training).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class TrainConfig:
     unroll: int = 1  # EAGLE: depths trained on the head's own predictions (1: teacher forcing only)
     ce_rows: int = 0  # EAGLE: rows per step through the LM head's cross-entropy (0: every row)
     answer_dtype: str = "float32"  # the answering engine's dtype ("auto": as served, e.g. packed GGUF)
+    vocab_only: bool = False  # write draft_vocab.json only (from recorded answers, else new ones)
 
     def validate(self) -> None:
         if self.method not in ("eagle", "medusa"):
@@ -217,18 +222,11 @@ def _plain_modules(module: torch.nn.Module) -> None:
             m.gate_up_silu = None
 
 
-def _record(cfg: TrainConfig, model_dir: str, log: Any) -> dict[str, Any]:
-    """The target's answers to the prompts, and its features over prompt + answer."""
-    import torch
+def _answer(cfg: TrainConfig, model_dir: str, log: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts and the target's greedy answers to them."""
     from transformers import AutoTokenizer
 
     from tandem import LLM, SamplingParams
-    from tandem.config import ModelConfig
-    from tandem.core.kv_cache_manager import KVCacheManager
-    from tandem.core.request import Request
-    from tandem.model.kv_quant import KVCacheFormat
-    from tandem.model.loader import load_model
-    from tandem.worker.batch import build_batch
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = build_prompts(cfg, tok)
@@ -236,8 +234,58 @@ def _record(cfg: TrainConfig, model_dir: str, log: Any) -> dict[str, Any]:
     llm = LLM(model_dir, dtype=cfg.answer_dtype, num_threads=cfg.threads, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=cfg.answer_tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
-    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-    del llm
+    return prompts, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _recorded_answers(
+    data: dict[str, Any], cfg: TrainConfig, model_dir: str
+) -> tuple[list[list[int]], list[list[int]]] | None:
+    """Prompts and answers of recorded sequences (prompt + answer): split at `prompt_lens`, or, for
+    data recorded before it was kept, at the prompts these flags build, when every sequence starts
+    with its own; None when they do not."""
+    seqs = [t.tolist() for t in data["tokens"]]
+    lens = data.get("prompt_lens")
+    if lens is None:
+        from transformers import AutoTokenizer
+
+        prompts = build_prompts(cfg, AutoTokenizer.from_pretrained(model_dir))
+        if len(prompts) != len(seqs) or any(s[: len(p)] != p for s, p in zip(seqs, prompts)):
+            return None
+        lens = [len(p) for p in prompts]
+    return [s[:n] for s, n in zip(seqs, lens)], [s[n:] for s, n in zip(seqs, lens)]
+
+
+def write_vocab(
+    out: Path, model_dir: str, prompts: list[list[int]], answers: list[list[int]], source: str, log: Any
+) -> Path:
+    """The head folder's draft_vocab.json from the target's answers (and prompts)."""
+    from transformers import AutoTokenizer
+
+    from tandem.config import ModelConfig
+    from tandem.model.draft_vocab import byte_tokens, write_draft_vocab
+
+    mc = ModelConfig.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    special = {*tok.all_special_ids, *mc.eos_token_ids}
+    file = write_draft_vocab(out, mc.vocab_size, answers, prompts, special, source, byte_tokens(tok))
+    seen = len({t for a in answers for t in a})
+    log(f"wrote {file}: {sum(map(len, answers))} answer tokens, {seen} distinct, of {mc.vocab_size}")
+    return file
+
+
+def _record(cfg: TrainConfig, model_dir: str, log: Any) -> dict[str, Any]:
+    """The target's answers to the prompts, and its features over prompt + answer."""
+    import torch
+
+    from tandem.config import ModelConfig
+    from tandem.core.kv_cache_manager import KVCacheManager
+    from tandem.core.request import Request
+    from tandem.model.kv_quant import KVCacheFormat
+    from tandem.model.loader import load_model
+    from tandem.worker.batch import build_batch
+
+    prompts, answers = _answer(cfg, model_dir, log)
+    seqs = [p + a for p, a in zip(prompts, answers)]
     mc = ModelConfig.from_pretrained(model_dir)
     longest = max(len(s) for s in seqs)
     plain = load_model(mc, torch.float32, torch.device("cpu"), "torch", longest + 1, cpu_kernels=False)
@@ -262,7 +310,12 @@ def _record(cfg: TrainConfig, model_dir: str, log: Any) -> dict[str, Any]:
             batch, _ = build_batch([req], [len(s)], bs, torch.device("cpu"))
             plain.backend.prepare(batch)
             feats.append(plain(batch, caches).to(torch.float16))
-    return {"tokens": [torch.tensor(s) for s in seqs], "features": feats, "num_prompts": len(prompts)}
+    return {
+        "tokens": [torch.tensor(s) for s in seqs],
+        "features": feats,
+        "num_prompts": len(prompts),
+        "prompt_lens": [len(p) for p in prompts],
+    }
 
 
 def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
@@ -287,6 +340,18 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
     state_file, data_file = state_dir / "state.pt", state_dir / "data.pt"
     if cfg.resume and not state_file.is_file():
         raise ValueError(f"--resume: no training state in {state_dir}")
+    source = PROMPT_SOURCES.get(cfg.prompts or "code", cfg.prompts or "")
+    if cfg.vocab_only:
+        split = None
+        if data_file.is_file():
+            split = _recorded_answers(torch.load(data_file), cfg, model_dir)
+            if split is None:
+                log(f"{data_file}: its prompts are not the ones these flags build; answering anew")
+            else:
+                log(f"counting the answers recorded in {data_file}")
+        prompts, answers = split or _answer(cfg, model_dir, log)
+        write_vocab(out, model_dir, prompts, answers, source, log)
+        return {}
     state_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     if cfg.resume or data_file.is_file():
@@ -295,6 +360,11 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
     else:
         data = _record(cfg, model_dir, log)
         torch.save(data, data_file)
+    split = _recorded_answers(data, cfg, model_dir)
+    if split is None:
+        log(f"{data_file}: its prompts are not the ones these flags build; draft_vocab.json not written")
+    else:
+        write_vocab(out, model_dir, *split, source, log)
     mc = ModelConfig.from_pretrained(model_dir)
     plain = load_model(mc, torch.float32, torch.device("cpu"), "torch", cfg.seq_len + 1, cpu_kernels=False)
     for p in plain.parameters():  # type: ignore[attr-defined]
@@ -509,6 +579,12 @@ def add_train_draft_parser(sub: Any) -> None:
         default=TrainConfig.ce_rows,
         help="EAGLE: rows a step through the LM head's cross-entropy (0: all; large vocabularies)",
     )
+    p.add_argument(
+        "--vocab-only",
+        action="store_true",
+        help="write only the head folder's draft_vocab.json (the tokens the target emits, counted): "
+        "from the answers recorded in OUT/.train when there, else the target answers the prompts anew",
+    )
     p.set_defaults(func=_train_draft)
 
 
@@ -535,6 +611,7 @@ def _train_draft(args: Any) -> int:
             unroll=args.unroll,
             ce_rows=args.ce_rows,
             answer_dtype=args.answer_dtype,
+            vocab_only=args.vocab_only,
         )
     )
     return 0

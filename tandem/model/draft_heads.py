@@ -2,7 +2,8 @@
 
 Both read the target's last hidden state (after its final norm, what its LM head reads) and propose
 through the target's own LM head (and, for EAGLE, its embedding): a head folder holds no
-vocabulary-sized weights.
+vocabulary-sized weights. The drafter multiplies only the rows of the draft vocabulary the folder's
+draft_vocab.json ranks first (tandem/model/draft_vocab.py, `draft_vocab_size`).
 
 - **EAGLE** (`EagleHead`): one decoder layer of the target's own class (`tandem.model.llama`'s
   `DecoderLayer`, built with the target's dimensions) over `fc(concat(embed(x[p+1]), f[p]))`, the

@@ -90,6 +90,7 @@ class PackedLinear(DirectCall, nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.dtype = weight.dtype
+        self.second_copy = second_copy  # a layer over some of these rows is built the same way
         w = weight.detach().contiguous()
         # bfloat16 on AMX: the weight in tiles, for decode-sized batches; for every row count where
         # the layer holds one copy or its output is no wider than its input (see _AMX_MAX_ROWS).

@@ -99,11 +99,37 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self._setup(q, scale, bias, use_kernel)
+
+    @classmethod
+    def from_int8(
+        cls,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        use_kernel: bool | None = None,
+    ) -> Int8Linear:
+        """A layer over weights already quantized (int8 [out, in], float32 scales [out]): rows of
+        another layer keep its exact values (the draft heads' read-out over a few LM-head rows)."""
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or tuple(scale.shape) != (qweight.shape[0],):
+            raise ValueError(
+                f"Int8Linear.from_int8 takes int8 [out, in] and scales [out], got {qweight.dtype} "
+                f"{tuple(qweight.shape)} and {tuple(scale.shape)}"
+            )
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(qweight.contiguous(), scale.detach().float().contiguous(), bias, use_kernel)
+        return layer
+
+    def _setup(
+        self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool | None
+    ) -> None:
         self.register_buffer("qweight", q, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
         # use_kernel=False forces the float reference path (tests); None takes what the host has.
+        self.use_kernel = use_kernel
         want = use_kernel is not False
         # Above the few-row kernel's rows: oneDNN's int8 GEMM (AMX or VNNI) on activations quantized
         # per row where it is there, else PyTorch's dynamic linear (one scale per tensor).

@@ -30,6 +30,11 @@ class Plan:
     num_decoding: int = 0
     # The gate's mode for a pure-decode step of an adaptive plan; None: the step is no gate sample.
     gate_on: bool | None = None
+    # False: the next plan is held at zero drafts unless the gate's choice or the batch-size bucket
+    # changes or a request joins first (see `AdaptiveSpeculation.plan`, which then drafts nothing
+    # in that plan either), so a drafter whose proposal reads only the previous step's features
+    # (Medusa) need not store this step's (`HeadDrafter.keeps_features`).
+    drafts_next: bool = True
 
 
 class AdaptiveSpeculation:
@@ -60,6 +65,18 @@ class AdaptiveSpeculation:
         # running mean of prompt catch-up per drafting step (see observe_outcome).
         self.feed_cost = 0.0
         self.feed_mean = 0.0
+        # A zero-drafts verdict held without pricing (see `plan`): the (bucket, exploring) it was
+        # priced for, the plans it still covers, the hold's length, and the plans held since the
+        # last pricing (whose history fade the next pricing applies).
+        self._hold_key: tuple[int, bool] | None = None
+        self._hold_ids: frozenset[str] = frozenset()
+        self._hold_left = 0
+        self._hold_len = 0
+        self._held = 0
+        # Whether the last plan let its step's features be stored (its `drafts_next`).
+        self._stored = True
+        # Plans priced (tests count them: a held plan is not priced).
+        self.num_priced = 0
 
     # -- estimates -------------------------------------------------------
 
@@ -153,10 +170,10 @@ class AdaptiveSpeculation:
     ) -> None:
         """Output tokens and wall time of the step `plan` was made for, filed under the gate's mode.
 
-        `drafted`: whether any request drafted. An "on" step in which none did (the plan gave every
-        request k = 0, or n-gram lookup found nothing) ran exactly as an "off" step, and counts as one:
-        the gate then compares steps that verify drafts with steps that do not, and a mode that
-        often drafts nothing cannot look like speculation that does not pay.
+        `drafted`: whether any request drafted or was given drafts (the planner counts a lookup
+        that found nothing: it was paid). An "on" step in which the plan gave every request k = 0
+        ran exactly as an "off" step, and counts as one: a mode whose plan often drafts nothing
+        cannot look like speculation that does not pay.
 
         `pure`: whether the step computed nothing but each decoding request's next token and its
         drafts. A step that also computed prompt tokens (a request admitted after the plan) is no
@@ -201,6 +218,8 @@ class AdaptiveSpeculation:
         step of the request's remaining life; each costs `feed_cost` once the request drafts, the
         catch-up paid off over those steps (so it keeps a request from starting to draft only where
         drafting barely pays)."""
+        # Every plan but a held one lets its step store features; whether the last one did.
+        primed, self._stored = self._stored, True
         if not request_ids:
             return Plan({})
         if not self.adaptive:
@@ -213,9 +232,32 @@ class AdaptiveSpeculation:
         n = len(request_ids)
         choice = self.gate.choose(n)
         if not choice.on:
+            self._hold_key = None
             return Plan({}, n, gate_on=False)
         if not self.seeded and self.step_cost.count < self.config.warmup_steps:
             return Plan(dict.fromkeys(request_ids, self.max_k), n, gate_on=True)
+        # A method that does not pay here is priced at zero drafts step after step, and pricing
+        # (per request, per step, in Python) is most of what it then costs beyond speculation off.
+        # So a zero verdict holds for 1, 2, 4, ... plans in a row (`zero_plan_hold_max`) while the
+        # gate's choice and bucket stay and no request joins (a new one is priced at the prior's
+        # optimistic acceptance): what else could turn it (costs drifting, histories fading
+        # toward the prior) moves over tens of steps, not one.
+        key = (SpecGate.bucket(n), choice.exploring)
+        if self._hold_left > 0 and key == self._hold_key and self._hold_ids.issuperset(request_ids):
+            self._hold_left -= 1
+            self._held += 1
+            self._stored = self._hold_left == 0
+            return Plan({}, n, gate_on=True, drafts_next=self._stored)
+        self.num_priced += 1
+        d = self.config.history_decay
+        if self._held:
+            # The fade each held plan would have applied (every request was given no drafts).
+            fade = d**self._held
+            for rid in request_ids:
+                if rid in self._acc:
+                    a, r = self._acc[rid]
+                    self._acc[rid] = (a * fade, r * fade)
+            self._held = 0
         # While the gate explores "on" it has budgeted the catch-up that costs (`switch_steps`);
         # priced again here, it would stop the very drafts being measured, and the stale "on" rate
         # would stand.
@@ -242,12 +284,25 @@ class AdaptiveSpeculation:
             k, best = plan_p, rate
         # A request given no drafts produces no new acceptance evidence; let its history fade
         # toward the prior so one bad stretch does not shut it out for good.
-        d = self.config.history_decay
         for rid, kr in k.items():
             if kr == 0 and rid in self._acc:
                 a, r = self._acc[rid]
                 self._acc[rid] = (a * d, r * d)
-        return Plan(k, n, gate_on=True)
+        hold_max = self.config.zero_plan_hold_max
+        if not primed and any(k.values()):
+            # The hold ended early (a new bucket or gate choice) right after a plan that let its
+            # step's features go unstored: what a proposal would read now is missing. Draft from
+            # the next plan on, re-priced then.
+            self._hold_key, self._hold_left, self._hold_len = None, 0, 0
+            return Plan(dict.fromkeys(k, 0), n, gate_on=True)
+        if hold_max and not any(k.values()):
+            self._hold_len = min(hold_max, 2 * self._hold_len if key == self._hold_key else 1)
+            self._hold_key, self._hold_left = key, self._hold_len
+            self._hold_ids = frozenset(request_ids)
+        else:
+            self._hold_key, self._hold_left, self._hold_len = None, 0, 0
+        self._stored = self._hold_left == 0
+        return Plan(k, n, gate_on=True, drafts_next=self._stored)
 
     def _allocate(
         self,

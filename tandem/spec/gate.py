@@ -33,6 +33,10 @@ class SpecGate:
         self._steps: dict[int, int] = {}
         # bucket -> (mode, steps left) of an exploration in progress
         self._burst: dict[int, tuple[bool, int]] = {}
+        # bucket -> the verdict its last exploration set out to check, and the doublings of its
+        # exploration interval (explorations in a row that found the same verdict; see `_choose`).
+        self._explored_verdict: dict[int, bool] = {}
+        self._backoff: dict[int, int] = {}
         # Running mean of what switching a draft model on costs (its catch-up), in steps.
         self.switch_steps = 0.0
         # All buckets: steps chosen, and what the steps run in a mode not measured better there
@@ -104,23 +108,42 @@ class SpecGate:
 
     def may_explore(self, bucket: int) -> bool:
         """Whether the exploration budget has room for an exploration of `bucket`'s worse mode."""
+        return self._may_explore(self._loss(bucket))
+
+    def _may_explore(self, loss: float) -> bool:
         cfg = self.config
-        cost = cfg.min_samples * self._loss(bucket)
+        cost = cfg.min_samples * loss
         return self.explored + cost <= max(2 * cfg.min_samples, cfg.explore_budget * self.steps)
 
     def choose(self, num_decoding: int) -> GateChoice:
         """The mode for a pure-decode step: the better one, or (now and then, within the
         exploration budget) the other. A bucket's first tries of its unmeasured modes are what
         `preferred` says, not explorations: at most 2 * `min_samples` steps a bucket."""
-        preferred = self.preferred(num_decoding)
-        self.steps += 1
-        on = self._choose(num_decoding)
-        if on != preferred:
-            self.explored += self._loss(self.bucket(num_decoding))
-        return GateChoice(on, exploring=on and self._measured(self.bucket(num_decoding)) is not True)
-
-    def _choose(self, num_decoding: int) -> bool:
+        # Called every pure-decode step, also while speculation stays off: the bucket's rates,
+        # verdict and loss are read once here and handed down (what `preferred`, `_measured` and
+        # `_loss` would each recompute).
         b = self.bucket(num_decoding)
+        on_rate, off_rate = self.rate(b, True), self.rate(b, False)
+        measured = None if on_rate is None or off_rate is None else on_rate >= off_rate
+        borrowed = self._borrowed(b) if measured is None else None
+        if measured is not None:
+            preferred = measured
+        elif borrowed is not None:
+            preferred = borrowed
+        else:
+            preferred = on_rate is None
+        loss = 0.0
+        if on_rate is not None and off_rate is not None:
+            loss = max(on_rate, off_rate) / max(min(on_rate, off_rate), 1e-12) - 1.0
+        self.steps += 1
+        on = self._choose(b, on_rate, off_rate, borrowed, loss)
+        if on != preferred:
+            self.explored += loss
+        return GateChoice(on, exploring=on and measured is not True)
+
+    def _choose(
+        self, b: int, on_rate: float | None, off_rate: float | None, borrowed: bool | None, loss: float
+    ) -> bool:
         step = self._steps[b] = self._steps.get(b, 0) + 1
         burst = self._burst.pop(b, None)
         if burst is not None:
@@ -128,19 +151,29 @@ class SpecGate:
             if left > 1:
                 self._burst[b] = (mode, left - 1)
             return mode
-        on_rate, off_rate = self.rate(b, True), self.rate(b, False)
         if on_rate is None or off_rate is None:
-            borrowed = self._borrowed(b)
             if borrowed is None:  # try "on" first, then "off"
                 return on_rate is None
-            if self.rate(b, borrowed) is None:
+            if (on_rate if borrowed else off_rate) is None:
                 return borrowed
             # The borrowed mode is measured here; sample the other one on the slow schedule.
-            if step % self.config.max_explore == 0 and self.may_explore(b):
+            if step % self.config.max_explore == 0 and self._may_explore(loss):
                 return self._explore(b, not borrowed)
             return borrowed
         best = on_rate >= off_rate
-        if step % self.explore_interval(on_rate, off_rate) == 0 and self.may_explore(b):
+        # Each exploration that left the verdict as it found it doubles the bucket's interval
+        # (up to `explore_backoff_max` times, within `max_explore`): a clear, repeatedly confirmed
+        # loss is rechecked ever more rarely; one that flips the verdict starts over. A close call
+        # (its interval at `explore_every`) costs next to nothing to recheck and may flip: it
+        # keeps its schedule.
+        backoff = self._backoff.get(b, 0)
+        interval = self.explore_interval(on_rate, off_rate)
+        if interval > self.config.explore_every:
+            interval = max(interval, min(self.config.max_explore, interval << backoff))
+        if step % interval == 0 and self._may_explore(loss):
+            last = self._explored_verdict.get(b)
+            self._backoff[b] = min(backoff + 1, self.config.explore_backoff_max) if last == best else 0
+            self._explored_verdict[b] = best
             return self._explore(b, not best)
         return best
 

@@ -62,6 +62,8 @@ class SpecPlanner:
         plan = self.controller.plan(
             [r.request_id for r in decoding], other_tokens, self.proposes_in_runner, backlog
         )
+        if not plan.num_draft:  # nothing to cap (every step while speculation is off)
+            return plan
         out = {}
         for r in decoding:
             # Drafts past max_tokens or max_model_len could never be kept.
@@ -176,7 +178,15 @@ class SpecPlanner:
         pure = all(
             n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
         )
-        drafted = any(sched.num_draft.values())
+        # A step planned by no SpecPlanner (none was asked) is no sample of either mode.
+        plan = sched.spec_plan if isinstance(sched.spec_plan, Plan) else Plan({})
+        # A step whose plan gave any request drafts ran speculation, even where a lookup (n-gram,
+        # suffix) then found nothing: it paid the lookups (a suffix match per request is a visible
+        # share of a small model's step at c=16). Filed as "off", those steps would charge the
+        # lookups to the "off" rate and leave "on" measured only where drafts were found.
+        drafted = any(sched.num_draft.values()) or (
+            self.config.adaptive_config.empty_lookups_on and any(plan.num_draft.values())
+        )
         if pure:
             ctl.observe_step(sched.total_tokens, update_seconds - result.draft_time, drafted=drafted)
         switch = feed = 0.0
@@ -184,8 +194,6 @@ class SpecPlanner:
             s, f = ctl.observe_draft_pass(p)
             switch += s
             feed += f
-        # A step planned by no SpecPlanner (none was asked) is no sample of either mode.
-        plan = sched.spec_plan if isinstance(sched.spec_plan, Plan) else Plan({})
         ctl.observe_outcome(
             plan,
             generated,

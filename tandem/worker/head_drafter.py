@@ -5,9 +5,10 @@ go into a paged **feature store** beside the KV cache, indexed like it (one row 
 per KV slot, `block_caches` so copy-on-write and swapping move it with the KV), in one write per
 step: every row at its own slot, so a step costs the same few tensor operations whatever the
 requests' lengths and whether or not the head drafted (a verified tree's accepted path, when it
-is not the first branch, is then moved down like its KV). Feature p is what the target's LM head
-read to choose token p + 1; a cached prefix's blocks hold the features of the request that
-computed them, as they hold its KV.
+is not the first branch, is then moved down like its KV). Medusa, which reads only the last
+feature, skips the write while the controller holds a zero verdict (`keeps_features`). Feature p
+is what the target's LM head read to choose token p + 1; a cached prefix's blocks hold the
+features of the request that computed them, as they hold its KV.
 
 **EAGLE.** The head's decoder layer keeps its own paged KV cache, indexed by the target's block
 tables (same block ids, its own tensors; copy-on-write copies it too), and catches up lazily: a
@@ -32,6 +33,12 @@ path is the first branch, whose KV needs no copy when it is accepted.
 tree is the best `num_speculative_tokens` paths of the per-head top-k's cartesian product by the
 product of their probabilities (best first). One pass, whatever the tree's size.
 
+Both turn features into tokens through the **read-out** (`DraftReadout`, tandem/model/draft_vocab.py):
+the rows of the target's LM head for the draft vocabulary (`draft_vocab_size` tokens the target
+emits most often, from the head folder's draft_vocab.json), in the head's own kernel form, their
+top-k mapped back to token ids; the whole LM head where the folder has no such file or the size
+covers the vocabulary. Drafts stay deterministic proposals, so verification is unchanged.
+
 A request whose last known feature was not computed here (KV computed by another instance) gets
 a chain repeating its last token: rejected, harmless.
 """
@@ -48,9 +55,10 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.core.draft_tree import DraftTree
 from tandem.core.request import Request
-from tandem.core.step_io import DraftPass, RunnerOutput
+from tandem.core.step_io import DraftPass, RunnerOutput, SchedulerOutput
 from tandem.model.attention import get_attention_backend
 from tandem.model.draft_heads import EagleHead, HeadConfig, MedusaHeads, eagle_layer_config, load_head
+from tandem.model.draft_vocab import DraftReadout, draft_token_ids
 from tandem.model.kv_quant import KVCacheFormat
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.loader import model_module
@@ -186,6 +194,12 @@ class HeadDrafter:
         else:
             self.head = load_head(cfg, target_config, host.dtype, host.device, None, None)
             self.depth = min(self.depth, cfg.num_heads)
+        # The read-out: the draft vocabulary's rows of the target's LM head (the whole head where
+        # the folder has no draft_vocab.json or `draft_vocab_size` asks for all of it).
+        ids = draft_token_ids(
+            cfg.path, target_config.vocab_size, spec.draft_vocab_size, target_config.eos_token_ids
+        )
+        self.readout = DraftReadout(target, ids)
         # The feature store: one row per KV slot, `[1, num_blocks, block_size, hidden]` (a cache
         # `block_caches` lists: copy-on-write and swapping treat it as one more layer).
         self.feature_cache = torch.zeros(
@@ -200,6 +214,9 @@ class HeadDrafter:
         # request id -> its token count after the last step it drafted in (what a proposal on the
         # next step feeds is that step's; anything past it, a catch-up).
         self.drafted_to: dict[str, int] = {}
+        # Medusa: requests whose last step's features were not stored (`keeps_features`): their
+        # next proposal has no feature to read, and falls back to a harmless chain.
+        self._unwritten: set[str] = set()
         self.work = HeadWork()
         # The last proposal's passes, timed (the runner reports them with the step's output).
         self.passes: list[DraftPass] = []
@@ -232,10 +249,20 @@ class HeadDrafter:
         self.valid.pop(rid, None)
         self.seen_from.pop(rid, None)
         self.drafted_to.pop(rid, None)
+        self._unwritten.discard(rid)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._drop(rid)
+
+    def keeps_features(self, sched: SchedulerOutput) -> bool:
+        """Whether a step's features must be stored. EAGLE: always (its catch-up feeds every
+        position since its KV ends, so a skipped step would feed it stale rows). Medusa reads only
+        the last known feature: a step that drafts nothing need not store them where the plan says
+        the next step drafts nothing either (`Plan.drafts_next`: a zero verdict held)."""
+        if self.method == "eagle" or sched.num_draft:
+            return True
+        return bool(getattr(sched.spec_plan, "drafts_next", True))
 
     def capture(
         self,
@@ -244,15 +271,21 @@ class HeadDrafter:
         hidden: torch.Tensor,
         trees: dict[str, DraftTree],
         out: RunnerOutput,
+        keep: bool = True,
     ) -> None:
         """After the target's forward and verification: store every row's feature at its own slot
         (`slots`: the batch's slot mapping), then move each accepted tree path that is not the
         first branch down to the slots after its root, as its KV was (a forked sample's features
-        are its leader's: they share blocks)."""
-        self._flat.index_copy_(0, slots, hidden.to(self._flat.dtype))
+        are its leader's: they share blocks). `keep` False (`keeps_features`): store nothing."""
         w = self.work
-        w.feature_writes += 1
-        w.feature_rows += int(hidden.shape[0])
+        if keep:
+            self._flat.index_copy_(0, slots, hidden.to(self._flat.dtype))
+            w.feature_writes += 1
+            w.feature_rows += int(hidden.shape[0])
+            if self._unwritten:  # only Medusa skips writes: EAGLE never pays the pass over reqs
+                self._unwritten.difference_update(r.request_id for r in reqs)
+        else:
+            self._unwritten.update(r.request_id for r in reqs)
         for req in reqs:
             for child in req.pending_children:
                 # Everything the leader's head has not fed yet (its prompt, unless it drafted) is
@@ -295,7 +328,7 @@ class HeadDrafter:
         out: dict[str, DraftTree] = {}
         for r, k in todo:
             last = r.num_tokens - 2  # the last position whose feature the target has computed
-            if last < self.seen_from.get(r.request_id, last + 1):
+            if last < self.seen_from.get(r.request_id, last + 1) or r.request_id in self._unwritten:
                 out[r.request_id] = DraftTree.chain([r.token_ids[-1]] * k)
             else:
                 ready.append((r, k))
@@ -315,11 +348,13 @@ class HeadDrafter:
         return behind, min(missed, behind)
 
     def _logprobs(self, feats: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.target.compute_logits(feats).float(), dim=-1)  # type: ignore[attr-defined]
+        """Log-probabilities over the read-out's tokens (columns: `self.readout.tokens`)."""
+        return self.readout.logprobs(feats)
 
     def _children(self, nodes: list[_Node], parent: int, logp: torch.Tensor, count: int) -> list[int]:
         count = min(count, logp.shape[0])
-        values, tokens = logp.topk(count)
+        values, index = logp.topk(count)
+        tokens = self.readout.tokens(index)
         base = nodes[parent].score if parent >= 0 else 0.0
         depth = nodes[parent].depth + 1 if parent >= 0 else 1
         made = []
@@ -436,7 +471,8 @@ class HeadDrafter:
             nodes = trees[i]
             if len(nodes) < k:  # too few candidates for k nodes: more of the root's children
                 first = len([n for n in nodes if n.parent < 0])
-                more_v, more_t = root_logp[i].topk(min(first + k - len(nodes), root_logp.shape[1]))
+                more_v, more_i = root_logp[i].topk(min(first + k - len(nodes), root_logp.shape[1]))
+                more_t = self.readout.tokens(more_i)
                 for v, t in zip(more_v.tolist()[first:], more_t.tolist()[first:]):
                     nodes.append(_Node(t, -1, 1, v))
             _pad(nodes, k)
@@ -459,7 +495,8 @@ class HeadDrafter:
             width = min(self.topk, logp.shape[-1])
             while width < logp.shape[-1] and sum(width**d for d in range(1, self.depth + 1)) < k:
                 width += 1
-            values, tokens = logp[: self.depth, i].topk(width, dim=-1)
+            values, index = logp[: self.depth, i].topk(width, dim=-1)
+            tokens = self.readout.tokens(index)
             vals, toks = values.tolist(), tokens.tolist()
             nodes: list[_Node] = []
             # Best first over the product: popping a node offers its next sibling and first child.

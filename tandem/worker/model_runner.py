@@ -545,7 +545,7 @@ class ModelRunner:
             out.forward_time += time.perf_counter() - t0
             self._sample(logits, rows, spans, sched, drafts, draft_probs, out)
         if heads is not None:
-            heads.capture(sched.requests, batch.slot_mapping, hidden, trees, out)
+            heads.capture(sched.requests, batch.slot_mapping, hidden, trees, out, heads.keeps_features(sched))
         return out
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -10,6 +10,9 @@
    default-medusa, found with no path) are lossless on code prompts and accept enough drafts that
    a broken head fails: a mean acceptance length (tokens per verifying step) over a threshold.
 4. `tandem train-draft` writes a head folder that loads, and resumes from its checkpoint.
+5. A reduced draft vocabulary (`draft_vocab_size`, the head folder's draft_vocab.json): greedy
+   output unchanged, sampling still the target's (chi-square with drafts from 2 of the 4 tokens),
+   and the head passes never read the target's whole LM head: only the subset's rows.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tandem import LLM, SamplingParams
 from tandem.checkpoints import DEFAULT_MODEL_DIR
 from tandem.config import ModelConfig
 from tandem.model.draft_heads import HeadConfig, build_head, save_head
+from tandem.model.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab, write_draft_vocab
 from tandem.model.layers import RotaryEmbedding
 from tandem.spec.config import SpeculativeConfig
 
@@ -132,6 +136,85 @@ def test_greedy_output_is_unchanged(method, k, adaptive, target_dir, tmp_path, p
     assert engine.counters.spec_decode_num_draft_tokens_by_method[method] > 0
 
 
+@pytest.fixture
+def head_reads(monkeypatch) -> dict:
+    """The drafters built, and the target's full-vocabulary logits computed inside proposals (the
+    head passes' read-out through the target's whole LM head)."""
+    seen: dict = {"drafters": [], "full_rows": 0}
+    propose = head_drafter.HeadDrafter.propose
+
+    def counting(self, todo):
+        if self not in seen["drafters"]:
+            seen["drafters"].append(self)
+            full = self.target.compute_logits
+
+            def compute_logits(h):
+                if seen.get("proposing"):
+                    seen["full_rows"] += h.shape[0]
+                return full(h)
+
+            self.target.compute_logits = compute_logits
+        seen["proposing"] = True
+        try:
+            trees = propose(self, todo)
+        finally:
+            seen["proposing"] = False
+        subset = self.readout.token_ids
+        if subset is not None:
+            allowed = set(subset.tolist())
+            assert all(t in allowed for tree in trees.values() for t in tree.tokens)
+        return trees
+
+    monkeypatch.setattr(head_drafter.HeadDrafter, "propose", counting)
+    return seen
+
+
+def write_vocab(head: Path, target: Path, favourites: list[int]) -> None:
+    """A draft_vocab.json ranking `favourites` first (as if the target's answers were made of them)."""
+    mc = ModelConfig.from_pretrained(target)
+    write_draft_vocab(head, mc.vocab_size, [favourites], [], mc.eos_token_ids, "test")
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_reduced_draft_vocabulary_keeps_greedy_output_and_reads_only_its_rows(
+    method, target_dir, tmp_path, head_reads
+) -> None:
+    head = make_head(target_dir, method, tmp_path / method)
+    _, base, _ = run(target_dir, None)
+    # The subset: the tokens the target emitted (its "answers") first, so drafts can be accepted.
+    favourites = [t for outs in base for toks, _ in outs for t in toks]
+    write_vocab(head, target_dir, favourites)
+    size = 64
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": 6, "adaptive": False}
+    spec |= {"tree_topk": 2, "draft_vocab_size": size}
+    llm, got, _ = run(target_dir, spec)
+    assert got == base
+    (drafter,) = head_reads["drafters"]
+    assert drafter.readout.linear is not None and drafter.readout.linear.out_features == size
+    assert drafter.readout.size == size
+    assert head_reads["full_rows"] == 0  # no head pass multiplied the whole LM head
+    assert drafter.work.passes >= 20
+    assert llm.engine.counters.spec_decode_num_accepted_tokens > 0
+    # The mechanism check itself: with the whole vocabulary the passes do read the full head.
+    head_reads["drafters"].clear()
+    run(target_dir, spec | {"draft_vocab_size": 0})
+    assert head_reads["drafters"][0].readout.linear is None and head_reads["full_rows"] > 0
+
+
+def test_head_without_vocab_file_uses_the_whole_vocabulary(target_dir, tmp_path, head_reads, caplog) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="tandem.model")
+    head = make_head(target_dir, "eagle", tmp_path / "eagle")
+    assert not (head / DRAFT_VOCAB_FILE).exists()
+    _, base, _ = run(target_dir, None)
+    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 4, "adaptive": False}
+    _, got, _ = run(target_dir, spec | {"draft_vocab_size": 16})
+    assert got == base
+    assert head_reads["drafters"][0].readout.token_ids is None and head_reads["full_rows"] > 0
+    assert len([r for r in caplog.records if DRAFT_VOCAB_FILE in r.getMessage()]) == 1
+
+
 @pytest.fixture(scope="module")
 def tiny_vocab_heads(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-vocab-heads")
@@ -142,13 +225,23 @@ def tiny_vocab_heads(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.parametrize("method, draft_vocab", [("eagle", 0), ("medusa", 0), ("eagle", 2), ("medusa", 2)])
 def test_speculative_sampling_matches_the_exact_distribution(
-    method, tiny_vocab_heads, monkeypatch, proposed
+    method, draft_vocab, tiny_vocab_heads, monkeypatch, proposed
 ) -> None:
+    """`draft_vocab` 2: drafts only ever from the target's two likeliest tokens (zero draft
+    probability for the other two); the tokens emitted still follow its whole distribution."""
     from tandem.spec.planner import SpecPlanner
 
     target, heads, exact = tiny_vocab_heads
+    subset: set[int] = set()
+    if draft_vocab:
+        mass = [0.0] * 4
+        for seq, prob in exact["temperature 1"].items():
+            for t in seq:
+                mass[t] += prob
+        subset = set(sorted(range(4), key=lambda t: -mass[t])[:draft_vocab])
+        write_draft_vocab(heads[method], 4, [sorted(subset)], [], [], "test")
     lengths: list[int] = []
     observe = SpecPlanner.observe
 
@@ -163,15 +256,23 @@ def test_speculative_sampling_matches_the_exact_distribution(
         "num_speculative_tokens": 3,
         "adaptive": False,
         "tree_topk": 2,
+        "draft_vocab_size": draft_vocab,
     }
-    llm, samples = sample(target, spec, SETTINGS)
+    try:
+        llm, samples = sample(target, spec, SETTINGS)
+    finally:
+        (heads[method] / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     c = llm.engine.counters
     drafted, accepted = c.spec_decode_num_draft_tokens, c.spec_decode_num_accepted_tokens
     assert drafted > 2000
     # Both outcomes are common: acceptance and rejection (with the leftover distribution) matter.
     assert 0.05 * drafted < accepted < 0.9 * drafted
+    if draft_vocab:
+        # (Renormalized over two tokens, the best child's best child outranks the runner-up: the
+        # trees' shapes differ from the whole vocabulary's, checked below.)
+        assert {t for tree in proposed for t in tree.tokens} <= subset
     # (Two tokens are drafted at most: one of the 4 was sampled plainly, and the last is the bonus.)
-    if method == "eagle":
+    elif method == "eagle":
         # Unsure heads branch: the root's two best children, verified as a tree (recursive
         # rejection sampling: the second child is tried on what the first one's rejection left).
         assert sum(not t.is_chain for t in proposed) > 1000
@@ -225,7 +326,7 @@ def test_shipped_heads_are_small_and_packaged() -> None:
         folder = DEFAULT_MODEL_DIR.parent / f"default-{method}"
         assert json.loads((folder / "config.json").read_text())["tandem_draft_head"] == method
         assert (folder / "model.safetensors").stat().st_size < 5_000_000
-        for name in ("config.json", "model.safetensors", "training.json"):
+        for name in ("config.json", "model.safetensors", "training.json", "draft_vocab.json"):
             assert f"default-{method}/{name}" in listed
 
 
@@ -263,6 +364,9 @@ def test_train_draft_writes_a_head_that_loads_and_resumes(method, target_dir, tm
     assert main([*common, "--steps", "3"]) == 0
     state = torch.load(out / ".train" / "state.pt")
     assert state["step"] == 3
+    vocab = read_draft_vocab(out)  # the answers' tokens, counted
+    assert vocab is not None and vocab.vocab_size == ModelConfig.from_pretrained(target_dir).vocab_size
+    assert 0 < sum(vocab.answer_counts) <= 6 * 12
     first = (out / "model.safetensors").read_bytes()
     assert main([*common, "--steps", "5", "--resume"]) == 0
     assert torch.load(out / ".train" / "state.pt")["step"] == 5
@@ -276,6 +380,38 @@ def test_train_draft_writes_a_head_that_loads_and_resumes(method, target_dir, tm
     assert len(out_tokens[0].outputs[0].token_ids) == 6
     # A resume with nothing to resume from is a usage error (exit status 2, the message on stderr).
     assert main([*common[:6], str(tmp_path / "none"), "--resume"]) == 2
+
+
+def test_vocab_only_writes_the_draft_vocabulary_of_an_existing_head(target_dir, tmp_path) -> None:
+    """`--vocab-only`: draft_vocab.json alone, the head untouched; from the recorded answers (split
+    at their prompts' lengths, or, for data recorded before those were kept, at the prompts the
+    flags build), else from new answers (greedy: the same ones)."""
+    import shutil
+
+    from tandem.entrypoints.cli import main
+
+    out = tmp_path / "eagle"
+    common = ["train-draft", "--model", str(target_dir), "--method", "eagle", "--out", str(out)]
+    common += ["--num-prompts", "5", "--answer-tokens", "10", "--seq-len", "12", "--threads", "1"]
+    assert main([*common, "--batch-size", "2", "--steps", "1"]) == 0
+    file = out / DRAFT_VOCAB_FILE
+    written = file.read_text()
+    weights = (out / "model.safetensors").read_bytes()
+    file.unlink()
+    assert main([*common, "--vocab-only"]) == 0
+    assert file.read_text() == written
+    data_file = out / ".train" / "data.pt"
+    data = torch.load(data_file)
+    del data["prompt_lens"]
+    torch.save(data, data_file)
+    file.unlink()
+    assert main([*common, "--vocab-only"]) == 0
+    assert file.read_text() == written
+    shutil.rmtree(out / ".train")
+    file.unlink()
+    assert main([*common, "--vocab-only"]) == 0  # nothing recorded: the target answers anew
+    assert file.read_text() == written
+    assert (out / "model.safetensors").read_bytes() == weights and not (out / ".train").exists()
 
 
 def test_train_draft_without_out_writes_where_the_engine_looks(model_factory) -> None:

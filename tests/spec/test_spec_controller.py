@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from tandem.core.step_io import DraftPass
 from tandem.spec.config import AdaptiveConfig
 from tandem.spec.controller import AdaptiveSpeculation, Plan
@@ -306,7 +308,10 @@ def test_a_draft_catch_up_is_priced_over_the_requests_remaining_steps():
     again (else the exploration would draft nothing and measure nothing)."""
 
     def controller(pass_cost: float) -> AdaptiveSpeculation:
-        ctl = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(explore_z=0.0))
+        # Priced afresh every plan: the plans below change the backlog between calls, which in a
+        # run only grows while no request drafts (what a held zero verdict assumes).
+        cfg = AdaptiveConfig(explore_z=0.0, zero_plan_hold_max=0)
+        ctl = AdaptiveSpeculation(max_k=4, config=cfg)
         ctl.seed([(1, 0.004), (5, 0.004)], [(1, pass_cost)], feed_cost=0.0001)  # 0.1 ms a token
         for _ in range(3):
             ctl.observe_acceptance("a", 4, 2)  # alpha about 0.63
@@ -352,3 +357,132 @@ def test_a_catch_up_pass_is_split_into_switching_and_prompt_costs():
     switch, prompt = ctl.observe_draft_pass(DraftPass(1, 0.005, catch_up_tokens=100, missed_tokens=25))
     assert abs(switch - 0.001) < 1e-12 and abs(prompt - 0.003) < 1e-12  # 4 ms beyond the pass, 1/4 missed
     assert abs(ctl.feed_cost - 0.00004) < 1e-12 and ctl.draft_cost.count == 1
+
+
+def zero_verdict_controller(**cfg) -> AdaptiveSpeculation:
+    """A controller whose every plan prices zero drafts: verifying a token costs as much as a
+    step, and the requests' drafts are rarely accepted. The gate is pinned "on"."""
+    ctl = AdaptiveSpeculation(max_k=4, config=AdaptiveConfig(explore_z=0.0, **cfg))
+    ctl.seed([(1, 0.001), (5, 0.005)], [])
+    for rid in "abcd":
+        ctl.observe_acceptance(rid, 4, 0)
+    ctl.gate.choose = lambda n: GateChoice(on=True)  # type: ignore[method-assign]
+    return ctl
+
+
+def test_a_zero_verdict_is_held_for_doubling_runs_of_plans():
+    """Priced at zero drafts, the plan is not priced again for 1, 2, 4, 8, then 16 plans
+    (`zero_plan_hold_max`): what it costs beyond speculation off is the pricing, per step. Held
+    plans tell the runner the next step drafts nothing (`drafts_next`), but the hold's last one."""
+    ctl = zero_verdict_controller(zero_plan_hold_max=16)
+    priced_at, plans = [], []
+    for i in range(60):
+        before = ctl.num_priced
+        plans.append(ctl.plan(list("abcd"), 0, draft_passes_cost=False))
+        if ctl.num_priced > before:
+            priced_at.append(i)
+    assert not any(p.num_draft.get(r) for p in plans for r in "abcd")
+    assert priced_at == [0, 2, 5, 10, 19, 36, 53]  # gaps of 1, 2, 4, 8, 16, 16 held plans
+    assert [p.drafts_next for p in plans[:6]] == [False, True, False, False, True, False]
+    # Held plans fade the histories as priced ones do, once per plan, applied when next priced:
+    # 54 plans up to the last pricing, 6 held since.
+    a, r = ctl._acc["a"]
+    d = ctl.config.history_decay
+    assert abs(r - d**54) < 1e-12 and a == 0.0 and ctl._held == 6
+    # 0: priced every plan, as before the hold.
+    every = zero_verdict_controller(zero_plan_hold_max=0)
+    for _ in range(10):
+        every.plan(list("abcd"), 0, draft_passes_cost=False)
+    assert every.num_priced == 10
+
+
+def test_a_held_zero_verdict_ends_with_the_bucket_or_a_new_request():
+    ctl = zero_verdict_controller()
+    for _ in range(8):  # holds of 1 and 2, then 4 under way
+        ctl.plan(list("abcd"), 0, draft_passes_cost=False)
+    priced = ctl.num_priced
+    ctl.plan(list("ab"), 0, draft_passes_cost=False)  # bucket 2, not 3: priced afresh
+    assert ctl.num_priced == priced + 1
+    ctl.plan(list("ab"), 0, draft_passes_cost=False)  # and held from there, from 1 plan
+    assert ctl.num_priced == priced + 1
+    ctl.plan(list("ab"), 0, draft_passes_cost=False)  # priced: holds 2
+    assert ctl.num_priced == priced + 2
+    ctl.plan(list("abc"), 0, draft_passes_cost=False)  # a request joining (same bucket): priced
+    assert ctl.num_priced == priced + 3
+    ctl.plan(list("ac"), 0, draft_passes_cost=False)  # a request leaving: held
+    assert ctl.num_priced == priced + 3
+
+
+def test_drafting_waits_a_step_when_the_last_step_stored_no_features():
+    """A hold ended early (a new bucket) right after a held plan that told the runner to skip the
+    step's features: the re-priced plan drafts nothing yet (a Medusa proposal would read a
+    feature never stored) but stores them, and the next plan drafts."""
+    ctl = zero_verdict_controller()
+    ctl.plan(list("abcd"), 0, draft_passes_cost=False)  # priced zero: holds 1
+    ctl.plan(list("abcd"), 0, draft_passes_cost=False)  # held (its last): drafts_next
+    ctl.plan(list("abcd"), 0, draft_passes_cost=False)  # priced zero: holds 2
+    held = ctl.plan(list("abcd"), 0, draft_passes_cost=False)
+    assert not held.drafts_next  # the runner may skip this step's features
+    for rid in "ab":  # now drafting pays for these two, in a smaller bucket
+        ctl._acc[rid] = (50.0, 0.0)
+    ctl.step_cost.set_shape([(1, 0.001), (5, 0.0011)])
+    first = ctl.plan(list("ab"), 0, draft_passes_cost=False)
+    assert not any(first.num_draft.values()) and first.drafts_next
+    second = ctl.plan(list("ab"), 0, draft_passes_cost=False)
+    assert second.num_draft["a"] > 0
+
+
+def test_explorations_back_off_while_they_confirm_the_verdict():
+    """A clear loss ("on" at 0.9x the "off" rate: every 34 steps), explored again and again without changing the
+    verdict: each exploration doubles the interval to the next (up to `explore_backoff_max`
+    times, within `max_explore`); with 0 the interval stays."""
+
+    def starts(backoff_max: int) -> list[int]:
+        cfg = AdaptiveConfig(explore_budget=1.0, explore_backoff_max=backoff_max, min_samples=3)
+        gate = SpecGate(cfg)
+        for on in (True, False):
+            for _ in range(3):
+                gate.observe(8, on, 8 * (9 if on else 10), 1.0)
+        out, prev = [], False
+        for i in range(2000):
+            on = gate.choose(8).on
+            if on and not prev:
+                out.append(i)
+            prev = on
+        return out
+
+    fixed = starts(0)
+    gaps = {b - a for a, b in itertools.pairwise(fixed)}
+    assert gaps == {34}, gaps
+    backed = starts(3)
+    gaps_b = [b - a for a, b in itertools.pairwise(backed)]
+    # The interval doubles from the second exploration on (it found what the first did), up to
+    # 256 (`max_explore`), on the bucket's step counter (so the first 256-interval starts early).
+    assert gaps_b[:3] == [34, 68, 136] and set(gaps_b[4:]) == {256}, gaps_b
+    assert len(backed) < len(fixed) / 3
+
+
+def test_a_step_whose_lookups_found_nothing_is_an_on_sample():
+    """The plan gave a request drafts and suffix lookup found none: the step paid the lookup, so
+    it is filed under "on" (as running speculation costs), not under "off"; a step the plan gave
+    no drafts is an "off" sample."""
+    from tandem.core.request import Request
+    from tandem.core.step_io import RunnerOutput, SchedulerOutput
+    from tandem.sampling_params import SamplingParams
+    from tandem.spec.config import SpeculativeConfig
+    from tandem.spec.planner import SpecPlanner
+
+    planner = SpecPlanner(SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4}))
+    req = Request(request_id="a", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(), max_tokens=8)
+    gate = planner.controller.gate
+    looked = SchedulerOutput(requests=[req], num_tokens=[1], spec_plan=Plan({"a": 4}, 1, gate_on=True))
+    planner.observe_step(looked, RunnerOutput(), 1, 0.01, 0.01)
+    assert gate._stats[1][True][2] == 1 and False not in gate._stats[1]
+    quiet = SchedulerOutput(requests=[req], num_tokens=[1], spec_plan=Plan({}, 1, gate_on=True))
+    planner.observe_step(quiet, RunnerOutput(), 1, 0.01, 0.01)
+    assert gate._stats[1][False][2] == 1
+    # `empty_lookups_on` false: the lookup that found nothing is an "off" sample.
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": {"empty_lookups_on": False}}
+    old_rule = SpecPlanner(SpeculativeConfig.from_dict(spec))
+    old_rule.observe_step(looked, RunnerOutput(), 1, 0.01, 0.01)
+    assert old_rule.controller.gate._stats[1][False][2] == 1

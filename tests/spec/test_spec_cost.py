@@ -1,8 +1,9 @@
 """The scheduler owns speculation's cost (issue 44).
 
 1. While the controller keeps a draft head off, a step costs the drafter one feature-store write of
-   the step's own rows and no head pass: counted per step through the real runner, so a drafter
-   that copied a request's whole context per step (O(L) a step) or ran its head fails.
+   the step's own rows (EAGLE; Medusa none while a zero verdict holds) and no head pass: counted
+   per step through the real runner, so a drafter that copied a request's whole context per step
+   (O(L) a step), ran its head, or (Medusa) stored features no proposal reads fails.
 2. A head's tree of k nodes takes min(tree_depth, k) EAGLE passes: a smaller node budget is cheaper.
 3. The plan's node budget follows measured costs: with a fake cost source, the choice flips to
    smaller trees and then to none as verification (the step line's slope over the batch's tokens,
@@ -13,16 +14,22 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 from test_draft_heads import make_head
-from test_spec_decode import TARGET
+from test_spec_decode import TARGET, make_prompts
 from test_tree_engine import run
 
+import tandem.engine.core as engine_core
 import tandem.worker.head_drafter as head_drafter
 import tandem.worker.model_runner as model_runner
+from tandem import LLM, SamplingParams
 from tandem.core.step_io import DraftPass
+from tandem.model.draft_heads import MedusaHeads
+from tandem.model.llama import LlamaForCausalLM
 from tandem.spec.config import AdaptiveConfig
 from tandem.spec.controller import AdaptiveSpeculation
 from tandem.spec.gate import SpecGate
@@ -53,6 +60,7 @@ def steps(monkeypatch) -> list[dict]:
                 "passes": w.passes - passes,
                 "writes": w.feature_writes - writes,
                 "rows": w.feature_rows - rows,
+                "drafts_next": getattr(sched.spec_plan, "drafts_next", True),
             }
         )
         return out
@@ -74,9 +82,59 @@ def test_a_step_without_drafts_costs_one_feature_write_and_no_head_pass(target_d
     assert len(off) > 20 and on, (len(off), len(on))
     for s in off:
         assert s["passes"] == 0 and s["writes"] == 1 and s["rows"] == s["tokens"], s
+    # EAGLE stores every step's features, also while a zero verdict holds (its catch-up feeds
+    # every position since its KV ends).
+    assert any(s["drafts_next"] is False for s in off)
     # A drafting step: at most a catch-up pass and one per expanded depth, and its rows plus moves.
     for s in on:
         assert 1 <= s["passes"] <= 6 and s["writes"] == 1 and s["rows"] >= s["tokens"], s
+    assert llm.engine.counters.spec_decode_num_draft_tokens > 0
+
+
+def test_medusa_stores_no_features_while_a_zero_verdict_holds(
+    target_dir, tmp_path, steps, monkeypatch
+) -> None:
+    """Medusa reads only the last known feature: while the controller holds a zero verdict
+    (`Plan.drafts_next` False), a step stores nothing, and every step before one that drafts
+    stored its features. Output unchanged. On a virtual clock (a Medusa pass costs five target
+    steps), so the verdict follows from the work, not from the machine's load: the first decode
+    step drafts (no pass timed yet), and none after."""
+    head = make_head(target_dir, "medusa", tmp_path / "medusa")
+    clock = SimpleNamespace(now=0.0)
+    virtual = SimpleNamespace(perf_counter=lambda: clock.now, monotonic=lambda: clock.now)
+    for module in (engine_core, model_runner, head_drafter):
+        monkeypatch.setattr(module, "time", virtual)
+    target_forward, medusa_forward = LlamaForCausalLM.forward, MedusaHeads.forward
+
+    def target_costed(self, batch, kv_caches):
+        clock.now += 2e-3 + 2e-5 * len(batch.input_ids)
+        return target_forward(self, batch, kv_caches)
+
+    def medusa_costed(self, features):
+        clock.now += 10e-3
+        return medusa_forward(self, features)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", target_costed)
+    monkeypatch.setattr(MedusaHeads, "forward", medusa_costed)
+    # Four requests decoding together to the end (a request joining ends a hold).
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()[:4]]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def generate(spec):
+        llm = LLM(str(target_dir), speculative_config=spec, max_num_seqs=4, num_threads=1)
+        return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+    _, base = generate(None)
+    spec = {"method": "medusa", "model": str(head), "num_speculative_tokens": 6, "tree_topk": 2}
+    llm, got = generate(spec)
+    assert got == base
+    skipped = [s for s in steps if s["writes"] == 0]
+    assert len(skipped) > 20, steps
+    for s in skipped:
+        assert not s["drafted"] and s["drafts_next"] is False and s["passes"] == 0, s
+    for before, s in itertools.pairwise(steps):
+        if s["drafted"]:
+            assert before["writes"] == 1 and s["writes"] == 1, (before, s)
     assert llm.engine.counters.spec_decode_num_draft_tokens > 0
 
 

@@ -1,7 +1,8 @@
 """Suffix speculation: the vectorized suffix match and continuation against brute force, the
 draft-length rules (match length times the spec factor, the probability floor), outputs of ended
 requests drafting for later ones of the same isolation key and never another's, and, end to end,
-a request repeating an earlier one's output drafting it almost whole."""
+a request repeating an earlier one's output drafting it almost whole; and the adaptive controller
+giving a copying request the longest draft where verification costs little more than a step."""
 
 from __future__ import annotations
 
@@ -147,3 +148,21 @@ def test_tree_proposals_take_the_most_probable_continuations_first():
     tree = spec.propose_tree(request("t", [1, 2, 3, 4, 8, 1, 2, 3, 5, 9, 1, 2], []), 8)
     assert tree is not None and tree.tokens[0] == 3 and tree.parents[0] == -1
     assert {tree.tokens[c] for c in tree.children(0)} == {4, 5}
+
+
+def test_flat_verification_cost_lets_a_copying_request_draft_the_maximum():
+    """On a memory-bound model verifying 32 rows costs little more than one: a request whose drafts
+    are accepted as a copy's are gets the longest draft the config allows (an agent's copies run
+    20-60 tokens), and a request whose drafts fail gets a short one or none."""
+    from tandem.spec.config import MAX_SPECULATIVE_TOKENS
+    from tandem.spec.controller import AdaptiveSpeculation
+
+    ctl = AdaptiveSpeculation(MAX_SPECULATIVE_TOKENS)
+    # 10 ms a step, +0.05 ms per row: 33 rows cost 1.16x one, a memory-bound model's flat line.
+    ctl.seed([(1, 0.010), (33, 0.0116), (64, 0.0132)], [])
+    for _ in range(20):
+        ctl.observe_acceptance("copy", 32, 30)
+        ctl.observe_acceptance("miss", 32, 0)
+    plan = ctl.plan(["copy", "miss"], 0, draft_passes_cost=False)
+    assert plan.num_draft["copy"] == MAX_SPECULATIVE_TOKENS
+    assert plan.num_draft.get("miss", 0) <= 2
