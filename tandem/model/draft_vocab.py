@@ -40,8 +40,6 @@ logger = logging.getLogger("tandem.model")
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 FORMAT_VERSION = 1
-# Head folders whose missing draft_vocab.json was reported already (once per folder a process).
-_reported_missing: set[str] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,20 +295,18 @@ def draft_token_ids(
     head_folder: str | Path, vocab_size: int, size: int, always: Iterable[int] = ()
 ) -> torch.Tensor | None:
     """The draft vocabulary's token ids for `size` (None: the whole vocabulary, as for 0, a size
-    no smaller than the vocabulary, or a head folder without draft_vocab.json, logged once)."""
+    no smaller than the vocabulary, or a head folder without draft_vocab.json, logged: this runs
+    once as a drafter loads)."""
     if size <= 0 or size >= vocab_size:
         return None
     vocab = read_draft_vocab(head_folder)
     if vocab is None:
-        key = str(Path(head_folder).resolve())
-        if key not in _reported_missing:
-            _reported_missing.add(key)
-            logger.warning(
-                "draft head %s has no %s: its read-out multiplies the whole vocabulary (%d tokens); "
-                "`tandem train-draft --vocab-only` writes one",
-                head_folder,
-                DRAFT_VOCAB_FILE,
-                vocab_size,
-            )
+        logger.warning(
+            "draft head %s has no %s: its read-out multiplies the whole vocabulary (%d tokens); "
+            "`tandem train-draft --vocab-only` writes one",
+            head_folder,
+            DRAFT_VOCAB_FILE,
+            vocab_size,
+        )
         return None
     return select_tokens(vocab, vocab_size, size, always)
