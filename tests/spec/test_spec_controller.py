@@ -462,27 +462,26 @@ def test_explorations_back_off_while_they_confirm_the_verdict():
     assert len(backed) < len(fixed) / 3
 
 
-def test_a_step_whose_lookups_found_nothing_is_an_on_sample():
-    """The plan gave a request drafts and suffix lookup found none: the step paid the lookup, so
-    it is filed under "on" (as running speculation costs), not under "off"; a step the plan gave
-    no drafts is an "off" sample."""
+def test_a_step_whose_lookups_found_nothing_is_sampled_as_empty_lookups_on_says():
+    """The plan gave a request drafts and suffix lookup found none. By default the step is an "off"
+    sample (nothing was verified); with `empty_lookups_on` it is filed under "on" (it paid the
+    lookup). A step the plan gave no drafts is an "off" sample either way."""
     from tandem.core.request import Request
     from tandem.core.step_io import RunnerOutput, SchedulerOutput
     from tandem.sampling_params import SamplingParams
     from tandem.spec.config import SpeculativeConfig
     from tandem.spec.planner import SpecPlanner
 
-    planner = SpecPlanner(SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4}))
     req = Request(request_id="a", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(), max_tokens=8)
-    gate = planner.controller.gate
     looked = SchedulerOutput(requests=[req], num_tokens=[1], spec_plan=Plan({"a": 4}, 1, gate_on=True))
+    quiet = SchedulerOutput(requests=[req], num_tokens=[1], spec_plan=Plan({}, 1, gate_on=True))
+    default = SpecPlanner(SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 4}))
+    default.observe_step(looked, RunnerOutput(), 1, 0.01, 0.01)
+    assert default.controller.gate._stats[1][False][2] == 1 and True not in default.controller.gate._stats[1]
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": {"empty_lookups_on": True}}
+    planner = SpecPlanner(SpeculativeConfig.from_dict(spec))
+    gate = planner.controller.gate
     planner.observe_step(looked, RunnerOutput(), 1, 0.01, 0.01)
     assert gate._stats[1][True][2] == 1 and False not in gate._stats[1]
-    quiet = SchedulerOutput(requests=[req], num_tokens=[1], spec_plan=Plan({}, 1, gate_on=True))
     planner.observe_step(quiet, RunnerOutput(), 1, 0.01, 0.01)
     assert gate._stats[1][False][2] == 1
-    # `empty_lookups_on` false: the lookup that found nothing is an "off" sample.
-    spec = {"method": "suffix", "num_speculative_tokens": 4, "adaptive": {"empty_lookups_on": False}}
-    old_rule = SpecPlanner(SpeculativeConfig.from_dict(spec))
-    old_rule.observe_step(looked, RunnerOutput(), 1, 0.01, 0.01)
-    assert old_rule.controller.gate._stats[1][False][2] == 1
