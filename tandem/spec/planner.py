@@ -180,10 +180,9 @@ class SpecPlanner:
         )
         # A step planned by no SpecPlanner (none was asked) is no sample of either mode.
         plan = sched.spec_plan if isinstance(sched.spec_plan, Plan) else Plan({})
-        # A step whose plan gave any request drafts ran speculation, even where a lookup (n-gram,
-        # suffix) then found nothing: it paid the lookups (a suffix match per request is a visible
-        # share of a small model's step at c=16). Filed as "off", those steps would charge the
-        # lookups to the "off" rate and leave "on" measured only where drafts were found.
+        # A step in which nothing was verified is an "off" sample, also where the plan gave drafts
+        # that a lookup (n-gram, suffix) then did not find; `empty_lookups_on` files those as "on"
+        # (they paid the lookups).
         drafted = any(sched.num_draft.values()) or (
             self.config.adaptive_config.empty_lookups_on and any(plan.num_draft.values())
         )
