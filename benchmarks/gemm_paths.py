@@ -6,6 +6,8 @@ figures include reading the weights from memory as a decode step does, not from 
 
     python benchmarks/gemm_paths.py --rows 1,8,32,128 --json results/gemm_paths.json
 
+`--only PREFIX` keeps the paths whose name starts with it (`--only int4`: the 4-bit products).
+
 `--per-shape ROWS` instead times each layer shape alone at prompt-sized row counts (bound by
 compute, not by reading weights), bfloat16 on AMX: Tandem's tile kernel against oneDNN's packed
 GEMM, interleaved, in TFLOP/s (what a layer holding one copy of its weight gives up, per shape).
@@ -111,6 +113,38 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
     paths["int8 weight-only, widen + fp32 GEMM"] = (
         int8,
         lambda x, m: F.linear(x, m.qweight.to(x.dtype)) * m.scale,
+    )
+    paths.update(int4_paths(weights, rows))
+    return paths
+
+
+def int4_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, Callable]]:
+    """4-bit layers (groups of 32, with zero points) of the same shapes, bfloat16 activations as the
+    engine runs them on a bfloat16 CPU: each product a 4-bit layer can take (tandem/model/int4.py)."""
+    from tandem import kernels
+    from tandem.model.int4 import Int4Linear
+
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for w in weights:
+        n, k = w.shape
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        layers.append(Int4Linear(q, torch.rand(n, k // 32, generator=g) * 0.01, torch.full((n, k // 32), 7.5), 32, None))
+    paths: dict[str, tuple[list, Callable]] = {}
+    bf16 = torch.bfloat16
+    if rows <= 64 and kernels.has("gemm_int4"):  # linear in rows: far too slow beyond
+        paths["int4 Tandem kernel gemm_int4 (bf16 x)"] = (
+            layers,
+            lambda x, m: torch.ops.tandem.gemm_int4(x.to(bf16), m.qweight, m.scales, m.zs, 32, None),
+        )
+    if kernels.has("gemm_amx_int4") and torch.ops.tandem.amx_ready():
+        paths["int4 Tandem AMX kernel gemm_amx_int4"] = (
+            layers,
+            lambda x, m: torch.ops.tandem.gemm_amx_int4(x.to(bf16), m.qweight, m.scales, m.zs, 32, None),
+        )
+    paths["int4 dequantize per call + bf16 GEMM"] = (
+        layers,
+        lambda x, m: F.linear(x.to(bf16), m.dequantized(bf16, scratch=True)),
     )
     return paths
 
@@ -232,6 +266,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--per-shape", default=None, metavar="ROWS", help="bf16 tiles vs oneDNN per layer shape")
     ap.add_argument("--huge-pages", default=None, metavar="ROWS", help="tile kernels: 4 KB vs huge pages")
+    ap.add_argument("--only", default="", metavar="PREFIX", help="time only the paths named PREFIX...")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -257,6 +292,8 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         x_by_in = {i: torch.randn(rows, i) for i, _ in LAYER_SHAPES}
         for name, (prepared, fn) in make_paths(weights, rows).items():
+            if not name.startswith(args.only):
+                continue
             with torch.inference_mode():
                 t = time_path(prepared, fn, x_by_in, args.reps)
             gflops = flops_per_row * rows / t / 1e9

@@ -169,8 +169,9 @@ def time_layers(int4_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]
     rows_out = []
     for (n, k), lin in shapes.items():
         w = lin.dequantized(torch.float32)
-        for rows in (1, 4, 8, 16, 32, 64):
+        for rows in (1, 4, 8, 16, 32, 64, 128, 256, 512):
             x = torch.randn(rows, k)
+            xb = x.to(torch.bfloat16)
 
             def kernel(x: torch.Tensor = x, lin: Int4Linear = lin) -> torch.Tensor:
                 return torch.ops.tandem.gemm_int4(x, lin.qweight, lin.scales, lin.zs, lin.group_size, None)
@@ -184,6 +185,17 @@ def time_layers(int4_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]
             def dequant(lin: Int4Linear = lin) -> torch.Tensor:
                 return lin.dequantized(torch.float32, scratch=True)
 
+            # bfloat16 activations, as the engine runs on a CPU with bfloat16: the AMX form and the
+            # path it replaces.
+            def kernel_bf16(x: torch.Tensor = xb, lin: Int4Linear = lin) -> torch.Tensor:
+                return torch.ops.tandem.gemm_int4(x, lin.qweight, lin.scales, lin.zs, lin.group_size, None)
+
+            def amx(x: torch.Tensor = xb, lin: Int4Linear = lin) -> torch.Tensor:
+                return torch.ops.tandem.gemm_amx_int4(x, lin.qweight, lin.scales, lin.zs, lin.group_size, None)
+
+            def per_call_bf16(x: torch.Tensor = xb, lin: Int4Linear = lin) -> torch.Tensor:
+                return F.linear(x, lin.dequantized(torch.bfloat16, scratch=True))
+
             rows_out.append({
                 "shape": [n, k],
                 "rows": rows,
@@ -191,6 +203,9 @@ def time_layers(int4_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]
                 "dequant_per_call_gemm_ms": best(per_call),
                 "dequant_kept_gemm_ms": best(kept),
                 "dequant_alone_ms": best(dequant),
+                "bf16_int4_kernel_ms": best(kernel_bf16) if lin.kernel_max_rows else None,
+                "bf16_amx_int4_ms": best(amx) if lin.amx_max_rows else None,
+                "bf16_dequant_per_call_gemm_ms": best(per_call_bf16),
             })
     return rows_out
 

@@ -37,31 +37,6 @@ void configure_attention_tiles() {
   cfg.load();
 }
 
-// 16 x 16 32-bit transpose in registers: rows r[0..15] become columns.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // u[4i + k], 128-bit lane L: rows 4i..4i+3 of column 4L + k.
-  for (int k = 0; k < 4; ++k) {
-    const __m512i v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), v2 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
-    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
-    r[k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[4 + k] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-    r[8 + k] = _mm512_shuffle_i32x4(v2, w2, 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(v2, w2, 0xDD);
-  }
-}
-
 // One (request, KV head)'s context in tile order. keys: per 16 positions and 32 head elements, a
 // 1 KB tile whose row r holds, for each position, its elements 2r and 2r + 1. values: per 32
 // positions and 16 head elements, a tile whose row r holds, for each element, positions 2r and

@@ -77,20 +77,34 @@ struct Int8Tiles {  // unsigned activations (offset by 128) times signed weights
   }
 };
 
-// tile_product (below) over rows a block of activations small enough to stay in L2.
-template <class T, class Epi>
-void tile_product_rows(const char* a, int64_t lda, int64_t M, int64_t kblocks, const char* w, int64_t N,
+// A weight stored in amx_pack's layout: each thread reads its panels where they lie, streamed from
+// memory (prefetched ahead of the tile loads).
+struct PackedPanels {
+  static constexpr bool kStreamed = true;
+  const char* w;
+  int64_t panel_bytes;
+  struct Reader {
+    const PackedPanels& src;
+    const char* operator()(int64_t p) { return src.w + p * src.panel_bytes; }
+  };
+  Reader reader() const { return {*this}; }
+};
+
+// tile_product (below) over rows a block of activations small enough to stay in L2. `src.reader()`
+// (one per thread) gives each panel's tiles in amx_pack's layout.
+template <class T, class Src, class Epi>
+void tile_product_rows(const char* a, int64_t lda, int64_t M, int64_t kblocks, const Src& src, int64_t N,
                        const Epi& epi) {
   const int64_t panels = (N + kPanelCols - 1) / kPanelCols;
-  const int64_t panel_bytes = kblocks * 2 * kTileBytes;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     // For the epilogues' float arithmetic (the tile products themselves flush denormals always):
     // SiLU's reciprocal is denormal for inputs below about -87, and each denormal costs an assist.
     tandem_kernels::FlushDenormals flush;
     alignas(64) typename T::Acc acc[kTileRows * kPanelCols];
+    auto panel = src.reader();
     int cur0 = -1, cur1 = -1;
     for (int64_t p = p0; p < p1; ++p) {
-      const char* wp = w + p * panel_bytes;
+      const char* wp = panel(p);
       const int64_t n0 = p * kPanelCols;
       const int c0 = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
       const int c1 = static_cast<int>(std::clamp<int64_t>(N - n0 - kTileRows, 0, kTileRows));
@@ -113,7 +127,7 @@ void tile_product_rows(const char* a, int64_t lda, int64_t M, int64_t kblocks, c
         const char* a1 = a0 + kTileRows * lda;
         for (int64_t b = 0; b < kblocks; ++b) {
           const char* wt = wp + b * 2 * kTileBytes;
-          if (m0 == 0)
+          if (Src::kStreamed && m0 == 0)
             for (int64_t i = 0; i < 2 * kTileBytes; i += 64) _mm_prefetch(wt + kPrefetchBytes + i, _MM_HINT_T0);
           _tile_loadd(6, wt, kBlockBytes);
           _tile_loadd(7, wt + kTileBytes, kBlockBytes);
@@ -139,22 +153,30 @@ void tile_product_rows(const char* a, int64_t lda, int64_t M, int64_t kblocks, c
   });
 }
 
-// a: M rows of `kblocks` * 64 bytes at a stride of lda bytes; w: amx_pack's layout for N columns.
+// a: M rows of `kblocks` * 64 bytes at a stride of lda bytes; src: the weight's panels for N
+// columns (`PackedPanels`: amx_pack's layout in memory; `Int4Panels`: made from 4-bit groups).
 // epi(m0, n0, rows, cols, acc) takes each panel's finished result for up to 16 rows: `rows` rows of
 // kPanelCols values (row stride kPanelCols), the panel's two column tiles side by side, of which
 // the first `cols` are real columns. Every panel
 // of the weight multiplies all rows of a row block before the next panel: a block's activations
 // stay in L2 (a prompt chunk's rows of a wide layer would not), each panel streams from memory once
 // per block.
-template <class T, class Epi>
-void tile_product(const char* a, int64_t lda, int64_t M, int64_t kblocks, const char* w, int64_t N, const Epi& epi) {
+template <class T, class Src, class Epi>
+void tile_product_from(const char* a, int64_t lda, int64_t M, int64_t kblocks, const Src& src, int64_t N,
+                       const Epi& epi) {
   const int64_t block = std::max<int64_t>(2 * kTileRows, kRowBlockBytes / lda / (2 * kTileRows) * (2 * kTileRows));
   for (int64_t mb = 0; mb < M; mb += block) {
-    tile_product_rows<T>(a + mb * lda, lda, std::min(block, M - mb), kblocks, w, N,
+    tile_product_rows<T>(a + mb * lda, lda, std::min(block, M - mb), kblocks, src, N,
                          [&](int64_t m0, int64_t n0, int rows, int cols, const typename T::Acc* acc) {
                            epi(mb + m0, n0, rows, cols, acc);
                          });
   }
+}
+
+// w: amx_pack's layout for N columns.
+template <class T, class Epi>
+void tile_product(const char* a, int64_t lda, int64_t M, int64_t kblocks, const char* w, int64_t N, const Epi& epi) {
+  tile_product_from<T>(a, lda, M, kblocks, PackedPanels{w, kblocks * 2 * kTileBytes}, N, epi);
 }
 
 // Stores 16 float32 lanes (the first `cols`) as bfloat16, rounded to nearest even.
@@ -164,6 +186,20 @@ inline void store_bf16(uint16_t* dst, __m512 v, int cols) {
 
 inline __m512 load_bias(const float* bias, int64_t n0, int cols) {
   return bias ? _mm512_maskz_loadu_ps(first_lanes(cols), bias + n0) : _mm512_setzero_ps();
+}
+
+// The epilogue of a bfloat16 product into out [M, n] (row stride n): each panel's float32 sums
+// plus the bias (nullptr: none), rounded to bfloat16.
+inline auto bf16_epilogue(uint16_t* out, int64_t n, const float* bias) {
+  return [=](int64_t m0, int64_t n0, int rows, int cols, const float* acc) {
+    for (int h = 0; h * kTileRows < cols; ++h) {
+      const int c = std::min<int>(kTileRows, cols - h * kTileRows);
+      const __m512 bv = load_bias(bias, n0 + h * kTileRows, c);
+      for (int r = 0; r < rows; ++r)
+        store_bf16(out + (m0 + r) * n + n0 + h * kTileRows,
+                   _mm512_add_ps(_mm512_load_ps(acc + r * kPanelCols + h * kTileRows), bv), c);
+    }
+  };
 }
 
 // quantize_row_u8 (kernel_util.h) on 16 lanes, reading float32 or bfloat16 directly: the same
@@ -253,16 +289,7 @@ at::Tensor gemm_amx_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* bp = bias_ptr(bias, n, b);
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out;
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  auto epi = [&](int64_t m0, int64_t n0, int rows, int cols, const float* acc) {
-    for (int h = 0; h * kTileRows < cols; ++h) {
-      const int c = std::min<int>(kTileRows, cols - h * kTileRows);
-      const __m512 bv = load_bias(bp, n0 + h * kTileRows, c);
-      for (int r = 0; r < rows; ++r)
-        store_bf16(op + (m0 + r) * n + n0 + h * kTileRows,
-                   _mm512_add_ps(_mm512_load_ps(acc + r * kPanelCols + h * kTileRows), bv), c);
-    }
-  };
+  const auto epi = bf16_epilogue(reinterpret_cast<uint16_t*>(out.data_ptr()), n, bp);
   tile_product<Bf16Tiles>(reinterpret_cast<const char*>(xa.data_ptr()), Kp * 2, M, Kp / Bf16Tiles::kValuesPerBlock,
                           reinterpret_cast<const char*>(packed.data_ptr()), n, epi);
   return out;
@@ -434,11 +461,95 @@ at::Tensor gemm_amx_w8a8_silu_mul(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
+// -- 4-bit weights (tandem/model/int4.py's layout) ---------------------------------------------
+//
+// Products of more rows than the 4-bit kernel takes (speculative verification, batches of a dozen
+// streams and more, prompt chunks) used to dequantize the whole weight to bfloat16 in memory and
+// then multiply: per layer, a write and a read of twice the weight's bfloat16 bytes, which for a
+// verification step of 17-128 rows cost more than the product. Here each thread dequantizes one
+// panel of 32 columns at a time into amx_pack's layout in a buffer that stays in L1/L2, and
+// multiplies every row of the block with it: the 4-bit weight is read once, nothing is written.
+
+// The 4-bit weight's panels, each dequantized when a thread reaches it (bfloat16, rounded to
+// nearest even as tandem.dequant_int4 rounds: the same weight values as that path multiplies).
+struct Int4Panels {
+  static constexpr bool kStreamed = false;
+  const uint8_t* qw;
+  const float* scales;
+  const float* zs;  // nullptr: symmetric, zero 8
+  int64_t N, K, gs;
+  struct Reader {
+    const Int4Panels& src;
+    std::vector<__m512i> buf;  // one panel: K / 32 blocks of two 1 KiB tiles (64-byte aligned)
+    explicit Reader(const Int4Panels& s) : src(s), buf(s.K / 32 * 2 * kTileBytes / 64) {}
+    const char* operator()(int64_t p) {
+      const int64_t K = src.K, G = K / src.gs, blocks = K / 32;
+      char* out = reinterpret_cast<char*>(buf.data());
+      const __m128i low4 = _mm_set1_epi8(0x0F);
+      for (int64_t t = 0; t < 2; ++t) {
+        const int64_t n0 = p * kPanelCols + t * kTileRows;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t g = b * 32 / src.gs;
+          __m512i col[16];
+          for (int64_t c = 0; c < kTileRows; ++c) {
+            const int64_t n = n0 + c;
+            if (n >= src.N) {
+              col[c] = _mm512_setzero_si512();
+              continue;
+            }
+            const float s = src.scales[n * G + g], z = src.zs ? src.zs[n * G + g] : 8.f * s;
+            const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src.qw + n * (K / 2) + b * 16));
+            const __m512 lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4))), sv, zv);
+            const __m512 hi = _mm512_fmsub_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4))), sv, zv);
+            col[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lane j: elements 2j, 2j + 1
+          }
+          transpose16(col);  // col[r]: K pair r of the 16 columns, a tile row
+          char* tile = out + (b * 2 + t) * kTileBytes;
+          for (int r = 0; r < kTileRows; ++r) _mm512_store_si512(tile + r * kBlockBytes, col[r]);
+        }
+      }
+      return out;
+    }
+  };
+  Reader reader() const { return Reader(*this); }
+};
+
+// x [M, K] bfloat16 times the 4-bit weight [N, K] (qweight [N, K/2], scales and zs [N, K / gs]
+// float32, zs absent for a symmetric weight), plus bias; float32 accumulation, bfloat16 result.
+at::Tensor gemm_amx_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& zs, int64_t group_size,
+                         const std::optional<at::Tensor>& bias) {
+  const char* op_name = "tandem gemm_amx_int4";
+  check_bf16_input(op_name, x);
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), op_name,
+              ": qweight must be a contiguous uint8 [N, K/2] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = qw.size(0), gs = group_size;
+  TORCH_CHECK(K == qw.size(1) * 2 && K % 32 == 0, op_name, ": x has ", K, " columns, the weight ", qw.size(1) * 2);
+  TORCH_CHECK(gs > 0 && gs % 32 == 0 && K % gs == 0, op_name, ": group_size must be a multiple of 32 dividing K");
+  for (const at::Tensor* t : {&scales, zs.has_value() ? &*zs : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / gs,
+                op_name, ": scales and zs must be contiguous float32 [N, K / group_size]");
+  const at::Tensor xa = x.contiguous();
+  at::Tensor b;
+  const float* bp = bias_ptr(bias, N, b);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const auto epi = bf16_epilogue(reinterpret_cast<uint16_t*>(out.data_ptr()), N, bp);
+  const Int4Panels src{qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs ? zs->data_ptr<float>() : nullptr,
+                       N, K, gs};
+  tile_product_from<Bf16Tiles>(reinterpret_cast<const char*>(xa.data_ptr()), K * 2, M, K / 32, src, N, epi);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
   m.def("amx_ready() -> bool", &amx_ready);
   m.def("amx_pack(Tensor w) -> Tensor");
+  m.def("gemm_amx_int4(Tensor x, Tensor qweight, Tensor scales, Tensor? zs, int group_size, Tensor? bias) -> Tensor");
   m.def("gemm_amx_bf16(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("gemm_amx_w8a8(Tensor x, Tensor packed, int n, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
   m.def("gemm_amx_bf16_silu_mul(Tensor x, Tensor packed, int intermediate) -> Tensor");
@@ -449,6 +560,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
   m.impl("amx_pack", &amx_pack);
+  m.impl("gemm_amx_int4", &gemm_amx_int4);
   m.impl("gemm_amx_bf16", &gemm_amx_bf16);
   m.impl("gemm_amx_w8a8", &gemm_amx_w8a8);
   m.impl("gemm_amx_bf16_silu_mul", &gemm_amx_bf16_silu_mul);

@@ -1,5 +1,5 @@
 // Helpers the kernel files share: splitting output rows over PyTorch's thread pool, bias and
-// bfloat16 conversions, a horizontal sum. Everything is in an anonymous namespace, as in the
+// bfloat16 conversions, a horizontal sum, a 16 x 16 register transpose. Everything is in an anonymous namespace, as in the
 // kernel files themselves: each translation unit keeps its own internal copy.
 #pragma once
 
@@ -133,6 +133,31 @@ inline at::Tensor check_paged(const char* op, const at::Tensor& q, const at::Ten
 #if defined(__AVX512F__)
 // A mask of the first n (0-16) of 16 lanes.
 inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+
+// 16 x 16 32-bit transpose in registers: rows r[0..15] become columns.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // u[4i + k], 128-bit lane L: rows 4i..4i+3 of column 4L + k.
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), v2 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(v2, w2, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(v2, w2, 0xDD);
+  }
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)

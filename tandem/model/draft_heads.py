@@ -280,8 +280,10 @@ def load_head(
     device: torch.device,
     backend: AttentionBackend | Any,
     rotary: RotaryEmbedding | None,
+    cpu_kernels: bool = False,
 ) -> EagleHead | MedusaHeads:
-    """The head in `cfg.path`, checked against the target it drafts for."""
+    """The head in `cfg.path`, checked against the target it drafts for. `cpu_kernels`: on a CPU,
+    run it on the paths the target's layers take (`use_cpu_paths`)."""
     from safetensors.torch import load_file
 
     cfg.check_target(target)
@@ -299,4 +301,22 @@ def load_head(
             if name.startswith("medusa_head.") and name.split(".")[2] == "0"
         }
     _load_state(module, tensors, cfg.path)
-    return module.to(device=device, dtype=dtype).eval()
+    module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if cpu_kernels and device.type == "cpu":
+        use_cpu_paths(module, dtype)
+    return module
+
+
+def use_cpu_paths(module: nn.Module, dtype: torch.dtype) -> None:
+    """Prepare a loaded head as the loader prepares a target (tandem/model/loader.py): packed
+    linear layers (`F.linear` on a bfloat16 weight reorders it for oneDNN on every call: most of a
+    head pass's time), the compiled norms, activation and rotary where the dtype allows, and direct
+    submodule lookups. A head pass is a few rows, so it runs on the few-row paths."""
+    from tandem.model.direct_call import bind_submodules
+    from tandem.model.fused_ops import use_fused_ops, wants_fused_ops
+    from tandem.model.linear import pack_linears
+
+    pack_linears(module)
+    if wants_fused_ops(dtype, quantized=False):
+        use_fused_ops(module)
+    bind_submodules(module)

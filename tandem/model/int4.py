@@ -12,10 +12,14 @@ their columns are stored sorted by group and `in_perm` gathers the activations i
 first (a copy of the activations, not of the weight).
 
 Paths, by rows of the product (a decode step of a few streams is a few rows):
-- up to `INT4_KERNEL_MAX_ROWS` rows: `tandem.gemm_int4` (AVX512-VNNI, or AVX2 + FMA;
-  tandem/kernels/int4_ops.cpp) streams the packed weight once per four rows, unpacking in
-  registers; it quantizes the activations to int8 in blocks of 32 (one scale per block) and
-  multiplies in integers;
+- up to `INT4_KERNEL_MAX_ROWS` rows (`INT4_AMX_KERNEL_MAX_ROWS` where AMX takes over from there):
+  `tandem.gemm_int4` (AVX512-VNNI, or AVX2 + FMA; tandem/kernels/int4_ops.cpp) streams the packed
+  weight once per four rows, unpacking in registers; it quantizes the activations to int8 in
+  blocks of 32 (one scale per block) and multiplies in integers;
+- on AMX, bfloat16 activations, up to `INT4_AMX_MAX_ROWS` rows (speculative verification, larger
+  decode batches): `tandem.gemm_amx_int4` (tandem/kernels/amx_ops.cpp) dequantizes one panel of
+  32 output columns at a time into a buffer that stays in cache and multiplies every row with it on
+  AMX tiles: the weight read once, nothing written;
 - more rows, or no kernel: dequantize to the compute dtype and run one GEMM (`F.linear`). The
   dequantized weight is made per call (`tandem.dequant_int4`, or PyTorch ops without kernels), not
   kept: keeping it costs the float model's memory (docs/quantized_checkpoints.md has the timing).
@@ -35,6 +39,12 @@ from tandem.model.direct_call import BoundTensors, DirectCall
 # AMX the two break even near 24 rows (docs/quantized_checkpoints.md). 16 covers decode batches
 # and speculative verification on both.
 INT4_KERNEL_MAX_ROWS = 16
+# On AMX: the 4-bit kernel up to this many rows, then the AMX form up to INT4_AMX_MAX_ROWS (it
+# dequantizes each panel once per block of rows, so a long prompt chunk of a wide layer pays that
+# many times over; there the two tie, and dequantize-then-GEMM takes more). The crossovers
+# (benchmarks/gemm_paths.py --only int4): docs/quantized_checkpoints.md.
+INT4_AMX_KERNEL_MAX_ROWS = 12
+INT4_AMX_MAX_ROWS = 2048
 # Activation dtypes the kernel reads directly.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Elements per packed block of the internal layout (and per activation scale in the kernel).
@@ -55,6 +65,10 @@ class DequantScratch:
         if buf is None or buf.numel() < numel:
             buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
         return buf[:numel]
+
+
+def _amx_int4_available() -> bool:
+    return kernels.has("gemm_amx_int4") and bool(torch.ops.tandem.amx_ready())
 
 
 def check_shape(in_features: int, group_size: int, what: str) -> None:
@@ -143,9 +157,7 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         self.in_features, self.out_features, self.group_size = k, n, group_size
         # use_kernel=False forces the PyTorch path (tests); None takes what the host has.
-        want = use_kernel is not False
-        self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if want and kernels.has("gemm_int4") else 0
-        self.compiled_dequant = want and kernels.has("dequant_int4")
+        self.choose_paths(use_kernel is not False)
         # Shared by the layers of one model (the loader passes one); a layer made alone has its own.
         self.scratch = scratch if scratch is not None else DequantScratch()
         self.bind_tensors()
@@ -184,12 +196,18 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
             bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False)
         layer.bias = bias
         layer.in_features, layer.out_features, layer.group_size = k, n, group_size
-        want = use_kernel is not False
-        layer.kernel_max_rows = INT4_KERNEL_MAX_ROWS if want and kernels.has("gemm_int4") else 0
-        layer.compiled_dequant = want and kernels.has("dequant_int4")
+        layer.choose_paths(use_kernel is not False)
         layer.scratch = scratch if scratch is not None else DequantScratch()
         layer.bind_tensors()
         return layer
+
+    def choose_paths(self, use_kernels: bool) -> None:
+        """Which product takes how many rows on this host (`use_kernels=False`: PyTorch ops only)."""
+        amx = use_kernels and _amx_int4_available()
+        self.amx_max_rows = INT4_AMX_MAX_ROWS if amx else 0
+        few = INT4_AMX_KERNEL_MAX_ROWS if amx else INT4_KERNEL_MAX_ROWS
+        self.kernel_max_rows = few if use_kernels and kernels.has("gemm_int4") else 0
+        self.compiled_dequant = use_kernels and kernels.has("dequant_int4")
 
     def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
         """The weight [out, in] in `dtype`, inputs in `in_perm` order if there is one. scratch=True
@@ -203,9 +221,12 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
 
     def path(self) -> str:
         """Which products this layer runs (the start-up report)."""
+        parts = []
         if self.kernel_max_rows:
-            return f"int4 kernel (<= {self.kernel_max_rows} rows) + dequantize-then-GEMM"
-        return "int4 dequantize-then-GEMM"
+            parts.append(f"int4 kernel (<= {self.kernel_max_rows} rows)")
+        if self.amx_max_rows:
+            parts.append(f"int4 AMX tiles (<= {self.amx_max_rows} rows)")
+        return " + ".join([*parts, "dequantize-then-GEMM"]) if parts else "int4 dequantize-then-GEMM"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -214,8 +235,11 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         qweight, scales, zs, bias, in_perm = self._tensors
         if in_perm is not None:
             x = x.index_select(1, in_perm)
-        if 0 < x.shape[0] <= self.kernel_max_rows and x.dtype in _KERNEL_DTYPES:
+        rows = x.shape[0]
+        if 0 < rows <= self.kernel_max_rows and x.dtype in _KERNEL_DTYPES:
             return torch.ops.tandem.gemm_int4(x, qweight, scales, zs, self.group_size, bias)
+        if 0 < rows <= self.amx_max_rows and x.dtype == torch.bfloat16:
+            return torch.ops.tandem.gemm_amx_int4(x, qweight, scales, zs, self.group_size, bias)
         bias = None if bias is None else bias.to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype, scratch=True), bias)
 
@@ -244,5 +268,6 @@ def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
     )
     fused.register_buffer("in_perm", first.in_perm, persistent=False)
     fused.kernel_max_rows, fused.compiled_dequant = first.kernel_max_rows, first.compiled_dequant
+    fused.amx_max_rows = first.amx_max_rows
     fused.bind_tensors()
     return fused

@@ -48,6 +48,12 @@ class AdaptiveConfig:
     cost_decay: float = 0.98
     overhead_decay: float = 0.9
     feed_decay: float = 0.95
+    # The speculation overhead is measured only in steps that draft, so one priced too high to let
+    # any plan draft would never be measured again: it fades toward 0 by this factor per step that
+    # could have drafted and did not (gate "off" included), until a plan drafts and re-measures it.
+    # At 0.98 an overhead twice what still lets drafting pay is retried after about 35 steps
+    # (recovery from a stale one; a true one costs a drafting step per retry). 1: never fades.
+    overhead_fade: float = 0.98
     # Costs are timed at load over synthetic batches of up to this many requests, each with
     # `seed_context` tokens of context.
     seed_max_requests: int = 64
@@ -101,7 +107,15 @@ class AdaptiveConfig:
         return cfg
 
     def validate(self) -> None:
-        decays = ("history_decay", "cost_decay", "overhead_decay", "feed_decay", "gate_decay", "stale_decay")
+        decays = (
+            "history_decay",
+            "cost_decay",
+            "overhead_decay",
+            "overhead_fade",
+            "feed_decay",
+            "gate_decay",
+            "stale_decay",
+        )
         for name in decays:
             self._check(name, float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
         for name in ("prior_accepted", "prior_rejected"):

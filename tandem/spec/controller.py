@@ -59,8 +59,13 @@ class AdaptiveSpeculation:
         self.draft_cost = LinearCost(cfg.cost_decay)
         self._acc: dict[str, tuple[float, float]] = {}
         self.gate = SpecGate(cfg)
-        # Seconds a step that drafts costs beyond T(t) and its draft passes (learned; see observe_step).
-        self.spec_overhead = 0.0
+        # Seconds a step that drafts costs beyond T(t) and its draft passes, a line in the step's draft
+        # tokens (learned; see observe_step): verification can cost more per token than T's slope
+        # (a slow path past some rows), so small drafts may pay where large ones do not.
+        self.overhead = LinearCost(cfg.overhead_decay)
+        # Plans since the last pricing that could have drafted and did not: the overhead fade the
+        # next pricing applies (`overhead_fade`).
+        self._idle = 0
         # Seconds per token a draft model takes to catch up (timed at load, learned online), and the
         # running mean of prompt catch-up per drafting step (see observe_outcome).
         self.feed_cost = 0.0
@@ -103,14 +108,21 @@ class AdaptiveSpeculation:
         d = self.config.history_decay
         self._acc[request_id] = (d * a + num_accepted, d * r + (1.0 if num_accepted < num_draft else 0.0))
 
-    def observe_step(self, num_tokens: int, seconds: float, drafted: bool = False) -> None:
-        """A pure-decode step's seconds (draft passes excluded). With a measured shape, steps that
-        verified drafts only teach `spec_overhead`, what speculating adds beyond the shape's tokens
-        (proposals, verification, rewinds: Python per step), and the rest rescale the shape."""
+    @property
+    def spec_overhead(self) -> float:
+        """Seconds a drafting step costs beyond the step-cost line before any draft token (the
+        overhead line's intercept; `overhead` also has a slope per draft token)."""
+        return self.overhead.coefficients()[0]
+
+    def observe_step(
+        self, num_tokens: int, seconds: float, drafted: bool = False, draft_tokens: int = 0
+    ) -> None:
+        """A pure-decode step's seconds (draft passes excluded), `draft_tokens` of its `num_tokens`
+        verified drafts. With a measured shape, steps that drafted only teach `overhead`, what
+        speculating adds beyond the shape's tokens (proposals, verification, rewinds: Python per
+        step), and the rest rescale the shape."""
         if drafted and self.step_cost.shape is not None:
-            residual = seconds - self.step_cost.predict(num_tokens)
-            d = self.config.overhead_decay
-            self.spec_overhead = d * self.spec_overhead + (1 - d) * residual
+            self.overhead.observe(draft_tokens, seconds - self.step_cost.predict(num_tokens))
         else:
             self.step_cost.observe(num_tokens, seconds)
 
@@ -233,6 +245,11 @@ class AdaptiveSpeculation:
         choice = self.gate.choose(n)
         if not choice.on:
             self._hold_key = None
+            # The overhead fades here too: the gate's next exploration of "on" is priced with it,
+            # and an overhead gone stale while "off" would price that exploration at zero drafts,
+            # so "on" would be neither run nor measured again. The gate, not the overhead, is what
+            # keeps speculation off where it was measured not to pay.
+            self._idle += 1
             return Plan({}, n, gate_on=False)
         if not self.seeded and self.step_cost.count < self.config.warmup_steps:
             return Plan(dict.fromkeys(request_ids, self.max_k), n, gate_on=True)
@@ -246,6 +263,7 @@ class AdaptiveSpeculation:
         if self._hold_left > 0 and key == self._hold_key and self._hold_ids.issuperset(request_ids):
             self._hold_left -= 1
             self._held += 1
+            self._idle += 1
             self._stored = self._hold_left == 0
             return Plan({}, n, gate_on=True, drafts_next=self._stored)
         self.num_priced += 1
@@ -258,6 +276,12 @@ class AdaptiveSpeculation:
                     a, r = self._acc[rid]
                     self._acc[rid] = (a * fade, r * fade)
             self._held = 0
+        if self._idle:
+            # Nothing drafted since the overhead was last priced, so nothing measured it: fade it,
+            # else one priced too high would stop every plan from drafting, and so from measuring
+            # it again, for good.
+            self.overhead.fade(self.config.overhead_fade**self._idle)
+            self._idle = 0
         # While the gate explores "on" it has budgeted the catch-up that costs (`switch_steps`);
         # priced again here, it would stop the very drafts being measured, and the stale "on" rate
         # would stand.
@@ -289,13 +313,16 @@ class AdaptiveSpeculation:
                 a, r = self._acc[rid]
                 self._acc[rid] = (a * d, r * d)
         hold_max = self.config.zero_plan_hold_max
-        if not primed and any(k.values()):
+        drafts = any(k.values())
+        if not drafts or not primed:
+            self._idle += 1  # a plan that drafts nothing measures no overhead
+        if not primed and drafts:
             # The hold ended early (a new bucket or gate choice) right after a plan that let its
             # step's features go unstored: what a proposal would read now is missing. Draft from
             # the next plan on, re-priced then.
             self._hold_key, self._hold_left, self._hold_len = None, 0, 0
             return Plan(dict.fromkeys(k, 0), n, gate_on=True)
-        if hold_max and not any(k.values()):
+        if hold_max and not drafts:
             self._hold_len = min(hold_max, 2 * self._hold_len if key == self._hold_key else 1)
             self._hold_key, self._hold_left = key, self._hold_len
             self._hold_ids = frozenset(request_ids)
@@ -316,14 +343,16 @@ class AdaptiveSpeculation:
         """Greedy: give one more draft token (up to `cap` each) to the request whose next one is most
         likely accepted, while that raises the step's expected tokens per second. With `passes`
         draft-model passes, their fixed cost is paid from the start and each drafting request adds
-        its share; so is the speculation overhead, and a request's first draft token adds its
-        catch-up share (`backlog`). Returns the draft lengths and the expected rate."""
+        its share; so is the speculation overhead's fixed part, and each draft token adds its
+        per-token part, and a request's first draft token its catch-up share (`backlog`). Returns
+        the draft lengths and the expected rate."""
         a, b = self.step_cost.coefficients()  # once, not per candidate token
         c, d = self.draft_cost.coefficients() if passes else (0.0, 0.0)
-        a += max(0.0, self.spec_overhead)
+        o0, o1 = self.overhead.coefficients()
+        a += max(0.0, o0)
         k = dict.fromkeys(request_ids, 0)
         expected = float(len(request_ids))
-        tokens = other_tokens + len(request_ids)
+        tokens = base = other_tokens + len(request_ids)
         num_spec = 0
         feed = 0.0
         drafting = passes * (c + d)  # the passes' cost, one request in them (0 without passes)
@@ -337,7 +366,8 @@ class AdaptiveSpeculation:
             new_feed = feed + self.feed_cost * backlog.get(rid, 0.0) if first else feed
             new_expected = expected - neg_gain
             new_drafting = passes * (c + d * new_spec)
-            new_rate = new_expected / max(a + b * (tokens + 1) + new_drafting + new_feed, 1e-9)
+            verify = b * (tokens + 1) + o1 * (tokens + 1 - base)
+            new_rate = new_expected / max(a + verify + new_drafting + new_feed, 1e-9)
             if new_rate <= rate:
                 continue  # this request's next draft token does not pay; others' might
             k[rid] += 1

@@ -42,6 +42,14 @@ class LinearCost:
             self._observed = d * self._observed + y
             self._predicted = d * self._predicted + a0 + b0 * x
 
+    def fade(self, factor: float) -> None:
+        """Scales what the line predicts by `factor`, as if every sample's `y` had been, keeping the
+        samples' weight: a cost learned only from some steps fades toward 0 while none run, and the
+        next samples pull it back at the usual rate."""
+        self.sy *= factor
+        self.sxy *= factor
+        self._observed *= factor
+
     @property
     def scale(self) -> float:
         """Recent costs over the measured shape's (1.0 without a shape or samples)."""

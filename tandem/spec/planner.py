@@ -187,7 +187,12 @@ class SpecPlanner:
             self.config.adaptive_config.empty_lookups_on and any(plan.num_draft.values())
         )
         if pure:
-            ctl.observe_step(sched.total_tokens, update_seconds - result.draft_time, drafted=drafted)
+            ctl.observe_step(
+                sched.total_tokens,
+                update_seconds - result.draft_time,
+                drafted=drafted,
+                draft_tokens=sum(sched.num_draft.values()),
+            )
         switch = feed = 0.0
         for p in result.draft_passes:
             s, f = ctl.observe_draft_pass(p)

@@ -23,11 +23,12 @@ that depth (by path log-probability) are expanded: one head pass over every node
 `ForwardBatch.tree_bits`), laid out in the head's KV slots after the last known token (slots the
 scheduler reserved for the target's verification of the same nodes; the head's own tensors, so
 nothing of the target's is touched, and later catch-up overwrites them). Row of node x at depth d:
-(its parent's predicted feature, x), at position root + d - 1. A tree of k nodes is at most k deep,
-so a request given k nodes is expanded to depth min(`tree_depth`, k): a smaller node budget costs
-fewer head passes. The proposal is the k best nodes by path log-probability (a node's is at
-most its parent's, so they form a tree), ordered depth first, best child first: the most likely
-path is the first branch, whose KV needs no copy when it is accepted.
+(its parent's predicted feature, x), at position root + d - 1 (a pass's per-row values go to the
+device as one tensor, `_tree_batch`; the proposal's predictions are rows of one table). A tree of
+k nodes is at most k deep, so a request given k nodes is expanded to depth min(`tree_depth`, k): a
+smaller node budget costs fewer head passes. The proposal is the k best nodes by path
+log-probability (a node's is at most its parent's, so they form a tree), ordered depth first, best
+child first: the most likely path is the first branch, whose KV needs no copy when it is accepted.
 
 **Medusa.** Head k over the last known feature proposes the token k after the last known one; the
 tree is the best `num_speculative_tokens` paths of the per-head top-k's cartesian product by the
@@ -50,6 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
@@ -59,6 +61,7 @@ from tandem.core.step_io import DraftPass, RunnerOutput, SchedulerOutput
 from tandem.model.attention import get_attention_backend
 from tandem.model.draft_heads import EagleHead, HeadConfig, MedusaHeads, eagle_layer_config, load_head
 from tandem.model.draft_vocab import DraftReadout, draft_token_ids
+from tandem.model.forward_batch import ForwardBatch
 from tandem.model.kv_quant import KVCacheFormat
 from tandem.model.layers import RotaryEmbedding
 from tandem.model.loader import model_module
@@ -101,7 +104,7 @@ class _Node:
         self.parent = parent
         self.depth = depth
         self.score = score
-        self.feature: torch.Tensor | None = None  # EAGLE: the head's prediction after this node
+        self.feature = -1  # EAGLE: the row of the head's prediction after this node (`_eagle`)
         self.children: list[int] = []
 
 
@@ -189,10 +192,14 @@ class HeadDrafter:
             rotary = RotaryEmbedding(
                 layer_cfg.head_dim, max_model_len + spec.tree_depth + 1, layer_cfg.rope, host.device
             )
-            self.head = load_head(cfg, target_config, host.dtype, host.device, backend, rotary)
+            self.head = load_head(
+                cfg, target_config, host.dtype, host.device, backend, rotary, host.plan.cpu_kernels
+            )
             self.kv_caches = host.allocate_kv(layer_cfg, num_blocks)
         else:
-            self.head = load_head(cfg, target_config, host.dtype, host.device, None, None)
+            self.head = load_head(
+                cfg, target_config, host.dtype, host.device, None, None, host.plan.cpu_kernels
+            )
             self.depth = min(self.depth, cfg.num_heads)
         # The read-out: the draft vocabulary's rows of the target's LM head (the whole head where
         # the folder has no draft_vocab.json or `draft_vocab_size` asks for all of it).
@@ -220,6 +227,7 @@ class HeadDrafter:
         self.work = HeadWork()
         # The last proposal's passes, timed (the runner reports them with the step's output).
         self.passes: list[DraftPass] = []
+        self._no_rows = torch.empty(0, dtype=torch.long, device=host.device)  # a pass's logits_indices
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -351,14 +359,18 @@ class HeadDrafter:
         """Log-probabilities over the read-out's tokens (columns: `self.readout.tokens`)."""
         return self.readout.logprobs(feats)
 
-    def _children(self, nodes: list[_Node], parent: int, logp: torch.Tensor, count: int) -> list[int]:
-        count = min(count, logp.shape[0])
-        values, index = logp.topk(count)
-        tokens = self.readout.tokens(index)
+    def _top(self, logp: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """Each row's `tree_topk` best read-out tokens and their log-probabilities, best first: one
+        top-k and one copy to the host for every row of a pass."""
+        values, index = logp.topk(min(self.topk, logp.shape[-1]), dim=-1)
+        return values.tolist(), self.readout.tokens(index).tolist()
+
+    @staticmethod
+    def _children(nodes: list[_Node], parent: int, values: list[float], tokens: list[int]) -> list[int]:
         base = nodes[parent].score if parent >= 0 else 0.0
         depth = nodes[parent].depth + 1 if parent >= 0 else 1
         made = []
-        for v, t in zip(values.tolist(), tokens.tolist()):
+        for v, t in zip(values, tokens):
             nodes.append(_Node(t, parent, depth, base + v))
             made.append(len(nodes) - 1)
         if parent >= 0:
@@ -391,15 +403,20 @@ class HeadDrafter:
         g = head(embed(batch.input_ids), feats, batch, self.kv_caches[0])
         root_g = g[torch.from_numpy(ends - 1).to(g.device)]
         root_logp = self._logprobs(root_g)
+        # Every prediction of this proposal, one row each: the roots' (row i: request i's), then
+        # each tree pass's new nodes' (`_Node.feature`); a tree row reads its parent's.
+        table = root_g
+        tables = batch.block_tables
         for r in reqs:
             self.valid[r.request_id] = r.num_tokens - 1
         trees: list[list[_Node]] = []
         expanded: list[list[int]] = []
         frontier: list[list[int]] = []
         caps: list[int] = []
+        root_v, root_t = self._top(root_logp)
         for i, r in enumerate(reqs):
             nodes: list[_Node] = []
-            frontier.append(self._children(nodes, -1, root_logp[i], self.topk))
+            frontier.append(self._children(nodes, -1, root_v[i], root_t[i]))
             trees.append(nodes)
             expanded.append([])
             # The head's scratch rows: the slots after the last known token that the request's
@@ -424,45 +441,21 @@ class HeadDrafter:
             active = [i for i, p in enumerate(picks) if p]
             if not active:
                 break
-            sub = [reqs[i] for i in active]
-            lens = [len(expanded[i]) for i in active]
-            batch, ends = build_batch(
-                sub, lens, host.block_size, host.device, starts_l=[r.num_tokens - 1 for r in sub]
-            )
-            ids, rows_f, positions, bits = [], [], [], []
-            for i in active:
-                nodes, order = trees[i], expanded[i]
-                where = {node: j for j, node in enumerate(order)}
-                root = reqs[i].num_tokens - 2
-                word: list[int] = []
-                for j, node in enumerate(order):
-                    n = nodes[node]
-                    ids.append(n.token)
-                    parent_f = root_g[i] if n.parent < 0 else nodes[n.parent].feature
-                    assert parent_f is not None
-                    rows_f.append(parent_f)
-                    positions.append(root + n.depth)
-                    word.append((0 if n.parent < 0 else word[where[n.parent]]) | (1 << j))
-                bits.extend(word)
-            dev = host.device
-            batch.input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-            batch.positions = torch.tensor(positions, dtype=torch.long, device=dev)
-            batch.tree_bits = torch.tensor(bits, dtype=torch.long, device=dev)
+            batch, parent_rows, new_rows = self._tree_batch(reqs, active, trees, expanded, picks, tables)
             head.backend.prepare(batch)
-            g = head(embed(batch.input_ids), torch.stack(rows_f), batch, self.kv_caches[0])
-            # The new nodes' rows: the last len(picks[i]) of each request's.
-            new_rows: list[int] = []
-            for i, end in zip(active, ends.tolist()):
-                new_rows.extend(range(end - len(picks[i]), end))
-            new_g = g[torch.tensor(new_rows, device=g.device)]
-            logp = self._logprobs(new_g)
-            row = 0
+            g = head(embed(batch.input_ids), table[parent_rows], batch, self.kv_caches[0])
+            new_g = g[new_rows]
+            # The new nodes' predictions: the table's next rows, in the order of `picks`.
+            row = table.shape[0]
+            table = torch.cat((table, new_g))
+            top_v, top_t = self._top(self._logprobs(new_g))
+            j = 0
             for i in active:
                 nxt: list[int] = []
                 for node in picks[i]:
-                    trees[i][node].feature = new_g[row]
-                    nxt.extend(self._children(trees[i], node, logp[row], self.topk))
-                    row += 1
+                    trees[i][node].feature = row + j
+                    nxt.extend(self._children(trees[i], node, top_v[j], top_t[j]))
+                    j += 1
                 frontier[i] = nxt
             w.passes += 1
             self.passes.append(DraftPass(len(active), time.perf_counter() - start_t))
@@ -478,6 +471,66 @@ class HeadDrafter:
             _pad(nodes, k)
             out[r.request_id] = _tree(trees[i], _best(trees[i], k))
         return out
+
+    def _tree_batch(
+        self,
+        reqs: list[Request],
+        active: list[int],
+        trees: list[list[_Node]],
+        expanded: list[list[int]],
+        picks: list[list[int]],
+        tables: np.ndarray,
+    ) -> tuple[ForwardBatch, torch.Tensor, slice | torch.Tensor]:
+        """A tree pass over the `active` requests: request i's expanded nodes, in order, at the slots
+        after its last known token (`tables`: the requests' block tables), each at its depth's
+        position, seeing the context and its expanded ancestors (`tree_bits`). Also the rows of
+        their parents' predictions in the proposal's feature table and the rows of the new nodes
+        (`picks[i]`, the last of each request's) in the pass. Every per-row value goes to the
+        device in one tensor."""
+        bs = self.host.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bits: list[int] = []
+        parents: list[int] = []
+        new_rows: list[int] = []
+        q_lens: list[int] = []
+        starts: list[int] = []
+        for i in active:
+            r, nodes, order = reqs[i], trees[i], expanded[i]
+            first = r.num_tokens - 1  # the slot after the last known token (the root's)
+            where = {node: j for j, node in enumerate(order)}
+            word: list[int] = []
+            for j, node in enumerate(order):
+                n = nodes[node]
+                ids.append(n.token)
+                positions.append(first - 1 + n.depth)
+                slots.append(_slot(r, first + j, bs))
+                word.append((0 if n.parent < 0 else word[where[n.parent]]) | (1 << j))
+                parents.append(i if n.parent < 0 else nodes[n.parent].feature)
+            bits.extend(word)
+            new_rows.extend(range(len(ids) - len(picks[i]), len(ids)))
+            q_lens.append(len(order))
+            starts.append(first)
+        rows = torch.tensor([ids, positions, slots, bits, parents], dtype=torch.long, device=self.host.device)
+        q = np.asarray(q_lens, dtype=np.int64)
+        qsl = np.zeros(len(q) + 1, dtype=np.int64)
+        np.cumsum(q, out=qsl[1:])
+        batch = ForwardBatch(
+            input_ids=rows[0],
+            positions=rows[1],
+            slot_mapping=rows[2],
+            logits_indices=self._no_rows,
+            query_start_loc=qsl,
+            query_lens=q,
+            seq_lens=np.asarray(starts, dtype=np.int64) + q,
+            block_tables=tables[active],
+            block_size=bs,
+            tree_bits=rows[3],
+        )
+        one = len(active) == 1  # the new rows are the pass's last: a slice, no index tensor
+        new = slice(new_rows[0], len(ids)) if one else torch.tensor(new_rows, device=self.host.device)
+        return batch, rows[4], new
 
     def _medusa(self, todo: list[tuple[Request, int]]) -> dict[str, DraftTree]:
         head = self.head

@@ -294,6 +294,8 @@ class ModelRunner:
 
         for model in [self.model] + ([self.drafter.model] if self.drafter is not None else []):
             warm_row_counts(model_module(model), range(1, max_rows + 1))
+        if self.head_drafter is not None:  # a head's passes are as few rows as a step's
+            warm_row_counts(self.head_drafter.head, range(1, max_rows + 1))
 
     @torch.inference_mode()
     def time_passes(

@@ -237,3 +237,63 @@ def test_int4_linear_follows_its_tensors_when_they_are_replaced():
         lin.bias.zero_()  # the new bias: forward must see it
     torch.testing.assert_close(lin(x), before - bias, rtol=1e-5, atol=1e-5)
 
+
+
+def _amx_int4() -> bool:
+    return kernels.has("gemm_amx_int4") and bool(torch.ops.tandem.amx_ready())
+
+
+needs_amx_int4 = pytest.mark.skipif(not _amx_int4(), reason="needs AMX (and the OS granting it)")
+
+
+@needs_amx_int4
+@pytest.mark.parametrize("shape", [*SHAPES, (100, 576, 32), (45, 1536, 128)])
+@pytest.mark.parametrize("rows", [1, 9, 17, 33, 70])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_amx_int4_matches_dequantized_product(shape, rows, symmetric):
+    """The AMX form multiplies exactly the bfloat16 weight dequant_int4 makes (float32
+    accumulation, so only the sum's order and the output's rounding differ): every column of
+    every panel, a partial last panel, bias, groups of one to twenty blocks, with and without zs."""
+    n, k, group = shape
+    q, s, z = _weights(n, k, group, rows)
+    if symmetric:
+        z = torch.full_like(z, 8.0)
+    g = torch.Generator().manual_seed(rows + 1)
+    b = torch.randn(n, generator=g)
+    layer = Int4Linear(q, s, z, group, b)
+    assert (layer.zs is None) == symmetric
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = layer.dequantized(torch.bfloat16)
+    ref = F.linear(x.double(), w.double(), b.double())
+    got = torch.ops.tandem.gemm_amx_int4(x, layer.qweight, layer.scales, layer.zs, group, layer.bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # bfloat16 output: half a unit in the last place of 8 bits, relative to each value's size.
+    torch.testing.assert_close(got.double(), ref, rtol=2**-8, atol=1e-3 * float(ref.abs().max()))
+
+
+@needs_amx_int4
+def test_int4_linear_routes_rows_to_their_paths(monkeypatch):
+    """On AMX, few rows go to the 4-bit kernel, up to `amx_max_rows` to the AMX form, more to
+    dequantize-then-GEMM; a float32 input never to the AMX form (it takes bfloat16 only)."""
+    from tandem.model import int4
+
+    layer = Int4Linear(*_weights(64, 128, 32, 0), 32, None)
+    assert layer.kernel_max_rows == int4.INT4_AMX_KERNEL_MAX_ROWS and layer.amx_max_rows == int4.INT4_AMX_MAX_ROWS
+    assert "AMX" in layer.path()
+    calls: list[str] = []
+    real = torch.ops.tandem
+    for name in ("gemm_int4", "gemm_amx_int4", "dequant_int4"):
+        op = getattr(real, name)
+        monkeypatch.setattr(
+            int4.torch.ops.tandem, name, lambda *a, _op=op, _n=name: calls.append(_n) or _op(*a), raising=False
+        )
+    for rows, dtype, want in [
+        (layer.kernel_max_rows, torch.bfloat16, "gemm_int4"),
+        (layer.kernel_max_rows + 1, torch.bfloat16, "gemm_amx_int4"),
+        (layer.amx_max_rows, torch.bfloat16, "gemm_amx_int4"),
+        (layer.amx_max_rows + 1, torch.bfloat16, "dequant_int4"),
+        (layer.kernel_max_rows + 1, torch.float32, "dequant_int4"),
+    ]:
+        calls.clear()
+        layer(torch.randn(rows, 128, dtype=dtype))
+        assert calls == [want], (rows, dtype, calls)

@@ -485,3 +485,75 @@ def test_a_step_whose_lookups_found_nothing_is_sampled_as_empty_lookups_on_says(
     assert gate._stats[1][True][2] == 1 and False not in gate._stats[1]
     planner.observe_step(quiet, RunnerOutput(), 1, 0.01, 0.01)
     assert gate._stats[1][False][2] == 1
+
+
+def blocked_controller() -> AdaptiveSpeculation:
+    """Four requests whose drafts pay at zero overhead (a 13 ms step, verification nearly free),
+    after drafting steps that each cost 31 ms more than the step-cost line says (verification
+    running into a slow path): priced at that overhead, no plan drafts. The gate is pinned "on"."""
+    ctl = AdaptiveSpeculation(max_k=32)
+    ctl.seed([(4, 0.013), (132, 0.015)], [])
+    for rid in "abcd":
+        for _ in range(5):
+            ctl.observe_acceptance(rid, 8, 1)
+    ctl.gate.choose = lambda n: GateChoice(on=True)  # type: ignore[method-assign]
+    assert sum(ctl.plan(list("abcd"), 0, draft_passes_cost=False).num_draft.values()) > 0
+    for _ in range(60):
+        ctl.observe_step(4 + 64, 0.013 + 0.031, drafted=True)
+    assert sum(ctl.plan(list("abcd"), 0, draft_passes_cost=False).num_draft.values()) == 0
+    return ctl
+
+
+def test_an_overhead_learned_only_from_drafting_steps_fades_while_nothing_drafts():
+    """The overhead is learned only from steps that draft; priced so high that no plan drafts, it
+    would never be measured again and speculation would stay off for good (as a run's did, for
+    ~1600 steps, with the gate choosing "on"). It fades while nothing drafts, so the plan drafts
+    again and re-measures it; held zero verdicts count their plans."""
+    ctl = blocked_controller()
+    waits = 0
+    while sum(ctl.plan(list("abcd"), 0, draft_passes_cost=False).num_draft.values()) == 0:
+        ctl.observe_step(4, 0.013)  # a step that drafted nothing: it teaches the step-cost line only
+        waits += 1
+        assert waits < 100, "a stale overhead must not stop speculation for good"
+    assert waits > 3  # but not at once
+    assert ctl.num_priced < waits  # some of those plans were held, and faded as priced ones
+
+
+def test_the_overhead_fades_while_the_gate_is_off():
+    """While the gate runs "off", nothing drafts and the overhead is not measured either: it fades
+    as in zero-drafts "on" steps, so that the gate's next exploration drafts (and measures "on")
+    instead of being priced at zero drafts by the stale overhead."""
+    ctl = blocked_controller()
+    ctl.gate.choose = lambda n: GateChoice(on=False)  # type: ignore[method-assign]
+    for _ in range(100):
+        assert ctl.plan(list("abcd"), 0, draft_passes_cost=False).gate_on is False
+    ctl.gate.choose = lambda n: GateChoice(on=True, exploring=True)  # type: ignore[method-assign]
+    assert sum(ctl.plan(list("abcd"), 0, draft_passes_cost=False).num_draft.values()) > 0
+
+
+def test_the_overhead_is_priced_per_draft_token():
+    """Verification that costs more per draft token than the step-cost line says (1 ms a token
+    here, beyond 1 ms per drafting step) is learned as a line in the draft tokens: a small draft
+    still pays where a large one does not. One fixed overhead, the samples' mean, prices them
+    alike: here both as losses, so the request would not draft at all."""
+
+    def controller() -> AdaptiveSpeculation:
+        ctl = AdaptiveSpeculation(max_k=32, config=AdaptiveConfig(explore_z=0.0))
+        ctl.seed([(1, 0.010), (33, 0.010)], [])  # a 10 ms step however many tokens it verifies
+        for _ in range(3):
+            ctl.observe_acceptance("a", 4, 2)  # alpha about 0.63
+        ctl.gate.choose = lambda n: GateChoice(on=True)  # type: ignore[method-assign]
+        return ctl
+
+    ctl, fixed = controller(), controller()
+    for _ in range(20):
+        for k in (4, 16, 32):
+            ctl.observe_step(1 + k, 0.010 + 0.001 + 0.001 * k, drafted=True, draft_tokens=k)
+            fixed.observe_step(1 + k, 0.010 + 0.001 + 0.001 * k, drafted=True)  # all at x = 0
+    o0, o1 = ctl.overhead.coefficients()
+    assert abs(o0 - 0.001) < 1e-9 and abs(o1 - 0.001) < 1e-9 and ctl.spec_overhead == o0
+    # Priced per token: 1.63 tokens in 12 ms beats 1 in 10 ms, 2.7 in 43 ms (k = 32) does not.
+    k = ctl.plan(["a"], 0, draft_passes_cost=False).num_draft["a"]
+    assert 1 <= k <= 4, k
+    assert 0.017 < fixed.spec_overhead < 0.021  # about the mean residual, 18.3 ms (recent ones weigh more)
+    assert sum(fixed.plan(["a"], 0, draft_passes_cost=False).num_draft.values()) == 0
