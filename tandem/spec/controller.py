@@ -58,6 +58,9 @@ class AdaptiveSpeculation:
         self.step_cost = LinearCost(cfg.cost_decay)
         self.draft_cost = LinearCost(cfg.cost_decay)
         self._acc: dict[str, tuple[float, float]] = {}
+        # Per request, (accepted, rejected) draft tokens among those following an accepted one
+        # (`continuation`): decayed and faded as `_acc`.
+        self._run: dict[str, tuple[float, float]] = {}
         self.gate = SpecGate(cfg)
         # Seconds a step that drafts costs beyond T(t) and its draft passes, a line in the step's draft
         # tokens (learned; see observe_step): verification can cost more per token than T's slope
@@ -101,12 +104,34 @@ class AdaptiveSpeculation:
         mean, n = self._posterior(request_id)
         return min(1.0, mean + self.config.explore_z * math.sqrt(mean * (1.0 - mean) / (n + 1.0)))
 
+    def continuation(self, request_id: str, alpha: float) -> float:
+        """The acceptance the plan prices a draft token at once the token before it was accepted.
+        Drafts that copy (a file re-emitted, a repeated answer) are accepted in runs: past the
+        first few tokens, the next is far likelier accepted than the first was, and a geometric
+        model in the per-token rate alone (alpha ** depth) would cut every run short. The
+        request's own runs decide, shrunk toward `alpha` (what the i.i.d. model says) with the
+        prior's pseudo-count, so without evidence nothing changes."""
+        s, f = self._run.get(request_id, (0.0, 0.0))
+        n0 = self.config.prior_accepted + self.config.prior_rejected
+        return (s + alpha * n0) / (s + f + n0)
+
     def observe_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft <= 0:
             return
-        a, r = self._acc.get(request_id, (0.0, 0.0))
+        rejected = 1.0 if num_accepted < num_draft else 0.0
         d = self.config.history_decay
-        self._acc[request_id] = (d * a + num_accepted, d * r + (1.0 if num_accepted < num_draft else 0.0))
+        a, r = self._acc.get(request_id, (0.0, 0.0))
+        self._acc[request_id] = (d * a + num_accepted, d * r + rejected)
+        if num_accepted:  # the tokens after the first accepted one: a run, and how it ended
+            s, f = self._run.get(request_id, (0.0, 0.0))
+            self._run[request_id] = (d * s + num_accepted - 1, d * f + rejected)
+
+    def _fade_history(self, request_id: str, factor: float) -> None:
+        """A request's acceptance evidence weighs `factor` of what it did (toward the prior)."""
+        for hist in (self._acc, self._run):
+            if request_id in hist:
+                a, r = hist[request_id]
+                hist[request_id] = (a * factor, r * factor)
 
     @property
     def spec_overhead(self) -> float:
@@ -149,6 +174,7 @@ class AdaptiveSpeculation:
 
     def forget(self, request_id: str) -> None:
         self._acc.pop(request_id, None)
+        self._run.pop(request_id, None)
 
     def seed(
         self,
@@ -272,9 +298,7 @@ class AdaptiveSpeculation:
             # The fade each held plan would have applied (every request was given no drafts).
             fade = d**self._held
             for rid in request_ids:
-                if rid in self._acc:
-                    a, r = self._acc[rid]
-                    self._acc[rid] = (a * fade, r * fade)
+                self._fade_history(rid, fade)
             self._held = 0
         if self._idle:
             # Nothing drafted since the overhead was last priced, so nothing measured it: fade it,
@@ -286,7 +310,10 @@ class AdaptiveSpeculation:
         # priced again here, it would stop the very drafts being measured, and the stale "on" rate
         # would stand.
         owed = backlog() if backlog is not None and not choice.exploring else {}
-        alphas = {rid: self.optimistic_alpha(rid) for rid in request_ids}
+        alphas = {}
+        for rid in request_ids:
+            alpha = self.optimistic_alpha(rid)
+            alphas[rid] = (alpha, self.continuation(rid, alpha))
         # A step that drafts at all pays fixed costs no single draft token pays for on its own: the
         # speculation overhead, and a draft model's passes (the same however few requests draft in
         # them). So each plan is priced with them paid up front, against not drafting: n-gram one
@@ -309,9 +336,8 @@ class AdaptiveSpeculation:
         # A request given no drafts produces no new acceptance evidence; let its history fade
         # toward the prior so one bad stretch does not shut it out for good.
         for rid, kr in k.items():
-            if kr == 0 and rid in self._acc:
-                a, r = self._acc[rid]
-                self._acc[rid] = (a * d, r * d)
+            if kr == 0:
+                self._fade_history(rid, d)
         hold_max = self.config.zero_plan_hold_max
         drafts = any(k.values())
         if not drafts or not primed:
@@ -334,7 +360,7 @@ class AdaptiveSpeculation:
     def _allocate(
         self,
         request_ids: list[str],
-        alphas: dict[str, float],
+        alphas: dict[str, tuple[float, float]],
         other_tokens: int,
         cap: int,
         passes: int,
@@ -357,7 +383,9 @@ class AdaptiveSpeculation:
         feed = 0.0
         drafting = passes * (c + d)  # the passes' cost, one request in them (0 without passes)
         rate = expected / max(a + b * tokens + drafting, 1e-9)
-        heap = [(-alphas[rid], rid) for rid in request_ids]
+        # A request's j-th draft token is accepted with probability alpha * beta ** (j - 1):
+        # its first at the request's rate, each later one given the one before it (`continuation`).
+        heap = [(-alphas[rid][0], rid) for rid in request_ids]
         heapq.heapify(heap)
         while heap:
             neg_gain, rid = heapq.heappop(heap)
@@ -373,5 +401,6 @@ class AdaptiveSpeculation:
             k[rid] += 1
             num_spec, feed, expected, tokens, rate = new_spec, new_feed, new_expected, tokens + 1, new_rate
             if k[rid] < cap:
-                heapq.heappush(heap, (-(alphas[rid] ** (k[rid] + 1)), rid))
+                alpha, beta = alphas[rid]
+                heapq.heappush(heap, (-(alpha * beta ** k[rid]), rid))
         return k, rate
