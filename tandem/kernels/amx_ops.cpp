@@ -485,7 +485,6 @@ struct Int4Panels {
     const char* operator()(int64_t p) {
       const int64_t K = src.K, G = K / src.gs, blocks = K / 32;
       char* out = reinterpret_cast<char*>(buf.data());
-      const __m128i low4 = _mm_set1_epi8(0x0F);
       for (int64_t t = 0; t < 2; ++t) {
         const int64_t n0 = p * kPanelCols + t * kTileRows;
         for (int64_t b = 0; b < blocks; ++b) {
@@ -497,12 +496,9 @@ struct Int4Panels {
               col[c] = _mm512_setzero_si512();
               continue;
             }
-            const float s = src.scales[n * G + g], z = src.zs ? src.zs[n * G + g] : 8.f * s;
-            const __m512 sv = _mm512_set1_ps(s), zv = _mm512_set1_ps(z);
-            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src.qw + n * (K / 2) + b * 16));
-            const __m512 lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4))), sv, zv);
-            const __m512 hi = _mm512_fmsub_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4))), sv, zv);
+            const float s = src.scales[n * G + g], z = src.zs ? src.zs[n * G + g] : kSymZero * s;
+            __m512 lo, hi;
+            int4_block_f32(src.qw + n * (K / 2) + b * 16, _mm512_set1_ps(s), _mm512_set1_ps(z), lo, hi);
             col[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lane j: elements 2j, 2j + 1
           }
           transpose16(col);  // col[r]: K pair r of the 16 columns, a tile row
@@ -523,23 +519,16 @@ at::Tensor gemm_amx_int4(const at::Tensor& x, const at::Tensor& qw, const at::Te
                          const std::optional<at::Tensor>& bias) {
   const char* op_name = "tandem gemm_amx_int4";
   check_bf16_input(op_name, x);
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), op_name,
-              ": qweight must be a contiguous uint8 [N, K/2] tensor");
+  const float* zp = check_int4(op_name, qw, scales, zs, group_size);
   const int64_t M = x.size(0), K = x.size(1), N = qw.size(0), gs = group_size;
-  TORCH_CHECK(K == qw.size(1) * 2 && K % 32 == 0, op_name, ": x has ", K, " columns, the weight ", qw.size(1) * 2);
-  TORCH_CHECK(gs > 0 && gs % 32 == 0 && K % gs == 0, op_name, ": group_size must be a multiple of 32 dividing K");
-  for (const at::Tensor* t : {&scales, zs.has_value() ? &*zs : &scales})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / gs,
-                op_name, ": scales and zs must be contiguous float32 [N, K / group_size]");
+  TORCH_CHECK(K == qw.size(1) * 2, op_name, ": x has ", K, " columns, the weight ", qw.size(1) * 2);
   const at::Tensor xa = x.contiguous();
   at::Tensor b;
   const float* bp = bias_ptr(bias, N, b);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const auto epi = bf16_epilogue(reinterpret_cast<uint16_t*>(out.data_ptr()), N, bp);
-  const Int4Panels src{qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), zs ? zs->data_ptr<float>() : nullptr,
-                       N, K, gs};
+  const Int4Panels src{qw.data_ptr<uint8_t>(), scales.data_ptr<float>(), zp, N, K, gs};
   tile_product_from<Bf16Tiles>(reinterpret_cast<const char*>(xa.data_ptr()), K * 2, M, K / 32, src, N, epi);
   return out;
 }

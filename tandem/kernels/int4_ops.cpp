@@ -22,20 +22,14 @@
 
 namespace {
 
-// The zero point of every group when no zs is given.
-constexpr float kSymZero = 8.f;
-
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // One 32-element block with AVX-512: the nibbles widened to 32-bit lanes, q * s - z in float32,
 // and for bfloat16 rounded to nearest even as PyTorch's conversion rounds (the compiler does not
 // vectorise the scalar loop below's bfloat16 conversion: 10x slower).
 template <typename E>
 inline void dequant_block_avx512(const uint8_t* blk, __m512 s, __m512 z, E* o) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  const __m512 lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4))), s, z);
-  const __m512 hi =
-      _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4))), s, z);
+  __m512 lo, hi;
+  int4_block_f32(blk, s, z, lo, hi);
   if constexpr (std::is_same_v<E, float>) {
     _mm512_storeu_ps(o, lo);
     _mm512_storeu_ps(o + 16, hi);
@@ -80,20 +74,6 @@ void dequant_int4_impl(const uint8_t* qw, const float* sc, const float* zs, int6
   });
 }
 
-// zs's data, or nullptr for a symmetric weight.
-const float* check_int4(const char* op, const at::Tensor& qw, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& zs, int64_t group_size) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), op,
-              ": qweight must be a contiguous uint8 [N, K/2] tensor");
-  const int64_t N = qw.size(0), K = qw.size(1) * 2;
-  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, op,
-              ": group_size must be a multiple of 32 that divides K, got ", group_size, " for K = ", K);
-  for (const at::Tensor* t : {&scales, zs.has_value() ? &*zs : &scales})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / group_size,
-                op, ": scales and zs must be contiguous float32 [N, K / group_size]");
-  return zs.has_value() ? zs->data_ptr<float>() : nullptr;
-}
 
 // Writes into `out` ([N, K] float32 or bfloat16, contiguous): callers reuse one buffer, so a large
 // weight is not a fresh allocation (and its page faults) on every call.

@@ -1,6 +1,7 @@
 // Helpers the kernel files share: splitting output rows over PyTorch's thread pool, bias and
-// bfloat16 conversions, a horizontal sum, a 16 x 16 register transpose. Everything is in an anonymous namespace, as in the
-// kernel files themselves: each translation unit keeps its own internal copy.
+// bfloat16 conversions, a horizontal sum, a 16 x 16 register transpose, 4-bit weight checks and
+// block dequantization. Everything is in an anonymous namespace, as in the kernel files
+// themselves: each translation unit keeps its own internal copy.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -165,6 +166,36 @@ inline void transpose16(__m512i r[16]) {
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+#endif
+
+// 4-bit weights (tandem/model/int4.py's layout: qweight [N, K/2], 32-element blocks of 16 bytes,
+// low nibbles elements 0..15, high 16..31; scales and zs = scale * zero [N, K / group_size]).
+// The zero point of every group when no zs is given.
+constexpr float kSymZero = 8.f;
+
+// zs's data, or nullptr for a symmetric weight.
+inline const float* check_int4(const char* op, const at::Tensor& qw, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& zs, int64_t group_size) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), op,
+              ": qweight must be a contiguous uint8 [N, K/2] tensor");
+  const int64_t N = qw.size(0), K = qw.size(1) * 2;
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, op,
+              ": group_size must be a multiple of 32 that divides K, got ", group_size, " for K = ", K);
+  for (const at::Tensor* t : {&scales, zs.has_value() ? &*zs : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == K / group_size,
+                op, ": scales and zs must be contiguous float32 [N, K / group_size]");
+  return zs.has_value() ? zs->data_ptr<float>() : nullptr;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// One 32-element block as float32, q * s - z: elements 0..15 in lo, 16..31 in hi.
+inline void int4_block_f32(const uint8_t* blk, __m512 s, __m512 z, __m512& lo, __m512& hi) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4))), s, z);
+  hi = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4))), s, z);
 }
 #endif
 

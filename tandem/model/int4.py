@@ -33,6 +33,7 @@ from torch import nn
 
 from tandem import kernels
 from tandem.model.direct_call import BoundTensors, DirectCall
+from tandem.model.linear import amx_tiles_available
 
 # Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM. On an AVX2 host the
 # kernel was still 1.2-3.3x faster than dequantize + float32 GEMM at 32-64 rows; with VNNI and
@@ -65,10 +66,6 @@ class DequantScratch:
         if buf is None or buf.numel() < numel:
             buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
         return buf[:numel]
-
-
-def _amx_int4_available() -> bool:
-    return kernels.has("gemm_amx_int4") and bool(torch.ops.tandem.amx_ready())
 
 
 def check_shape(in_features: int, group_size: int, what: str) -> None:
@@ -203,7 +200,7 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
 
     def choose_paths(self, use_kernels: bool) -> None:
         """Which product takes how many rows on this host (`use_kernels=False`: PyTorch ops only)."""
-        amx = use_kernels and _amx_int4_available()
+        amx = use_kernels and amx_tiles_available()  # gemm_amx_int4 is built with the other tile products
         self.amx_max_rows = INT4_AMX_MAX_ROWS if amx else 0
         few = INT4_AMX_KERNEL_MAX_ROWS if amx else INT4_KERNEL_MAX_ROWS
         self.kernel_max_rows = few if use_kernels and kernels.has("gemm_int4") else 0

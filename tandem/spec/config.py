@@ -51,9 +51,9 @@ class AdaptiveConfig:
     # The speculation overhead is measured only in steps that draft, so one priced too high to let
     # any plan draft would never be measured again: it fades toward 0 by this factor per step that
     # could have drafted and did not (gate "off" included), until a plan drafts and re-measures it.
-    # At 0.995 an overhead twice what still lets drafting pay is retried after about 140 steps
-    # (recovery from a stale one; a true one costs a drafting step per retry: at 0.98, Medusa
-    # heads that do not pay lost 1-4% to the retries; docs/speculative_decoding.md). 1: never fades.
+    # The trade: a faster fade recovers sooner from a stale overhead, and retries a true one (a
+    # drafting step that does not pay) more often; at 0.995 an overhead twice what still lets
+    # drafting pay is retried after about 140 steps (docs/speculative_decoding.md). 1: never fades.
     overhead_fade: float = 0.995
     # Costs are timed at load over synthetic batches of up to this many requests, each with
     # `seed_context` tokens of context.

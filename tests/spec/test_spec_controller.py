@@ -506,8 +506,8 @@ def blocked_controller() -> AdaptiveSpeculation:
 
 def test_an_overhead_learned_only_from_drafting_steps_fades_while_nothing_drafts():
     """The overhead is learned only from steps that draft; priced so high that no plan drafts, it
-    would never be measured again and speculation would stay off for good (as a run's did, for
-    ~1600 steps, with the gate choosing "on"). It fades while nothing drafts, so the plan drafts
+    would never be measured again and speculation would stay off for good, whatever the gate
+    chooses. It fades while nothing drafts, so the plan drafts
     again and re-measures it; held zero verdicts count their plans."""
     ctl = blocked_controller()
     waits = 0
