@@ -198,6 +198,9 @@ class RandomDrafts:
         self.rng = rng
         self.target = target
 
+    def leased(self, running: list[Request]) -> DraftPlan | None:
+        return None
+
     def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> DraftPlan:
         ks = {}
         for r in decoding:

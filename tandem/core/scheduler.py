@@ -69,6 +69,9 @@ from tandem.core.step_io import RunnerOutput, SchedulerOutput, SpecPlan
 class SpecHook(Protocol):
     """What the scheduler needs from speculative decoding (tandem.spec.planner.SpecPlanner)."""
 
+    # Asked first each step: a plan that drafts nothing, made in advance (None: ask `plan`).
+    def leased(self, running: list[Request]) -> SpecPlan | None: ...
+
     def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> SpecPlan: ...
 
     def propose(self, req: Request, k: int) -> list[int] | DraftTree | None: ...
@@ -349,6 +352,10 @@ class Scheduler:
         about to admit among the step's other tokens: the step is then not a pure-decode one."""
         spec = self.spec
         if spec is None:
+            return {}
+        leased = spec.leased(self.running)
+        if leased is not None:
+            out.spec_plan = leased
             return {}
         decoding = [
             r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.pending_children

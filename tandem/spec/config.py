@@ -55,6 +55,17 @@ class AdaptiveConfig:
     # drafting step that does not pay) more often; at 0.995 an overhead twice what still lets
     # drafting pay is retried after about 140 steps (docs/speculative_decoding.md). 1: never fades.
     overhead_fade: float = 0.995
+    # The overhead's first samples count against a prior of no overhead worth this many samples
+    # (the line is priced at count / (count + prior) of its fit): an engine's first drafting steps
+    # pay one-time costs (caches cold after load, or after another process ran; the verification
+    # path's first use), and a line fitted to the first one alone, three to four decode steps on
+    # the default model, priced every plan at zero drafts until it faded. 0: no prior.
+    overhead_prior_samples: float = 3.0
+    # An engine's first this many pure-decode steps are no samples of anything (gate rates, cost
+    # lines): they pay one-time costs (first use of each path, caches cold after load) that made
+    # them two to three times a later step on the default model, and a verdict measured on them
+    # ("off" better) held for hundreds of steps. Their plans are priced from the costs timed at load.
+    cold_steps: int = 8
     # Costs are timed at load over synthetic batches of up to this many requests, each with
     # `seed_context` tokens of context.
     seed_max_requests: int = 64
@@ -79,6 +90,11 @@ class AdaptiveConfig:
     # or a request joins the decoding batch.
     # What a held step skips is the pricing's Python (the plan's cost, per request, per step).
     zero_plan_hold_max: int = 16
+    # Plans that draft nothing (the gate's "off", or a held zero verdict) are handed out without
+    # asking the gate for up to this many steps in a row, where its choice cannot change before
+    # then without a new sample (until its next exploration check): such steps are no samples,
+    # so what speculation kept off costs per step is a counter (0: ask and sample every step).
+    lease_max_steps: int = 16
     # True: a pure-decode step whose plan gave a request drafts that the lookup (n-gram, suffix)
     # then did not find is a gate sample of "on" (it paid the lookups). False: an "off" sample, as
     # a step in which nothing was verified; the default, as the faster of the two
@@ -122,6 +138,7 @@ class AdaptiveConfig:
         for name in ("prior_accepted", "prior_rejected"):
             self._check(name, float, lambda v: 0.0 < v < math.inf, "a positive number")
         self._check("explore_z", float, lambda v: 0.0 <= v < math.inf, "a number >= 0")
+        self._check("overhead_prior_samples", float, lambda v: 0.0 <= v < math.inf, "a number >= 0")
         self._check("explore_cost", float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
         self._check("explore_budget", float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
         for name, low in (
@@ -132,6 +149,8 @@ class AdaptiveConfig:
             ("explore_max_passes", 1),
             ("explore_backoff_max", 0),
             ("zero_plan_hold_max", 0),
+            ("lease_max_steps", 0),
+            ("cold_steps", 0),
             ("feed_horizon_steps", 1),
             ("seed_max_requests", 1),
             ("seed_context", 2),  # the catch-up cost per token is timed over seed_context - 1 tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tandem.core.step_io import DraftPass
@@ -35,6 +35,9 @@ class Plan:
     # in that plan either), so a drafter whose proposal reads only the previous step's features
     # (Medusa) need not store this step's (`HeadDrafter.keeps_features`).
     drafts_next: bool = True
+    # Handed out under a lease (see `AdaptiveSpeculation.leased`): the gate was not asked, and the
+    # step is no sample of anything (`SpecPlanner.observe_step` files nothing for it).
+    leased: bool = False
 
 
 class AdaptiveSpeculation:
@@ -81,6 +84,17 @@ class AdaptiveSpeculation:
         self._hold_left = 0
         self._hold_len = 0
         self._held = 0
+        # A lease (see `leased`): the batch size it was made for and its bucket, its gate mode,
+        # the plans it still covers (public: the scheduler asks it first each step), the plans
+        # handed out under it since the gate last counted steps, and whether it is a held zero
+        # verdict (`_hold_*`) or the gate's "off".
+        self._lease_n = 0
+        self._lease_bucket = 0
+        self._lease_on = False
+        self.lease_left = 0
+        self._lease_used = 0
+        self._lease_hold = False
+        self._lease_plans: tuple[Plan, ...] = ()
         # Whether the last plan let its step's features be stored (its `drafts_next`).
         self._stored = True
         # Plans priced (tests count them: a held plan is not priced).
@@ -137,7 +151,17 @@ class AdaptiveSpeculation:
     def spec_overhead(self) -> float:
         """Seconds a drafting step costs beyond the step-cost line before any draft token (the
         overhead line's intercept; `overhead` also has a slope per draft token)."""
-        return self.overhead.coefficients()[0]
+        return self.overhead_coefficients()[0]
+
+    def overhead_coefficients(self) -> tuple[float, float]:
+        """The overhead line as priced: its fit, shrunk toward no overhead while it rests on few
+        samples (`overhead_prior_samples`)."""
+        o0, o1 = self.overhead.coefficients()
+        count, prior = self.overhead.count, self.config.overhead_prior_samples
+        if not prior or not count:
+            return o0, o1
+        w = count / (count + prior)
+        return w * o0, w * o1
 
     def observe_step(
         self, num_tokens: int, seconds: float, drafted: bool = False, draft_tokens: int = 0
@@ -147,7 +171,14 @@ class AdaptiveSpeculation:
         speculating adds beyond the shape's tokens (proposals, verification, rewinds: Python per
         step), and the rest rescale the shape."""
         if drafted and self.step_cost.shape is not None:
-            self.overhead.observe(draft_tokens, seconds - self.step_cost.predict(num_tokens))
+            # A sample counts at most twice the line's prediction plus a step's cost: a step
+            # stretched by a one-time cost (a collection pause, a request's first tree) once set
+            # the overhead to several steps, so no plan drafted and nothing measured it again
+            # until it faded. A true overhead that large is still learned, the cap growing with
+            # the line, and drafting stops as soon as the line reaches what drafting gains.
+            step = self.step_cost.predict(num_tokens)
+            excess = min(seconds - step, 2.0 * max(0.0, self.overhead.predict(draft_tokens)) + step)
+            self.overhead.observe(draft_tokens, excess)
         else:
             self.step_cost.observe(num_tokens, seconds)
 
@@ -256,6 +287,8 @@ class AdaptiveSpeculation:
         step of the request's remaining life; each costs `feed_cost` once the request drafts, the
         catch-up paid off over those steps (so it keeps a request from starting to draft only where
         drafting barely pays)."""
+        self.lease_left = 0  # a plan not handed out under the lease (`leased`) ends it
+        self._settle_lease()
         # Every plan but a held one lets its step store features; whether the last one did.
         primed, self._stored = self._stored, True
         if not request_ids:
@@ -276,7 +309,10 @@ class AdaptiveSpeculation:
             # so "on" would be neither run nor measured again. The gate, not the overhead, is what
             # keeps speculation off where it was measured not to pay.
             self._idle += 1
-            return Plan({}, n, gate_on=False)
+            self._lease(n, False, self.gate.repeats(n, choice), hold=False)
+            # Features stored now serve a draft only where no lease covers the next plan.
+            self._stored = self.lease_left == 0
+            return Plan({}, n, gate_on=False, drafts_next=self._stored)
         if not self.seeded and self.step_cost.count < self.config.warmup_steps:
             return Plan(dict.fromkeys(request_ids, self.max_k), n, gate_on=True)
         # A method that does not pay here is priced at zero drafts step after step, and pricing
@@ -352,10 +388,50 @@ class AdaptiveSpeculation:
             self._hold_len = min(hold_max, 2 * self._hold_len if key == self._hold_key else 1)
             self._hold_key, self._hold_left = key, self._hold_len
             self._hold_ids = frozenset(request_ids)
+            self._lease(n, True, min(self._hold_left, self.gate.repeats(n, choice)), hold=True)
         else:
             self._hold_key, self._hold_left, self._hold_len = None, 0, 0
         self._stored = self._hold_left == 0
         return Plan(k, n, gate_on=True, drafts_next=self._stored)
+
+    def _lease(self, n: int, on: bool, plans: int, hold: bool) -> None:
+        """Lease the plan just made (no drafts, gate mode `on`) for the next `plans` plans, at most
+        `lease_max_steps`, while the bucket stays (and, for a held verdict, no request joins)."""
+        self._lease_n, self._lease_bucket, self._lease_on, self._lease_hold = n, SpecGate.bucket(n), on, hold
+        self.lease_left = min(plans, self.config.lease_max_steps)
+        if self.lease_left:
+            self._lease_plans = tuple(Plan({}, n, gate_on=on, drafts_next=d, leased=True) for d in (False, True))
+
+    def leased(self, request_ids: Iterable[str], count: int) -> Plan | None:
+        """The next plan under the lease, if one holds for these `count` running requests: the
+        same bucket, and for a held verdict none of them new. Asked before `plan`, with the
+        running requests (those still in their prompt too: the step drafts nothing either way).
+
+        A plan that drafts nothing, step after step, would still cost the gate's choice and the
+        step's sample, in Python, each step: with a small model, a few percent of a step. So
+        where the gate's choice cannot change for a while without a new sample (`repeats`:
+        until its next exploration check), that verdict is leased for up to `lease_max_steps`
+        plans, each handed out as it is: nothing asked, priced or sampled."""
+        if not self.lease_left or SpecGate.bucket(count) != self._lease_bucket:
+            return None
+        if self._lease_hold and not self._hold_ids.issuperset(request_ids):
+            return None
+        self.lease_left -= 1
+        self._lease_used += 1
+        self._idle += 1
+        if self._lease_hold:
+            self._hold_left -= 1
+            self._held += 1
+            self._stored = self._hold_left == 0
+        else:
+            self._stored = self.lease_left == 0
+        return self._lease_plans[self._stored]
+
+    def _settle_lease(self) -> None:
+        """Before the gate is asked again: the steps it was not asked about, counted."""
+        if self._lease_used:
+            self.gate.skip(self._lease_n, self._lease_used)
+            self._lease_used = 0
 
     def _allocate(
         self,
@@ -374,7 +450,7 @@ class AdaptiveSpeculation:
         the draft lengths and the expected rate."""
         a, b = self.step_cost.coefficients()  # once, not per candidate token
         c, d = self.draft_cost.coefficients() if passes else (0.0, 0.0)
-        o0, o1 = self.overhead.coefficients()
+        o0, o1 = self.overhead_coefficients()
         a += max(0.0, o0)
         k = dict.fromkeys(request_ids, 0)
         expected = float(len(request_ids))

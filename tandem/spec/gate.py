@@ -48,6 +48,9 @@ class SpecGate:
         # bucket -> {mode: [weighted tokens, weighted seconds, samples]}
         self._stats: dict[int, dict[bool, list[float]]] = {}
         self._steps: dict[int, int] = {}
+        # bucket -> its step count when it last explored (0: never): the next exploration is due
+        # an interval after it, whatever the interval has become since.
+        self._explored_at: dict[int, int] = {}
         # bucket -> (mode, steps left) of an exploration in progress
         self._burst: dict[int, tuple[bool, int]] = {}
         # bucket -> the verdict its last exploration set out to check, and the doublings of its
@@ -88,6 +91,7 @@ class SpecGate:
     def _explore(self, b: int, mode: bool) -> bool:
         """Start an exploration of `mode`: `min_samples` consecutive steps, so the refreshed rate
         is a mean over several steps and not one noisy one (a step's tokens vary with acceptance)."""
+        self._explored_at[b] = self._steps.get(b, 0)
         if self.config.min_samples > 1:
             self._burst[b] = (mode, self.config.min_samples - 1)
         return mode
@@ -159,7 +163,7 @@ class SpecGate:
             if (on_rate if borrowed else off_rate) is None:
                 return borrowed
             # The borrowed mode is measured here; sample the other one on the slow schedule.
-            if step % self.config.max_explore == 0 and self._may_explore(loss):
+            if step - self._explored_at.get(b, 0) >= self.config.max_explore and self._may_explore(loss):
                 return self._explore(b, not borrowed)
             return borrowed
         best = on_rate >= off_rate
@@ -169,15 +173,59 @@ class SpecGate:
         # (its interval at `explore_every`) costs next to nothing to recheck and may flip: it
         # keeps its schedule.
         backoff = self._backoff.get(b, 0)
-        interval = self.explore_interval(on_rate, off_rate)
-        if interval > self.config.explore_every:
-            interval = max(interval, min(self.config.max_explore, interval << backoff))
-        if step % interval == 0 and self._may_explore(loss):
+        interval = self._interval(b, on_rate, off_rate)
+        if step - self._explored_at.get(b, 0) >= interval and self._may_explore(loss):
             last = self._explored_verdict.get(b)
             self._backoff[b] = min(backoff + 1, self.config.explore_backoff_max) if last == best else 0
             self._explored_verdict[b] = best
             return self._explore(b, not best)
         return best
+
+    def _interval(self, b: int, on_rate: float, off_rate: float) -> int:
+        """Steps between bucket `b`'s explorations, its backoff applied."""
+        interval = self.explore_interval(on_rate, off_rate)
+        if interval > self.config.explore_every:
+            interval = max(interval, min(self.config.max_explore, interval << self._backoff.get(b, 0)))
+        return interval
+
+    def repeats(self, num_decoding: int, choice: GateChoice) -> int:
+        """How many of the next `choose` calls in this bucket may go unasked, answered `choice`
+        (the last one's), their steps drafting nothing and no samples: where both modes are
+        measured and "off" is the better one, the calls before the next exploration check (its
+        answer cannot change before then without a sample); where "on" is not measured and no
+        neighbour has a verdict, any number (only a step that drafts can measure "on", and the
+        answer is "on" until then). Else none: the mode chosen is there to be measured, an
+        exploration is under way or just ended, or "on" was measured better, where a step that
+        drafts nothing is an "off" sample the verdict may turn on (lookup methods between their
+        copy stretches: measured, leaving those steps unsampled left the gate's "off" rate to a
+        few samples, and a noisy one turned speculation off for good more often)."""
+        b = self.bucket(num_decoding)
+        if b in self._burst:
+            return 0
+        on_rate, off_rate = self.rate(b, True), self.rate(b, False)
+        if on_rate is None:
+            unmeasured = self._borrowed(b) is None and choice == GateChoice(True, exploring=True)
+            return self.config.max_explore if unmeasured else 0
+        if off_rate is None or on_rate >= off_rate or choice.on:
+            return 0
+        interval = self._interval(b, on_rate, off_rate)
+        return max(0, interval - (self._steps.get(b, 0) - self._explored_at.get(b, 0)) - 1)
+
+    def skip(self, num_decoding: int, steps: int) -> None:
+        """Count `steps` calls of `choose` that `repeats` promised would repeat the last choice,
+        made without calling it. Their steps drafted nothing and are no samples, but "on" ages
+        as the "off" samples they would have been would have aged it: else, after a long "off"
+        stretch, an exploration's fresh samples would be outweighed by the stale ones that put
+        "on" behind, and the verdict would stay as it was."""
+        if steps > 0:
+            b = self.bucket(num_decoding)
+            self.steps += steps
+            self._steps[b] = self._steps.get(b, 0) + steps
+            on = self._stats.get(b, {}).get(True)
+            if on is not None:
+                stale = self.config.stale_decay**steps
+                on[0] *= stale
+                on[1] *= stale
 
     def observe(self, num_decoding: int, on: bool, tokens: int, seconds: float) -> None:
         d = self.config.gate_decay

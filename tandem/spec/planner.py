@@ -40,6 +40,8 @@ class SpecPlanner:
             config=config.adaptive_config,
             passes_for=self._passes_for,
         )
+        # Pure-decode steps still to come that are no samples (`AdaptiveConfig.cold_steps`).
+        self._cold_left = config.adaptive_config.cold_steps
         # The engine's counters (tandem/core/stats.py): drafts and acceptance, per method too.
         self.counters = counters if counters is not None else EngineCounters()
 
@@ -55,6 +57,13 @@ class SpecPlanner:
         if self.config.method == "eagle":
             return min(self.config.tree_depth, k)
         return k
+
+    def leased(self, running: list[Request]) -> Plan | None:
+        """The step's plan under the controller's lease (no drafts), asked first; None: `plan`."""
+        ctl = self.controller
+        if not ctl.lease_left:
+            return None
+        return ctl.leased((r.request_id for r in running), len(running))
 
     def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> Plan:
         """Draft length for each decoding request (capped where the request is about to end)."""
@@ -175,9 +184,14 @@ class SpecPlanner:
         (else every exploration would pay it and look worse than speculation running); a new
         request's prompt is fed whenever speculation runs, so the "on" rate pays for it."""
         ctl = self.controller
+        if getattr(sched.spec_plan, "leased", False) and not result.draft_passes:
+            return  # a leased plan's step is no sample (AdaptiveSpeculation.plan)
         pure = all(
             n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
         )
+        if self._cold_left:
+            self._cold_left -= pure  # an engine's first steps: one-time costs, no samples
+            return
         # A step planned by no SpecPlanner (none was asked) is no sample of either mode.
         plan = sched.spec_plan if isinstance(sched.spec_plan, Plan) else Plan({})
         # A step in which nothing was verified is an "off" sample, also where the plan gave drafts

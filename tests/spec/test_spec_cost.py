@@ -61,6 +61,7 @@ def steps(monkeypatch) -> list[dict]:
                 "writes": w.feature_writes - writes,
                 "rows": w.feature_rows - rows,
                 "drafts_next": getattr(sched.spec_plan, "drafts_next", True),
+                "leased": getattr(sched.spec_plan, "leased", False),
             }
         )
         return out
@@ -85,6 +86,9 @@ def test_a_step_without_drafts_costs_one_feature_write_and_no_head_pass(target_d
     # EAGLE stores every step's features, also while a zero verdict holds (its catch-up feeds
     # every position since its KV ends).
     assert any(s["drafts_next"] is False for s in off)
+    # Most of those steps' plans were leased: no gate asked, no pricing, no sample.
+    leased = sum(s["leased"] for s in off)
+    assert leased > len(off) // 3 and not any(s["leased"] for s in on), (leased, len(off))
     # A drafting step: at most a catch-up pass and one per expanded depth, and its rows plus moves.
     for s in on:
         assert 1 <= s["passes"] <= 6 and s["writes"] == 1 and s["rows"] >= s["tokens"], s

@@ -497,6 +497,7 @@ def test_draft_proposals_match_the_draft_model_run_from_scratch(monkeypatch) -> 
     turns = itertools.count()
     # On, off, off, ...; every "on" step drafts the full k.
     monkeypatch.setattr(ctl.gate, "choose", lambda n: GateChoice(on=next(turns) % 3 == 0))
+    monkeypatch.setattr(ctl.gate, "repeats", lambda n, choice: 0)  # the pinned answers, every step
     monkeypatch.setattr(ctl, "config", replace(ctl.config, warmup_steps=10**9))
     drafter = core.runner.drafter
     propose = drafter.propose
@@ -556,6 +557,7 @@ def test_draft_catch_up_is_split_into_prompt_and_missed_tokens(target_dir, monke
     turns = itertools.count()
     # On, off, off, off, ...
     monkeypatch.setattr(ctl.gate, "choose", lambda n: GateChoice(on=next(turns) % 4 == 0))
+    monkeypatch.setattr(ctl.gate, "repeats", lambda n, choice: 0)  # the pinned answers, every step
     monkeypatch.setattr(ctl, "config", replace(ctl.config, warmup_steps=10**9))
     monkeypatch.setattr(ctl.step_cost, "shape", None)  # unseeded: the warmup drafts the full k
     drafter = core.runner.drafter
