@@ -12,7 +12,8 @@ their columns are stored sorted by group and `in_perm` gathers the activations i
 first (a copy of the activations, not of the weight).
 
 Paths, by rows of the product (a decode step of a few streams is a few rows):
-- up to `INT4_KERNEL_MAX_ROWS` rows (`INT4_AMX_KERNEL_MAX_ROWS` where AMX takes over from there):
+- up to `INT4_KERNEL_MAX_ROWS` rows (bfloat16 rows only up to `INT4_AMX_KERNEL_MAX_ROWS` where
+  AMX takes over from there):
   `tandem.gemm_int4` (AVX512-VNNI, or AVX2 + FMA; tandem/kernels/int4_ops.cpp) streams the packed
   weight once per four rows, unpacking in registers; it quantizes the activations to int8 in
   blocks of 32 (one scale per block) and multiplies in integers;
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem import kernels
+from tandem.kernels.isa import kernel_instructions
 from tandem.model.direct_call import BoundTensors, DirectCall
 from tandem.model.linear import amx_tiles_available
 
@@ -201,9 +203,11 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
     def choose_paths(self, use_kernels: bool) -> None:
         """Which product takes how many rows on this host (`use_kernels=False`: PyTorch ops only)."""
         amx = use_kernels and amx_tiles_available()  # gemm_amx_int4 is built with the other tile products
+        self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if use_kernels and kernels.has("gemm_int4") else 0
+        # bfloat16 rows from just above amx_min_rows go to the tiles (float32 rows never do: the
+        # kernel keeps them up to its limit, which a float32 engine's 13-16-row steps need).
         self.amx_max_rows = INT4_AMX_MAX_ROWS if amx else 0
-        few = INT4_AMX_KERNEL_MAX_ROWS if amx else INT4_KERNEL_MAX_ROWS
-        self.kernel_max_rows = few if use_kernels and kernels.has("gemm_int4") else 0
+        self.amx_min_rows = min(INT4_AMX_KERNEL_MAX_ROWS, self.kernel_max_rows) if amx else 0
         self.compiled_dequant = use_kernels and kernels.has("dequant_int4")
 
     def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
@@ -220,9 +224,11 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         """Which products this layer runs (the start-up report)."""
         parts = []
         if self.kernel_max_rows:
-            parts.append(f"int4 kernel (<= {self.kernel_max_rows} rows)")
+            bf16 = f"; bfloat16 <= {self.amx_min_rows}" if self.amx_max_rows else ""
+            isa = kernel_instructions("gemm_int4")
+            parts.append(f"int4 kernel gemm_int4 ({isa}, <= {self.kernel_max_rows} rows{bf16})")
         if self.amx_max_rows:
-            parts.append(f"int4 AMX tiles (<= {self.amx_max_rows} rows)")
+            parts.append(f"int4 AMX tiles (bfloat16 <= {self.amx_max_rows} rows)")
         return " + ".join([*parts, "dequantize-then-GEMM"]) if parts else "int4 dequantize-then-GEMM"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,10 +239,10 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         if in_perm is not None:
             x = x.index_select(1, in_perm)
         rows = x.shape[0]
+        if self.amx_min_rows < rows <= self.amx_max_rows and x.dtype == torch.bfloat16:
+            return torch.ops.tandem.gemm_amx_int4(x, qweight, scales, zs, self.group_size, bias)
         if 0 < rows <= self.kernel_max_rows and x.dtype in _KERNEL_DTYPES:
             return torch.ops.tandem.gemm_int4(x, qweight, scales, zs, self.group_size, bias)
-        if 0 < rows <= self.amx_max_rows and x.dtype == torch.bfloat16:
-            return torch.ops.tandem.gemm_amx_int4(x, qweight, scales, zs, self.group_size, bias)
         bias = None if bias is None else bias.to(x.dtype)
         return F.linear(x, self.dequantized(x.dtype, scratch=True), bias)
 
@@ -265,6 +271,6 @@ def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
     )
     fused.register_buffer("in_perm", first.in_perm, persistent=False)
     fused.kernel_max_rows, fused.compiled_dequant = first.kernel_max_rows, first.compiled_dequant
-    fused.amx_max_rows = first.amx_max_rows
+    fused.amx_max_rows, fused.amx_min_rows = first.amx_max_rows, first.amx_min_rows
     fused.bind_tensors()
     return fused

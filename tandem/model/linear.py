@@ -38,12 +38,12 @@ logger = logging.getLogger(__name__)
 
 # float32 rows that MKL's sgemv takes on AVX-512 CPUs (bit-identical to transformers' own F.linear);
 # on AVX2-only CPUs it runs at half the memory bandwidth there and Tandem's kernel takes them.
-_MKL_MAX_ROWS = 2 if "avx512f" in cpu_flags() else 0
+MKL_MAX_ROWS = 2 if "avx512f" in cpu_flags() else 0
 # Rows up to which Tandem's kernels beat oneDNN (benchmarks/gemm_paths.py): with AVX-512 they stream
 # the weight once per six activation rows (in bfloat16, AMX wins from about five rows on); with
 # AVX2 once per two, and oneDNN wins from about twelve.
 _KERNEL_MAX_ROWS = {torch.float32: 16 if "avx512f" in cpu_flags() else 8, torch.bfloat16: 4}
-_KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
+FEW_ROW_KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
 # bfloat16 rows up to which the AMX tile kernel runs: above, a product is bound by compute and
 # oneDNN's blocking ties or wins (benchmarks/gemm_paths.py: even at 64-128 and 512 rows, 0.88x at 256).
 _AMX_MAX_ROWS = 64
@@ -101,10 +101,10 @@ class PackedLinear(DirectCall, nn.Module):
         # Else the plain weight, where a few-row path exists for this dtype.
         if self.tiles is not None or not second_copy:
             few = 0
-        elif kernels.has(_KERNEL[w.dtype]):
+        elif kernels.has(FEW_ROW_KERNEL[w.dtype]):
             few = _KERNEL_MAX_ROWS[w.dtype]
         else:
-            few = _MKL_MAX_ROWS if w.dtype == torch.float32 else 0
+            few = MKL_MAX_ROWS if w.dtype == torch.float32 else 0
         self.plain = w if few else None
         self.plain_max_rows = few
         self.bias = None if bias is None else bias.detach().contiguous()
@@ -141,7 +141,7 @@ class PackedLinear(DirectCall, nn.Module):
         plain = self.plain  # None exactly when plain_max_rows is 0
         if plain is not None and rows <= self.plain_max_rows:
             if plain.dtype == torch.float32:
-                if rows <= _MKL_MAX_ROWS:  # never on AVX2-only CPUs (0)
+                if rows <= MKL_MAX_ROWS:  # never on AVX2-only CPUs (0)
                     return F.linear(x, plain, self.bias)
                 return torch.ops.tandem.gemv_f32(x, plain, self.bias)
             return torch.ops.tandem.gemv_bf16(x, plain, self.bias)
@@ -151,11 +151,11 @@ class PackedLinear(DirectCall, nn.Module):
 def plain_product(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """`x @ w.T` for weights of `dtype` kept only as stored (no oneDNN copy: stacked MoE experts):
     Tandem's few-row kernel for the rows PackedLinear gives it where it built, `F.linear` otherwise."""
-    name = _KERNEL.get(dtype)
+    name = FEW_ROW_KERNEL.get(dtype)
     if name is None or not kernels.has(name):
         return F.linear
     kernel = getattr(torch.ops.tandem, name)
-    low = _MKL_MAX_ROWS if dtype == torch.float32 else 0
+    low = MKL_MAX_ROWS if dtype == torch.float32 else 0
     high = _KERNEL_MAX_ROWS[dtype]
 
     def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

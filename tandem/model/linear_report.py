@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem import kernels
 from tandem.config import ModelConfig
+from tandem.kernels.isa import kernel_instructions
 from tandem.model.fp8_linear import Fp8Linear
 from tandem.model.int4 import Int4Linear
-from tandem.model.linear import PackedLinear
+from tandem.model.linear import FEW_ROW_KERNEL, MKL_MAX_ROWS, PackedLinear
 from tandem.model.quant import W8_KERNEL_MAX_ROWS, Int8Linear
 
 logger = logging.getLogger("tandem.model")
@@ -57,11 +59,13 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
         elif m._packed is not None:
             library = "PyTorch dynamic int8"
         if m.row_sum is not None:
-            path = f"int8 kernel (<= 8 rows) + {library or 'int8 weights widened to float'}"
+            kernel = f"int8 kernel gemm_w8a8 ({kernel_instructions('gemm_w8a8')}, <= 8 rows)"
+            path = f"{kernel} + {library or 'int8 weights widened to float'}"
         elif library is not None:
             path = library
         elif m.weight_only_kernel:
-            path = f"int8 weight-only kernel (<= {W8_KERNEL_MAX_ROWS} rows, no VNNI) + widened to float above"
+            isa = kernel_instructions("gemm_w8_f32")
+            path = f"int8 weight-only kernel gemm_w8_f32 ({isa}, <= {W8_KERNEL_MAX_ROWS} rows) + widened to float above"
         else:
             path = "int8 weights widened to float (no VNNI)"
         # The prepacked copy the library keeps for its int8 GEMM is about as large as qweight.
@@ -71,13 +75,24 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
         dtype = str(m.dtype).removeprefix("torch.")
         if m.packed is None:
             return f"AMX tiles {dtype}, every row count (one copy)", _tensor_bytes(m.tiles, m.bias)
-        few = f" + plain weight for <= {m.plain_max_rows} rows" if m.plain is not None else ""
+        few = f" + {few_row_paths(m.dtype, m.plain_max_rows)}" if m.plain is not None else ""
         if m.tiles is not None:
             few = f" + AMX tiles for <= {m.tiles_max_rows} rows"
         return f"packed oneDNN {dtype}{few}", _tensor_bytes(m.packed, m.plain, m.tiles, m.bias)
     if isinstance(m, nn.Linear):
         return f"F.linear {str(m.weight.dtype).removeprefix('torch.')}", _tensor_bytes(m.weight, m.bias)
     raise TypeError(f"not a linear layer: {type(m).__name__}")
+
+
+def few_row_paths(dtype: torch.dtype, max_rows: int) -> str:
+    """What a PackedLinear's plain weight serves, up to `max_rows` rows: MKL's sgemv (float32, one
+    or two rows on AVX-512), then Tandem's kernel, named with its instructions."""
+    low = MKL_MAX_ROWS if dtype == torch.float32 else 0
+    name = FEW_ROW_KERNEL[dtype]
+    parts = [f"MKL sgemv for <= {min(low, max_rows)} rows"] if low else []
+    if max_rows > low and kernels.has(name):
+        parts.append(f"{name} ({kernel_instructions(name)}) for <= {max_rows} rows")
+    return ", ".join(parts)
 
 
 LINEAR_TYPES = (Fp8Linear, Int4Linear, Int8Linear, PackedLinear, nn.Linear)

@@ -135,8 +135,8 @@ def test_env_switch_disables_kernels(monkeypatch):
         assert PackedLinear(torch.randn(8, 16).to(torch.bfloat16), None).plain is None
     if onednn_available():
         few = PackedLinear(torch.randn(8, 16), None)
-        assert few.plain_max_rows == linear._MKL_MAX_ROWS  # MKL's sgemv only (none on AVX2-only CPUs)
-        assert (few.plain is None) == (linear._MKL_MAX_ROWS == 0)
+        assert few.plain_max_rows == linear.MKL_MAX_ROWS  # MKL's sgemv only (none on AVX2-only CPUs)
+        assert (few.plain is None) == (linear.MKL_MAX_ROWS == 0)
     int8 = Int8Linear(torch.randn(8, 16), None)
     assert int8.row_sum is None and not int8.weight_only_kernel
 
@@ -183,7 +183,7 @@ def test_layers_agree_with_and_without_kernels(rows, monkeypatch):
     off_q = Int8Linear(w, b)
     if on_f is not None:
         torch.testing.assert_close(on_f(x), PackedLinear(w, b)(x), rtol=1e-5, atol=1e-5)
-        if rows <= linear._MKL_MAX_ROWS:  # MKL's sgemv either way: the very same bits as F.linear
+        if rows <= linear.MKL_MAX_ROWS:  # MKL's sgemv either way: the very same bits as F.linear
             assert torch.equal(on_f(x), F.linear(x, w, b))
     ref_q = F.linear(x, on_q.dequantized(torch.float32), b)
     for lin in (on_q, off_q):  # both quantize activations to 8 bits, differently: compare to float

@@ -273,12 +273,15 @@ def test_amx_int4_matches_dequantized_product(shape, rows, symmetric):
 
 @needs_amx_int4
 def test_int4_linear_routes_rows_to_their_paths(monkeypatch):
-    """On AMX, few rows go to the 4-bit kernel, up to `amx_max_rows` to the AMX form, more to
-    dequantize-then-GEMM; a float32 input never to the AMX form (it takes bfloat16 only)."""
+    """On AMX, few bfloat16 rows go to the 4-bit kernel, up to `amx_max_rows` to the AMX form, more
+    to dequantize-then-GEMM; float32 rows never to the AMX form (it takes bfloat16 only): the
+    kernel keeps them up to its own limit (a float32 engine's 13-16-row steps were dequantizing
+    every layer's whole weight)."""
     from tandem.model import int4
 
     layer = Int4Linear(*_weights(64, 128, 32, 0), 32, None)
-    assert layer.kernel_max_rows == int4.INT4_AMX_KERNEL_MAX_ROWS and layer.amx_max_rows == int4.INT4_AMX_MAX_ROWS
+    assert layer.kernel_max_rows == int4.INT4_KERNEL_MAX_ROWS and layer.amx_max_rows == int4.INT4_AMX_MAX_ROWS
+    assert layer.amx_min_rows == int4.INT4_AMX_KERNEL_MAX_ROWS < layer.kernel_max_rows
     assert "AMX" in layer.path()
     calls: list[str] = []
     real = torch.ops.tandem
@@ -288,10 +291,11 @@ def test_int4_linear_routes_rows_to_their_paths(monkeypatch):
             int4.torch.ops.tandem, name, lambda *a, _op=op, _n=name: calls.append(_n) or _op(*a), raising=False
         )
     for rows, dtype, want in [
-        (layer.kernel_max_rows, torch.bfloat16, "gemm_int4"),
-        (layer.kernel_max_rows + 1, torch.bfloat16, "gemm_amx_int4"),
+        (layer.amx_min_rows, torch.bfloat16, "gemm_int4"),
+        (layer.amx_min_rows + 1, torch.bfloat16, "gemm_amx_int4"),
         (layer.amx_max_rows, torch.bfloat16, "gemm_amx_int4"),
         (layer.amx_max_rows + 1, torch.bfloat16, "dequant_int4"),
+        (layer.kernel_max_rows, torch.float32, "gemm_int4"),
         (layer.kernel_max_rows + 1, torch.float32, "dequant_int4"),
     ]:
         calls.clear()
