@@ -84,13 +84,12 @@ class AdaptiveSpeculation:
         self._hold_left = 0
         self._hold_len = 0
         self._held = 0
-        # A lease (see `leased`): the batch size it was made for and its bucket, its gate mode,
-        # the plans it still covers (public: the scheduler asks it first each step), the plans
+        # A lease (see `leased`): the batch size it was made for and its bucket, the plans it
+        # still covers (public: the scheduler asks it first each step), the plans
         # handed out under it since the gate last counted steps, and whether it is a held zero
         # verdict (`_hold_*`) or the gate's "off".
         self._lease_n = 0
         self._lease_bucket = 0
-        self._lease_on = False
         self.lease_left = 0
         self._lease_used = 0
         self._lease_hold = False
@@ -314,6 +313,8 @@ class AdaptiveSpeculation:
             self._stored = self.lease_left == 0
             return Plan({}, n, gate_on=False, drafts_next=self._stored)
         if not self.seeded and self.step_cost.count < self.config.warmup_steps:
+            if not primed:  # what a proposal would read was not stored: draft from the next plan
+                return Plan(dict.fromkeys(request_ids, 0), n, gate_on=True)
             return Plan(dict.fromkeys(request_ids, self.max_k), n, gate_on=True)
         # A method that does not pay here is priced at zero drafts step after step, and pricing
         # (per request, per step, in Python) is most of what it then costs beyond speculation off.
@@ -397,7 +398,7 @@ class AdaptiveSpeculation:
     def _lease(self, n: int, on: bool, plans: int, hold: bool) -> None:
         """Lease the plan just made (no drafts, gate mode `on`) for the next `plans` plans, at most
         `lease_max_steps`, while the bucket stays (and, for a held verdict, no request joins)."""
-        self._lease_n, self._lease_bucket, self._lease_on, self._lease_hold = n, SpecGate.bucket(n), on, hold
+        self._lease_n, self._lease_bucket, self._lease_hold = n, SpecGate.bucket(n), hold
         self.lease_left = min(plans, self.config.lease_max_steps)
         if self.lease_left:
             self._lease_plans = tuple(Plan({}, n, gate_on=on, drafts_next=d, leased=True) for d in (False, True))
@@ -412,7 +413,7 @@ class AdaptiveSpeculation:
         where the gate's choice cannot change for a while without a new sample (`repeats`:
         until its next exploration check), that verdict is leased for up to `lease_max_steps`
         plans, each handed out as it is: nothing asked, priced or sampled."""
-        if not self.lease_left or SpecGate.bucket(count) != self._lease_bucket:
+        if not self.lease_left or not count or SpecGate.bucket(count) != self._lease_bucket:
             return None
         if self._lease_hold and not self._hold_ids.issuperset(request_ids):
             return None
@@ -426,6 +427,12 @@ class AdaptiveSpeculation:
         else:
             self._stored = self.lease_left == 0
         return self._lease_plans[self._stored]
+
+    def not_a_gate_step(self) -> None:
+        """The step of the last leased plan computed prompt tokens too: a step the gate would not
+        have been asked about (`plan` answers such steps without it), so not counted for it."""
+        if self._lease_used:
+            self._lease_used -= 1
 
     def _settle_lease(self) -> None:
         """Before the gate is asked again: the steps it was not asked about, counted."""

@@ -209,7 +209,14 @@ class SpecGate:
         if off_rate is None or on_rate >= off_rate or choice.on:
             return 0
         interval = self._interval(b, on_rate, off_rate)
-        return max(0, interval - (self._steps.get(b, 0) - self._explored_at.get(b, 0)) - 1)
+        left = interval - (self._steps.get(b, 0) - self._explored_at.get(b, 0)) - 1
+        if left < 0:  # due, and waiting for the budget: the steps until it allows it
+            cfg = self.config
+            cost = self.explored + cfg.min_samples * _loss(on_rate, off_rate)
+            if cfg.explore_budget <= 0:
+                return cfg.max_explore
+            left = math.ceil(cost / cfg.explore_budget) - self.steps - 1
+        return max(0, left)
 
     def skip(self, num_decoding: int, steps: int) -> None:
         """Count `steps` calls of `choose` that `repeats` promised would repeat the last choice,

@@ -185,7 +185,11 @@ class SpecPlanner:
         request's prompt is fed whenever speculation runs, so the "on" rate pays for it."""
         ctl = self.controller
         if getattr(sched.spec_plan, "leased", False) and not result.draft_passes:
-            return  # a leased plan's step is no sample (AdaptiveSpeculation.plan)
+            # A leased plan's step is no sample (AdaptiveSpeculation.leased); nor, if it computed
+            # prompt tokens too, a step the gate counts.
+            if sched.total_tokens != len(sched.requests):
+                ctl.not_a_gate_step()
+            return
         pure = all(
             n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
         )

@@ -713,3 +713,38 @@ def test_an_engines_first_steps_are_no_samples():
     assert not stats and planner.controller.step_cost.count == 0
     planner.observe_step(step, RunnerOutput(), 1, 0.01, 0.01)
     assert stats[1][False][2] == 1 and planner.controller.step_cost.count == 1
+
+
+def test_a_leased_step_is_no_sample_and_a_prompt_step_no_gate_step():
+    """Through the planner as the engine calls it: a step under the lease files nothing (no gate
+    rate, no step cost), and one that computed prompt tokens too is not counted as a gate step
+    when the lease settles (`plan` answers such steps without the gate)."""
+    from tandem.core.request import Request
+    from tandem.core.step_io import RunnerOutput, SchedulerOutput
+    from tandem.sampling_params import SamplingParams
+    from tandem.spec.config import SpeculativeConfig
+    from tandem.spec.planner import SpecPlanner
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": {"cold_steps": 0, "explore_z": 0.0}}
+    planner = SpecPlanner(SpeculativeConfig.from_dict(spec))
+    ctl, gate = planner.controller, planner.controller.gate
+    for _ in range(5):
+        gate.observe(2, True, 16, 0.0125)  # "off" measured better, for 2-3 requests
+        gate.observe(2, False, 2, 0.001)
+    a = Request(request_id="a", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(), max_tokens=8)
+    b = Request(request_id="b", prompt_token_ids=[4, 5, 6], sampling=SamplingParams(), max_tokens=8)
+    c = Request(request_id="c", prompt_token_ids=[7, 8, 9], sampling=SamplingParams(), max_tokens=8)
+    first = ctl.plan(["a", "b"], 0, draft_passes_cost=False)
+    assert first.gate_on is False and ctl.lease_left > 2
+    samples, steps, count = gate._stats[2][False][2], gate._steps[2], ctl.step_cost.count
+    decode = planner.leased([a, b])
+    assert decode is not None and decode.leased
+    pure = SchedulerOutput(requests=[a, b], num_tokens=[1, 1], spec_plan=decode)
+    planner.observe_step(pure, RunnerOutput(), 2, 0.01, 0.01)
+    prompt = planner.leased([a, b, c])  # the same bucket: c's prompt step is leased too
+    assert prompt is not None
+    with_prompt = SchedulerOutput(requests=[a, b, c], num_tokens=[1, 1, 3], spec_plan=prompt)
+    planner.observe_step(with_prompt, RunnerOutput(), 2, 0.01, 0.01)
+    assert gate._stats[2][False][2] == samples and ctl.step_cost.count == count
+    ctl.plan(["a", "b", "c"], 0, draft_passes_cost=False)  # settles: one leased gate step, then this
+    assert gate._steps[2] == steps + 2
