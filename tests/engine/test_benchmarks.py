@@ -205,7 +205,7 @@ def test_layer_ops_quick(tmp_path: Path, llama_dir: Path) -> None:
 def test_reliability_attacks_quick(tmp_path: Path) -> None:
     """benchmarks/reliability.py's memory and event-loop attacks, bounded: every nasty input is
     answered without a server error, salts and aborted grammars leave memory bounded (the figures
-    themselves, /health latency among them, are the benchmark's, docs/benchmarks.md)."""
+    themselves, /health latency among them, are the benchmark's, docs/benchmarks-features.md)."""
     result_json = tmp_path / "reliability.json"
     run_script(
         "reliability.py", "--quick", "--sections", "stall,salts,aborts,enums", "--result-json", str(result_json),
