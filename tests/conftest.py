@@ -94,13 +94,27 @@ def llama_dir(model_factory) -> Path:
     return model_factory("llama")
 
 
+# Resident memory above which a test's leftovers are collected before the next test.
+COLLECT_ABOVE_BYTES = 3 << 30
+
+
+def _resident_bytes() -> int | None:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
 @pytest.fixture(autouse=True)
 def _free_engines():
-    """Collect what a test left in reference cycles (engines hold them) before the next test: each
-    engine's KV cache is 2 GiB by default, and a module's engines collected only when Python got
-    to them kept a worker at 8-11 GiB, two of which on a 24 GiB machine ran out of memory."""
+    """Collect what a test left in reference cycles (engines hold them, each with a 2 GiB KV cache
+    by default) once the worker holds more than COLLECT_ABOVE_BYTES: left to Python's own pace,
+    several tests' engines pile up in one worker, and two such workers can exhaust the machine's
+    memory. Only then: a full collection takes about a tenth of a second with torch loaded."""
     yield
-    gc.collect()
+    rss = _resident_bytes()
+    if rss is None or rss > COLLECT_ABOVE_BYTES:
+        gc.collect()
 
 
 @pytest.fixture(scope="session", autouse=True)

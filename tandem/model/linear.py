@@ -58,6 +58,11 @@ _ANY_ROWS = 1 << 62
 _PACK_HINT_ROWS = 8
 
 
+def mkl_max_rows(dtype: torch.dtype) -> int:
+    """Rows of a product in `dtype` that go to MKL's sgemv on this CPU (float32 only)."""
+    return MKL_MAX_ROWS if dtype == torch.float32 else 0
+
+
 def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
     """Can oneDNN pack and run linear weights of `dtype` on this CPU? (bfloat16 needs AVX-512 or
     AVX-NE-CONVERT; on an AVX2-only CPU its reorder raises, so those layers stay on `F.linear`.)"""
@@ -104,7 +109,7 @@ class PackedLinear(DirectCall, nn.Module):
         elif kernels.has(FEW_ROW_KERNEL[w.dtype]):
             few = _KERNEL_MAX_ROWS[w.dtype]
         else:
-            few = MKL_MAX_ROWS if w.dtype == torch.float32 else 0
+            few = mkl_max_rows(w.dtype)
         self.plain = w if few else None
         self.plain_max_rows = few
         self.bias = None if bias is None else bias.detach().contiguous()
@@ -155,7 +160,7 @@ def plain_product(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], 
     if name is None or not kernels.has(name):
         return F.linear
     kernel = getattr(torch.ops.tandem, name)
-    low = MKL_MAX_ROWS if dtype == torch.float32 else 0
+    low = mkl_max_rows(dtype)
     high = _KERNEL_MAX_ROWS[dtype]
 
     def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from tandem.config import ModelConfig
 from tandem.kernels.isa import kernel_instructions
 from tandem.model.fp8_linear import Fp8Linear
 from tandem.model.int4 import Int4Linear
-from tandem.model.linear import FEW_ROW_KERNEL, MKL_MAX_ROWS, PackedLinear
+from tandem.model.linear import FEW_ROW_KERNEL, PackedLinear, mkl_max_rows
 from tandem.model.quant import W8_KERNEL_MAX_ROWS, Int8Linear
 
 logger = logging.getLogger("tandem.model")
@@ -87,7 +87,7 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
 def few_row_paths(dtype: torch.dtype, max_rows: int) -> str:
     """What a PackedLinear's plain weight serves, up to `max_rows` rows: MKL's sgemv (float32, one
     or two rows on AVX-512), then Tandem's kernel, named with its instructions."""
-    low = MKL_MAX_ROWS if dtype == torch.float32 else 0
+    low = mkl_max_rows(dtype)
     name = FEW_ROW_KERNEL[dtype]
     parts = [f"MKL sgemv for <= {min(low, max_rows)} rows"] if low else []
     if max_rows > low and kernels.has(name):

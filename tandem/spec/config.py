@@ -58,13 +58,13 @@ class AdaptiveConfig:
     # The overhead's first samples count against a prior of no overhead worth this many samples
     # (the line is priced at count / (count + prior) of its fit): an engine's first drafting steps
     # pay one-time costs (caches cold after load, or after another process ran; the verification
-    # path's first use), and a line fitted to the first one alone, three to four decode steps on
-    # the default model, priced every plan at zero drafts until it faded. 0: no prior.
+    # path's first use), and a line fitted to one of them alone can price every plan at zero
+    # drafts, so that nothing measures it again until it fades. 0: no prior.
     overhead_prior_samples: float = 3.0
     # An engine's first this many pure-decode steps are no samples of anything (gate rates, cost
-    # lines): they pay one-time costs (first use of each path, caches cold after load) that made
-    # them two to three times a later step on the default model, and a verdict measured on them
-    # ("off" better) held for hundreds of steps. Their plans are priced from the costs timed at load.
+    # lines): they pay one-time costs (first use of each path, caches cold after load), and a
+    # verdict measured on them ("off" better) would hold until the next exploration, which backs
+    # off as it confirms. Their plans are priced from the costs timed at load.
     cold_steps: int = 8
     # Costs are timed at load over synthetic batches of up to this many requests, each with
     # `seed_context` tokens of context.

@@ -197,8 +197,8 @@ class SpecGate:
         answer is "on" until then). Else none: the mode chosen is there to be measured, an
         exploration is under way or just ended, or "on" was measured better, where a step that
         drafts nothing is an "off" sample the verdict may turn on (lookup methods between their
-        copy stretches: measured, leaving those steps unsampled left the gate's "off" rate to a
-        few samples, and a noisy one turned speculation off for good more often)."""
+        copy stretches): unsampled, the "off" rate would rest on a few samples, and one noisy
+        sample among them could turn speculation off until the next exploration."""
         b = self.bucket(num_decoding)
         if b in self._burst:
             return 0
