@@ -321,6 +321,9 @@ def main() -> None:
     )
     methods: dict[str, dict | None] = {
         "off": None,
+        # A second engine with speculation off: its ratio to "off" is the run's noise band (two
+        # identical engines), against which a method's ratio near 1 is read.
+        "off-twin": None,
         "ngram": {
             "method": "ngram",
             "num_speculative_tokens": args.k,

@@ -193,9 +193,6 @@ class SpecPlanner:
         pure = all(
             n == 1 + sched.num_draft.get(r.request_id, 0) for r, n in zip(sched.requests, sched.num_tokens)
         )
-        if self._cold_left:
-            self._cold_left -= pure  # an engine's first steps: one-time costs, no samples
-            return
         # A step planned by no SpecPlanner (none was asked) is no sample of either mode.
         plan = sched.spec_plan if isinstance(sched.spec_plan, Plan) else Plan({})
         # A step in which nothing was verified is an "off" sample, also where the plan gave drafts
@@ -204,6 +201,22 @@ class SpecPlanner:
         drafted = any(sched.num_draft.values()) or (
             self.config.adaptive_config.empty_lookups_on and any(plan.num_draft.values())
         )
+        if self._cold_left:
+            # An engine's first steps pay one-time costs: no sample of the gate's rates or of the
+            # step cost's scale. The overhead and draft-pass lines still learn (a sample is capped
+            # and the overhead shrunk toward none while it has few), so a method that does not pay
+            # stops drafting after one or two steps instead of drafting through them all.
+            self._cold_left -= pure
+            if pure and drafted and ctl.seeded:
+                ctl.observe_step(
+                    sched.total_tokens,
+                    update_seconds - result.draft_time,
+                    drafted=True,
+                    draft_tokens=sum(sched.num_draft.values()),
+                )
+            for p in result.draft_passes:
+                ctl.observe_draft_pass(p)
+            return
         if pure:
             ctl.observe_step(
                 sched.total_tokens,

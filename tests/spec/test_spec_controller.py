@@ -715,6 +715,32 @@ def test_an_engines_first_steps_are_no_samples():
     assert stats[1][False][2] == 1 and planner.controller.step_cost.count == 1
 
 
+def test_an_engines_first_drafting_steps_teach_the_overhead_alone():
+    """In the cold steps a step that drafted still teaches the overhead line (capped and shrunk,
+    so a method that does not pay stops drafting before they end), and nothing else."""
+    from tandem.core.request import Request
+    from tandem.core.step_io import RunnerOutput, SchedulerOutput
+    from tandem.sampling_params import SamplingParams
+    from tandem.spec.config import SpeculativeConfig
+    from tandem.spec.planner import SpecPlanner
+
+    req = Request(request_id="a", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(), max_tokens=8)
+    step = SchedulerOutput(
+        requests=[req], num_tokens=[5], num_draft={"a": 4}, spec_plan=Plan({"a": 4}, 1, gate_on=True)
+    )
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": {"cold_steps": 5}}
+    planner = SpecPlanner(SpeculativeConfig.from_dict(spec))
+    ctl = planner.controller
+    ctl.seed([(1, 0.010), (8, 0.011), (64, 0.020)], [])
+    drafts = []
+    for _ in range(4):
+        drafts.append(sum(ctl.plan(["a"], 0, draft_passes_cost=False).num_draft.values()))
+        ctl.observe_acceptance("a", 4, 1)
+        planner.observe_step(step, RunnerOutput(), 2, 0.040, 0.040)  # 30 ms beyond the step
+    assert ctl.overhead.count == 4 and ctl.step_cost.count == 0 and not ctl.gate._stats
+    assert drafts[0] > 0 and drafts[-1] == 0, drafts
+
+
 def test_a_leased_step_is_no_sample_and_a_prompt_step_no_gate_step():
     """Through the planner as the engine calls it: a step under the lease files nothing (no gate
     rate, no step cost), and one that computed prompt tokens too is not counted as a gate step
