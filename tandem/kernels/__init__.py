@@ -4,7 +4,8 @@ attention on AMX tiles; `layer_ops.cpp`: a decoder layer's per-token glue), one 
 source on first use.
 
 The build needs only what a clean install brings: a C++ compiler on the PATH, PyTorch's headers and
-`ninja` (a dependency). It compiles for the host CPU (`-march=native`) into PyTorch's extension
+`ninja` (a dependency). It compiles for the host CPU (`-march=native`; `TANDEM_CPU_MARCH` names another
+kind, tandem/cpu.py) into PyTorch's extension
 cache (`TORCH_EXTENSIONS_DIR`, by default under ~/.cache), in a folder named by everything the build
 depends on (`build_inputs()`: sources, flags, compiler, PyTorch and its headers' location, CPU
 features), so virtualenvs and machines sharing the cache keep a build each; later runs load the
@@ -43,12 +44,20 @@ ENV_SWITCH = "TANDEM_CPU_KERNELS"
 # GCC vectorizes for 256-bit registers on AVX-512 CPUs unless told; the per-token layer ops run
 # 15-30% faster with 512 (Sapphire Rapids VM: SiLU-and-multiply of 512 x 4864 bf16 937 -> 798 us,
 # RMSNorm 744 -> 599 us). No effect where the CPU has no 512-bit vectors.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-mprefer-vector-width=512")
+CFLAGS = ("-O3", "-fopenmp", "-fno-trapping-math", "-mprefer-vector-width=512")
 LDFLAGS = ("-fopenmp",)
 # A first build's progress on stderr: the build folder is looked at this often for finished
 # objects, and a line is written at least this often while nothing new has finished.
 PROGRESS_POLL_S = 1.0
 PROGRESS_HEARTBEAT_S = 20.0
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags: CFLAGS for the host CPU, or for the target `TANDEM_CPU_MARCH` names
+    (tandem/cpu.py)."""
+    from tandem import cpu
+
+    return (f"-march={cpu.target_march() or 'native'}", *CFLAGS)
 
 
 def enabled_by_env() -> bool:
@@ -104,7 +113,7 @@ def build_inputs(sources: Sequence[Path] = SOURCES + HEADERS) -> BuildInputs:
 
     return BuildInputs(
         sources=tuple((src.name, hashlib.sha256(src.read_bytes()).hexdigest()) for src in sources),
-        cflags=CFLAGS,
+        cflags=cflags(),
         ldflags=LDFLAGS,
         compiler=_compiler_identity(),
         torch_version=f"{torch.__version__} {torch.version.git_version}",
@@ -224,7 +233,7 @@ def _build() -> bool:
             load(
                 name=name,
                 sources=[str(src) for src in SOURCES],
-                extra_cflags=list(CFLAGS),
+                extra_cflags=list(cflags()),
                 extra_ldflags=list(LDFLAGS),
                 build_directory=str(build_dir),
                 is_python_module=False,

@@ -185,8 +185,8 @@ void dot_rows(const typename D::X* x, int64_t K, const typename D::W* w, int64_t
         for (int r = 0; r < kRowBlock; ++r) acc[m][r] = D::madd(acc[m][r], xv, wv[r]);
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < kRowBlock; ++r) out[m * N + n + r] = D::sum(acc[m][r]);
+    static_assert(kRowBlock == 4, "sum4 sums one block of accumulators");
+    for (int m = 0; m < M; ++m) sum4(acc[m], out + m * N + n);
   }
   for (; n < n1; ++n) {  // the last few rows, one at a time
     typename D::Acc acc[M];
