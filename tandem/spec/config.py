@@ -41,6 +41,12 @@ class AdaptiveConfig:
     # Drafts are priced at the posterior mean plus this many standard deviations, so a request with
     # little history drafts and gets measured.
     explore_z: float = 0.5
+    # Suffix speculation prices each draft token at its empirical probability in the lookup's own
+    # proposal (a tree's node: its path's), times the ratio of accepted to expected tokens over
+    # past verifications (history-decayed), which starts at 1 with this many expected tokens' weight.
+    lookup_prior_tokens: float = 4.0
+    # False: suffix drafts are priced from each request's acceptance history, as other methods'.
+    lookup_pricing: bool = True
     # -- costs: without costs timed at load, the first `warmup_steps` steps draft the maximum while
     # the step-cost line is fitted online. Weights of the past per sample: the step and draft-pass
     # cost lines, the per-step speculation overhead, and a draft model's catch-up costs.
@@ -138,6 +144,7 @@ class AdaptiveConfig:
         for name in ("prior_accepted", "prior_rejected"):
             self._check(name, float, lambda v: 0.0 < v < math.inf, "a positive number")
         self._check("explore_z", float, lambda v: 0.0 <= v < math.inf, "a number >= 0")
+        self._check("lookup_prior_tokens", float, lambda v: 0.0 < v < math.inf, "a positive number")
         self._check("overhead_prior_samples", float, lambda v: 0.0 <= v < math.inf, "a number >= 0")
         self._check("explore_cost", float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
         self._check("explore_budget", float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
@@ -157,10 +164,11 @@ class AdaptiveConfig:
         ):
             self._check(name, int, _at_least(low), f"an integer >= {low}")
         self._check("max_explore", int, lambda v: v >= self.explore_every, "an integer >= explore_every")
-        if not isinstance(self.empty_lookups_on, bool):
-            raise ValueError(
-                f"speculative_config.adaptive.empty_lookups_on must be true or false, got {self.empty_lookups_on!r}"
-            )
+        for name in ("empty_lookups_on", "lookup_pricing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"speculative_config.adaptive.{name} must be true or false, got {getattr(self, name)!r}"
+                )
 
     def _check(self, name: str, kind: type, ok: Callable[[Any], bool], what: str) -> None:
         value = getattr(self, name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tandem.core.step_io import DraftPass
@@ -98,6 +98,10 @@ class AdaptiveSpeculation:
         self._stored = True
         # Plans priced (tests count them: a held plan is not priced).
         self.num_priced = 0
+        # Accepted and expected draft tokens of lookup-priced proposals (`observe_lookup`),
+        # history-decayed: how well the lookup's probabilities predict acceptance.
+        self._lookup_accepted = 0.0
+        self._lookup_expected = 0.0
 
     # -- estimates -------------------------------------------------------
 
@@ -138,6 +142,19 @@ class AdaptiveSpeculation:
         if num_accepted:  # the tokens after the first accepted one: a run, and how it ended
             s, f = self._run.get(request_id, (0.0, 0.0))
             self._run[request_id] = (d * s + num_accepted - 1, d * f + rejected)
+
+    @property
+    def lookup_calibration(self) -> float:
+        """Accepted per expected draft token of lookup-priced proposals, shrunk toward 1."""
+        prior = self.config.lookup_prior_tokens
+        return (self._lookup_accepted + prior) / (self._lookup_expected + prior)
+
+    def observe_lookup(self, expected: float, accepted: int) -> None:
+        """A verified proposal the lookup expected `expected` accepted tokens of (its verified
+        tokens' probabilities summed), of which `accepted` were."""
+        d = self.config.history_decay
+        self._lookup_accepted = d * self._lookup_accepted + accepted
+        self._lookup_expected = d * self._lookup_expected + expected
 
     def _fade_history(self, request_id: str, factor: float) -> None:
         """A request's acceptance evidence weighs `factor` of what it did (toward the prior)."""
@@ -278,8 +295,16 @@ class AdaptiveSpeculation:
         other_tokens: int,
         draft_passes_cost: bool,
         backlog: Callable[[], dict[str, float]] | None = None,
+        lookup: Callable[[], dict[str, Sequence[float]]] | None = None,
     ) -> Plan:
         """Draft length per decoding request; `other_tokens` are the step's non-speculative tokens.
+
+        `lookup` (called only when the plan is priced; suffix speculation): per request, the
+        probability of each token of the lookup's proposal in its order, non-increasing. The
+        request's tokens are priced at those times `lookup_calibration` instead of from its
+        acceptance history, which cannot see where a copy starts or how a tree branches: a chain
+        model of acceptance priced a 32-node tree that copies at a few nodes. Such a plan is not
+        held at zero drafts (the next step's lookup may find a match the hold would not look for).
 
         `backlog` (called only when the plan is priced): per request, the tokens a draft model must
         first catch up on (a new request's prompt, or what it missed while speculation was off) per
@@ -347,8 +372,11 @@ class AdaptiveSpeculation:
         # priced again here, it would stop the very drafts being measured, and the stale "on" rate
         # would stand.
         owed = backlog() if backlog is not None and not choice.exploring else {}
+        probs = lookup() if lookup is not None else {}
         alphas = {}
         for rid in request_ids:
+            if rid in probs:
+                continue
             alpha = self.optimistic_alpha(rid)
             alphas[rid] = (alpha, self.continuation(rid, alpha))
         # A step that drafts at all pays fixed costs no single draft token pays for on its own: the
@@ -366,7 +394,7 @@ class AdaptiveSpeculation:
             cheap = choice.exploring or self.draft_cost.count == 0
             if draft_passes_cost and cheap and passes > max(1, self.config.explore_max_passes):
                 break
-            plan_p, rate = self._allocate(request_ids, alphas, other_tokens, cap, passes, owed)
+            plan_p, rate = self._allocate(request_ids, alphas, other_tokens, cap, passes, owed, probs)
             if rate <= best:
                 break
             k, best = plan_p, rate
@@ -385,7 +413,7 @@ class AdaptiveSpeculation:
             # the next plan on, re-priced then.
             self._hold_key, self._hold_left, self._hold_len = None, 0, 0
             return Plan(dict.fromkeys(k, 0), n, gate_on=True)
-        if hold_max and not drafts:
+        if hold_max and not drafts and lookup is None:
             self._hold_len = min(hold_max, 2 * self._hold_len if key == self._hold_key else 1)
             self._hold_key, self._hold_left = key, self._hold_len
             self._hold_ids = frozenset(request_ids)
@@ -448,13 +476,17 @@ class AdaptiveSpeculation:
         cap: int,
         passes: int,
         backlog: dict[str, float],
+        probs: dict[str, Sequence[float]] | None = None,
     ) -> tuple[dict[str, int], float]:
         """Greedy: give one more draft token (up to `cap` each) to the request whose next one is most
         likely accepted, while that raises the step's expected tokens per second. With `passes`
         draft-model passes, their fixed cost is paid from the start and each drafting request adds
         its share; so is the speculation overhead's fixed part, and each draft token adds its
-        per-token part, and a request's first draft token its catch-up share (`backlog`). Returns
-        the draft lengths and the expected rate."""
+        per-token part, and a request's first draft token its catch-up share (`backlog`). A request
+        in `probs` has its j-th token accepted with probability probs[j] * `lookup_calibration`
+        (no more tokens than it lists). Returns the draft lengths and the expected rate."""
+        probs = probs or {}
+        cal = self.lookup_calibration if probs else 1.0
         a, b = self.step_cost.coefficients()  # once, not per candidate token
         c, d = self.draft_cost.coefficients() if passes else (0.0, 0.0)
         o0, o1 = self.overhead_coefficients()
@@ -468,7 +500,8 @@ class AdaptiveSpeculation:
         rate = expected / max(a + b * tokens + drafting, 1e-9)
         # A request's j-th draft token is accepted with probability alpha * beta ** (j - 1):
         # its first at the request's rate, each later one given the one before it (`continuation`).
-        heap = [(-alphas[rid][0], rid) for rid in request_ids]
+        heap = [(-alphas[rid][0], rid) for rid in request_ids if rid in alphas]
+        heap += [(-min(1.0, cal * probs[rid][0]), rid) for rid in request_ids if probs.get(rid)]
         heapq.heapify(heap)
         while heap:
             neg_gain, rid = heapq.heappop(heap)
@@ -484,6 +517,9 @@ class AdaptiveSpeculation:
             k[rid] += 1
             num_spec, feed, expected, tokens, rate = new_spec, new_feed, new_expected, tokens + 1, new_rate
             if k[rid] < cap:
-                alpha, beta = alphas[rid]
-                heapq.heappush(heap, (-(alpha * beta ** k[rid]), rid))
+                if rid in alphas:
+                    alpha, beta = alphas[rid]
+                    heapq.heappush(heap, (-(alpha * beta ** k[rid]), rid))
+                elif k[rid] < len(probs[rid]):
+                    heapq.heappush(heap, (-min(1.0, cal * probs[rid][k[rid]]), rid))
         return k, rate

@@ -3,6 +3,7 @@ the engine hands back what the step cost and produced."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from tandem.core.draft_tree import DraftTree
@@ -40,6 +41,11 @@ class SpecPlanner:
             config=config.adaptive_config,
             passes_for=self._passes_for,
         )
+        # Suffix speculation under the controller: this step's proposals, looked up to price them
+        # (`_lookups`) and handed out truncated by `propose`; and per request, the probabilities
+        # of the tokens it was last given (`observe` files how many of those were accepted).
+        self._proposals: dict[str, tuple[list[int] | DraftTree, list[float]]] = {}
+        self._given: dict[str, list[float]] = {}
         # Pure-decode steps still to come that are no samples (`AdaptiveConfig.cold_steps`).
         self._cold_left = config.adaptive_config.cold_steps
         # The engine's counters (tandem/core/stats.py): drafts and acceptance, per method too.
@@ -68,8 +74,11 @@ class SpecPlanner:
     def plan(self, decoding: list[Request], other_tokens: int, max_model_len: int) -> Plan:
         """Draft length for each decoding request (capped where the request is about to end)."""
         backlog = (lambda: self._backlog(decoding)) if self.proposes_in_runner else None
+        self._proposals.clear()
+        suffix = self.suffix if self.config.adaptive_config.lookup_pricing else None
+        lookup = (lambda: self._lookups(suffix, decoding)) if suffix is not None else None
         plan = self.controller.plan(
-            [r.request_id for r in decoding], other_tokens, self.proposes_in_runner, backlog
+            [r.request_id for r in decoding], other_tokens, self.proposes_in_runner, backlog, lookup
         )
         if not plan.num_draft:  # nothing to cap (every step while speculation is off)
             return plan
@@ -125,9 +134,24 @@ class SpecPlanner:
                 out[rid] = ks[rid]
         return out
 
+    def _lookups(self, suffix: SuffixSpeculator, decoding: list[Request]) -> dict[str, Sequence[float]]:
+        """Suffix proposals of the most tokens for the plan to price (`AdaptiveSpeculation.plan`'s
+        `lookup`), kept for `propose`."""
+        k = self.config.num_speculative_tokens
+        for r in decoding:
+            self._proposals[r.request_id] = suffix.scored(r, k)
+        return {rid: probs for rid, (_, probs) in self._proposals.items()}
+
     def propose(self, req: Request, k: int) -> list[int] | DraftTree | None:
         """n-gram lookup and suffix speculation propose here (may find fewer than k; suffix a tree
         of at most k nodes); a draft model proposes in the runner."""
+        looked = self._proposals.pop(req.request_id, None)
+        if looked is not None:  # priced by the plan: its first k tokens are the proposal of k
+            proposal, probs = looked
+            self._given[req.request_id] = probs[:k]
+            if isinstance(proposal, DraftTree):
+                return DraftTree(proposal.tokens[:k], proposal.parents[:k]) if len(proposal) > k else proposal
+            return proposal[:k]
         if self.suffix is not None:
             if self.config.suffix.tree:
                 return self.suffix.propose_tree(req, k) or []
@@ -143,6 +167,9 @@ class SpecPlanner:
         if num_draft <= 0:
             return
         rid = req.request_id
+        given = self._given.pop(rid, None)
+        if given is not None:
+            self.controller.observe_lookup(sum(given[:num_draft]), num_accepted)
         # A draft model has fed the k drafts; a head's KV, the known tokens (its tree rows are
         # scratch), and its next proposal feeds the accepted ones as a matter of course.
         self._fed[rid] = req.num_tokens - 1 + (num_accepted if self.config.uses_head else num_draft)
@@ -241,6 +268,7 @@ class SpecPlanner:
 
     def forget(self, request_id: str) -> None:
         self.controller.forget(request_id)
+        self._given.pop(request_id, None)
         self._fed.pop(request_id, None)
         if self.suffix is not None:  # its output joins what later requests' drafts are drawn from
             self.suffix.forget(request_id)

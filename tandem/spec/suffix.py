@@ -67,7 +67,17 @@ def longest_match(text: np.ndarray, context: np.ndarray, max_depth: int, exclude
 def continuation(text: np.ndarray, starts: np.ndarray, max_tokens: int, min_prob: float) -> list[int]:
     """The most frequent continuation from these positions, token by token, while the chosen
     token's share of the occurrences still running is at least `min_prob`."""
+    return scored_continuation(text, starts, max_tokens, min_prob)[0]
+
+
+def scored_continuation(
+    text: np.ndarray, starts: np.ndarray, max_tokens: int, min_prob: float
+) -> tuple[list[int], list[float]]:
+    """`continuation`, and each token's empirical probability of being reached: the product of
+    the shares along the chain up to it."""
     out: list[int] = []
+    probs: list[float] = []
+    prob = 1.0
     size = text.shape[0]
     while len(out) < max_tokens:
         starts = starts[starts < size]
@@ -82,8 +92,10 @@ def continuation(text: np.ndarray, starts: np.ndarray, max_tokens: int, min_prob
             break
         token = int(tokens[best])
         out.append(token)
+        prob *= float(counts[best]) / starts.size
+        probs.append(prob)
         starts = starts[nxt == token] + 1
-    return out
+    return out, probs
 
 
 def continuation_tree(
@@ -92,9 +104,20 @@ def continuation_tree(
     """The most probable continuations from these positions as a tree of at most `max_nodes`
     nodes (tokens, parents; -1: the root): nodes are added best first by their path's empirical
     probability, each child's share of its parent's occurrences at least `min_prob`."""
+    tokens, parents, _ = scored_continuation_tree(text, starts, max_nodes, min_prob)
+    return tokens, parents
+
+
+def scored_continuation_tree(
+    text: np.ndarray, starts: np.ndarray, max_nodes: int, min_prob: float
+) -> tuple[list[int], list[int], list[float]]:
+    """`continuation_tree`, and each node's path probability (non-increasing: best first). A
+    tree's first j nodes are the tree of j nodes, and its expected accepted length is the sum of
+    its nodes' path probabilities (at most one node of each depth is on the accepted path)."""
     size = text.shape[0]
     tokens: list[int] = []
     parents: list[int] = []
+    probs: list[float] = []
     # Candidates: (-path probability, tie-break, parent node, token, positions after the token).
     heap: list[tuple[float, int, int, int, np.ndarray]] = []
     order = 0
@@ -117,8 +140,9 @@ def continuation_tree(
         neg_prob, _, parent, token, at = heapq.heappop(heap)
         tokens.append(token)
         parents.append(parent)
+        probs.append(-neg_prob)
         expand(len(tokens) - 1, -neg_prob, at)
-    return tokens, parents
+    return tokens, parents, probs
 
 
 class _Corpus:
@@ -173,6 +197,19 @@ class SuffixSpeculator:
         text, starts, budget = found
         tokens, parents = continuation_tree(text, starts, budget, self.config.min_token_prob)
         return DraftTree(tuple(tokens), tuple(parents)) if tokens else None
+
+    def scored(self, req: Request, k: int) -> tuple[list[int] | DraftTree, list[float]]:
+        """The proposal of at most k tokens (a tree when `tree`, else a chain; empty: nothing
+        found) and each token's empirical probability of being accepted, in the proposal's order
+        (non-increasing). Its first j tokens are the proposal of j tokens."""
+        found = self._match(req, k)
+        if found is None:
+            return [], []
+        text, starts, budget = found
+        if not self.config.tree:
+            return scored_continuation(text, starts, budget, self.config.min_token_prob)
+        tokens, parents, probs = scored_continuation_tree(text, starts, budget, self.config.min_token_prob)
+        return (DraftTree(tuple(tokens), tuple(parents)) if tokens else []), probs
 
     def _match(self, req: Request, k: int) -> tuple[np.ndarray, np.ndarray, int] | None:
         """The text and positions to continue from, and the draft budget; None: nothing to draft."""

@@ -774,3 +774,74 @@ def test_a_leased_step_is_no_sample_and_a_prompt_step_no_gate_step():
     assert gate._stats[2][False][2] == samples and ctl.step_cost.count == count
     ctl.plan(["a", "b", "c"], 0, draft_passes_cost=False)  # settles: one leased gate step, then this
     assert gate._steps[2] == steps + 2
+
+
+def test_a_lookup_prices_its_own_proposal():
+    """With a lookup (suffix speculation), a request's tokens are priced at the proposal's own
+    probabilities times the calibration, not at its history: a confident copy gets every node
+    even after a stretch of rejections, an unlikely one none, and no more tokens than it lists.
+    Such a zero verdict is not held: every plan looks again."""
+    ctl = AdaptiveSpeculation(max_k=32, config=AdaptiveConfig(warmup_steps=0))
+    ctl.seed([(1, 0.010), (33, 0.0164)], [])  # c=1: a verified token adds 2% of a step
+    pin_gate(ctl, GateChoice(True))
+    for _ in range(6):
+        ctl.observe_acceptance("a", 8, 0)  # prose: every draft rejected
+    by_history = ctl.plan(["a"], 0, draft_passes_cost=False).num_draft.get("a", 0)
+    copy = [0.98] * 20
+    looked = []
+
+    def lookup(probs):
+        def call():
+            looked.append(1)
+            return {"a": probs}
+
+        return call
+
+    assert ctl.plan(["a"], 0, False, lookup=lookup(copy)).num_draft["a"] == 20 > 2 * by_history
+    unlikely = [0.01] * 20
+    for _ in range(5):
+        assert ctl.plan(["a"], 0, False, lookup=lookup(unlikely)).num_draft.get("a", 0) == 0
+    assert len(looked) == 6  # zero verdicts under a lookup are priced, and looked up, every plan
+    # A lookup whose probabilities overstate acceptance (half of what it expects) is priced lower.
+    branchy = [0.9, 0.5, 0.3, 0.2, 0.12, 0.08, 0.05, 0.03]
+    before = ctl.plan(["a"], 0, False, lookup=lookup(branchy)).num_draft["a"]
+    for _ in range(10):
+        ctl.observe_lookup(4.0, 1)
+    assert ctl.lookup_calibration < 0.4
+    after = ctl.plan(["a"], 0, False, lookup=lookup(branchy)).num_draft.get("a", 0)
+    assert after < before, (before, after)
+
+
+def test_the_planner_hands_out_the_priced_suffix_proposal_and_files_its_calibration():
+    """Through the planner: suffix speculation under the controller looks up each decoding
+    request's proposal once, prices it, hands out its first k tokens, and files how many of the
+    tokens it expected were accepted."""
+    from tandem.core.request import Request
+    from tandem.sampling_params import SamplingParams
+    from tandem.spec.config import SpeculativeConfig
+    from tandem.spec.planner import SpecPlanner
+
+    spec = {"method": "suffix", "num_speculative_tokens": 8, "adaptive": {"warmup_steps": 0}}
+    planner = SpecPlanner(SpeculativeConfig.from_dict(spec))
+    ctl = planner.controller
+    ctl.seed([(1, 0.010), (33, 0.0164)], [])
+    pin_gate(ctl, GateChoice(True))
+    text = list(range(100, 130))
+    req = Request(request_id="a", prompt_token_ids=text + text[:6], sampling=SamplingParams(), max_tokens=64)
+    calls = []
+    scored = planner.suffix.scored
+    planner.suffix.scored = lambda r, k: calls.append(k) or scored(r, k)  # type: ignore[method-assign]
+    plan = planner.plan([req], 0, 4096)
+    k = plan.num_draft["a"]
+    assert calls == [8] and k == 6  # the match of 6 tokens drafts 6 (max_spec_factor 1)
+    proposal = planner.propose(req, 4)  # the scheduler's budget cut it to 4
+    tokens = list(proposal.tokens) if hasattr(proposal, "tokens") else proposal
+    assert tokens == text[6:10] and calls == [8]  # the priced proposal, not a second lookup
+    planner.observe(req, 4, 2)
+    assert ctl._lookup_accepted == 2 and abs(ctl._lookup_expected - 4.0) < 1e-9
+    off = SpecPlanner(SpeculativeConfig.from_dict(spec | {"adaptive": {"lookup_pricing": False}}))
+    off.suffix.scored = lambda r, k: calls.append(k) or scored(r, k)  # type: ignore[method-assign]
+    off.controller.seed([(1, 0.010), (33, 0.0164)], [])
+    pin_gate(off.controller, GateChoice(True))
+    off.plan([req], 0, 4096)
+    assert calls == [8]

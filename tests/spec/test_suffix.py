@@ -166,3 +166,27 @@ def test_flat_verification_cost_lets_a_copying_request_draft_the_maximum():
     plan = ctl.plan(["copy", "miss"], 0, draft_passes_cost=False)
     assert plan.num_draft["copy"] == MAX_SPECULATIVE_TOKENS
     assert plan.num_draft.get("miss", 0) <= 2
+
+
+def test_scored_proposals_carry_their_probabilities():
+    """A tree's nodes come best first with their path probabilities (non-increasing), a prefix
+    of it is the smaller tree, and the sum of the probabilities is the expected accepted length
+    under the text's own frequencies; a chain's are the products of its shares."""
+    import itertools
+
+    import numpy as np
+
+    from tandem.spec.suffix import _SEPARATOR, scored_continuation, scored_continuation_tree
+
+    # After "1": "2 3" three times, "2 4" once, "5" twice.
+    s = _SEPARATOR
+    text = np.array([1, 2, 3, s, 1, 2, 3, s, 1, 2, 3, s, 1, 2, 4, s, 1, 5, s, 1, 5, s], dtype=np.int32)
+    starts = np.flatnonzero(text == 1) + 1
+    tokens, parents, probs = scored_continuation_tree(text, starts, 8, 0.0)
+    assert tokens[:4] == [2, 3, 5, 4] and parents[:4] == [-1, 0, -1, 0]
+    assert [round(p * 6, 9) for p in probs[:4]] == [4, 3, 2, 1]
+    assert all(a >= b for a, b in itertools.pairwise(probs))
+    small = scored_continuation_tree(text, starts, 3, 0.0)
+    assert small == (tokens[:3], parents[:3], probs[:3])
+    chain, chain_probs = scored_continuation(text, starts, 3, 0.0)
+    assert chain[:2] == [2, 3] and abs(chain_probs[0] - 4 / 6) < 1e-9 and abs(chain_probs[1] - 3 / 6) < 1e-9
