@@ -171,6 +171,30 @@ class _Corpus:
         return self._text
 
 
+class _TokenArray:
+    """A request's tokens as an int32 array, kept between lookups and extended by what was added
+    since: converting the whole list every step was most of a lookup on a long context (63 of
+    114 us at 4000 tokens). The last cached tokens are copied again each time: with overlap
+    scheduling the newest token is a placeholder until its value is read back, in place."""
+
+    REFRESH = 2
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.int32)
+        self.n = 0
+
+    def view(self, tokens: list[int]) -> np.ndarray:
+        m = len(tokens)
+        start = 0 if m < self.n else max(0, self.n - self.REFRESH)
+        if m > self.buf.shape[0]:
+            grown = np.empty(max(m, 2 * self.buf.shape[0]), dtype=np.int32)
+            grown[:start] = self.buf[:start]
+            self.buf = grown
+        self.buf[start:m] = tokens[start:m]
+        self.n = m
+        return self.buf[:m]
+
+
 class SuffixSpeculator:
     """Proposals for the scheduler (`propose`), and the requests' outputs kept for later ones
     (`forget`, when a request ends)."""
@@ -180,6 +204,7 @@ class SuffixSpeculator:
         self._corpora: dict[str | None, _Corpus] = {}
         # Requests proposed for and not yet ended: their outputs join the corpus when they end.
         self._live: dict[str, Request] = {}
+        self._arrays: dict[str, _TokenArray] = {}
 
     def propose(self, req: Request, k: int) -> list[int]:
         """A chain of at most k tokens: the most frequent continuation."""
@@ -217,7 +242,7 @@ class SuffixSpeculator:
             return None
         self._live[req.request_id] = req
         cfg = self.config
-        context = np.asarray(req.token_ids, dtype=np.int32)
+        context = self._arrays.setdefault(req.request_id, _TokenArray()).view(req.token_ids)
         own_len, own_starts = longest_match(context, context, cfg.max_depth, exclude_tail=True)
         corpus = self._corpora.get(req.cache_salt)
         other_len, other_starts = 0, own_starts[:0]
@@ -233,6 +258,7 @@ class SuffixSpeculator:
         return text, starts, min(k, math.ceil(cfg.max_spec_factor * length))
 
     def forget(self, request_id: str) -> None:
+        self._arrays.pop(request_id, None)
         req = self._live.pop(request_id, None)
         if req is None or self.config.max_cached_requests <= 0:
             return

@@ -190,3 +190,22 @@ def test_scored_proposals_carry_their_probabilities():
     assert small == (tokens[:3], parents[:3], probs[:3])
     chain, chain_probs = scored_continuation(text, starts, 3, 0.0)
     assert chain[:2] == [2, 3] and abs(chain_probs[0] - 4 / 6) < 1e-9 and abs(chain_probs[1] - 3 / 6) < 1e-9
+
+
+def test_a_requests_token_array_follows_its_list():
+    """Kept between lookups and extended, the array equals the list after appends, after the
+    newest token is filled in place (overlap scheduling's placeholder) and after the list was cut
+    back (a request's tokens only grow otherwise)."""
+    from tandem.spec.suffix import _TokenArray
+
+    tokens = [5, 6, 7]
+    arr = _TokenArray()
+    assert arr.view(tokens).tolist() == tokens
+    tokens += [8, -1]
+    assert arr.view(tokens).tolist() == tokens
+    tokens[-1] = 9  # the placeholder's value read back
+    tokens += list(range(100, 140))
+    assert arr.view(tokens).tolist() == tokens
+    shorter = [*tokens[:3], 1, 2]  # cut back, then grown anew
+    assert arr.view(tokens[:3]).tolist() == tokens[:3]
+    assert arr.view(shorter).tolist() == shorter
