@@ -47,10 +47,15 @@ def target_march() -> str | None:
     return march if march and march != "native" else None
 
 
+def compiler_path() -> str:
+    """The C++ compiler PyTorch's builder runs ($CXX, else c++), as found on the PATH."""
+    compiler = os.environ.get("CXX", "c++")
+    return shutil.which(compiler) or compiler
+
+
 def march_macros(march: str) -> frozenset[str]:
     """The instruction-set macros the C++ compiler defines for `-march=<march>`."""
-    compiler = shutil.which(os.environ.get("CXX", "c++")) or "c++"
-    cmd = [compiler, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull]
+    cmd = [compiler_path(), f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.SubprocessError) as exc:

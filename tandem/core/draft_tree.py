@@ -37,6 +37,10 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def prefix(self, k: int) -> DraftTree:
+        """The first k nodes: a tree too, parents coming before their children."""
+        return self if len(self) <= k else DraftTree(self.tokens[:k], self.parents[:k])
+
     @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))

@@ -281,8 +281,8 @@ class Scheduler:
                 if req.request_id in out.draft_tokens:
                     out.draft_tokens[req.request_id] = out.draft_tokens[req.request_id][:k]
                 tree = out.draft_trees.get(req.request_id)
-                if tree is not None and len(tree) > k:  # its first k nodes are a tree (parents first)
-                    out.draft_trees[req.request_id] = DraftTree(tree.tokens[:k], tree.parents[:k])
+                if tree is not None:
+                    out.draft_trees[req.request_id] = tree.prefix(k)
             else:
                 out.draft_tokens.pop(req.request_id, None)
                 out.draft_trees.pop(req.request_id, None)

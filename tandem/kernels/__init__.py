@@ -92,8 +92,9 @@ class BuildInputs:
 
 
 def _compiler_identity() -> str:
-    compiler = os.environ.get("CXX", "c++")
-    path = shutil.which(compiler) or compiler
+    from tandem import cpu
+
+    path = cpu.compiler_path()
     try:
         proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
         version = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else f"exit {proc.returncode}"

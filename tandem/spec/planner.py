@@ -149,13 +149,9 @@ class SpecPlanner:
         if looked is not None:  # priced by the plan: its first k tokens are the proposal of k
             proposal, probs = looked
             self._given[req.request_id] = probs[:k]
-            if isinstance(proposal, DraftTree):
-                return DraftTree(proposal.tokens[:k], proposal.parents[:k]) if len(proposal) > k else proposal
-            return proposal[:k]
+            return proposal.prefix(k) if isinstance(proposal, DraftTree) else proposal[:k]
         if self.suffix is not None:
-            if self.config.suffix.tree:
-                return self.suffix.propose_tree(req, k) or []
-            return self.suffix.propose(req, k)
+            return self.suffix.scored(req, k)[0]
         if self.config.method != "ngram":
             return None
         from tandem.spec.ngram import propose_ngram
@@ -228,23 +224,14 @@ class SpecPlanner:
         drafted = any(sched.num_draft.values()) or (
             self.config.adaptive_config.empty_lookups_on and any(plan.num_draft.values())
         )
-        if self._cold_left:
-            # An engine's first steps pay one-time costs: no sample of the gate's rates or of the
-            # step cost's scale. The overhead and draft-pass lines still learn (a sample is capped
-            # and the overhead shrunk toward none while it has few), so a method that does not pay
-            # stops drafting after one or two steps instead of drafting through them all.
+        # An engine's first steps pay one-time costs: no sample of the gate's rates or of the step
+        # cost's scale. The overhead and draft-pass lines still learn (a sample is capped and the
+        # overhead shrunk toward none while it has few), so a method that does not pay stops
+        # drafting after one or two steps instead of drafting through them all.
+        cold = self._cold_left > 0
+        if cold:
             self._cold_left -= pure
-            if pure and drafted and ctl.seeded:
-                ctl.observe_step(
-                    sched.total_tokens,
-                    update_seconds - result.draft_time,
-                    drafted=True,
-                    draft_tokens=sum(sched.num_draft.values()),
-                )
-            for p in result.draft_passes:
-                ctl.observe_draft_pass(p)
-            return
-        if pure:
+        if pure and (not cold or (drafted and ctl.seeded)):
             ctl.observe_step(
                 sched.total_tokens,
                 update_seconds - result.draft_time,
@@ -256,6 +243,8 @@ class SpecPlanner:
             s, f = ctl.observe_draft_pass(p)
             switch += s
             feed += f
+        if cold:
+            return
         ctl.observe_outcome(
             plan,
             generated,

@@ -173,9 +173,9 @@ class _Corpus:
 
 class _TokenArray:
     """A request's tokens as an int32 array, kept between lookups and extended by what was added
-    since: converting the whole list every step was most of a lookup on a long context (63 of
-    114 us at 4000 tokens). The last cached tokens are copied again each time: with overlap
-    scheduling the newest token is a placeholder until its value is read back, in place."""
+    since: converting the whole list each step would cost a lookup O(context) in Python objects
+    where the match itself runs in numpy. The last cached tokens are copied again each time: with
+    overlap scheduling the newest token is a placeholder until its value is read back, in place."""
 
     REFRESH = 2
 
@@ -208,33 +208,32 @@ class SuffixSpeculator:
 
     def propose(self, req: Request, k: int) -> list[int]:
         """A chain of at most k tokens: the most frequent continuation."""
-        found = self._match(req, k)
-        if found is None:
-            return []
-        text, starts, budget = found
-        return continuation(text, starts, budget, self.config.min_token_prob)
+        return self._lookup(req, k, tree=False)[0]
 
     def propose_tree(self, req: Request, max_nodes: int) -> DraftTree | None:
         """A tree of at most `max_nodes` nodes: the most probable continuations, best first."""
-        found = self._match(req, max_nodes)
-        if found is None:
-            return None
-        text, starts, budget = found
-        tokens, parents = continuation_tree(text, starts, budget, self.config.min_token_prob)
-        return DraftTree(tuple(tokens), tuple(parents)) if tokens else None
+        tokens, parents, _ = self._lookup(req, max_nodes, tree=True)
+        return DraftTree(tuple(tokens), tuple(parents)) if tokens and parents is not None else None
 
     def scored(self, req: Request, k: int) -> tuple[list[int] | DraftTree, list[float]]:
         """The proposal of at most k tokens (a tree when `tree`, else a chain; empty: nothing
         found) and each token's empirical probability of being accepted, in the proposal's order
         (non-increasing). Its first j tokens are the proposal of j tokens."""
+        tokens, parents, probs = self._lookup(req, k, self.config.tree)
+        if parents is None or not tokens:
+            return tokens, probs
+        return DraftTree(tuple(tokens), tuple(parents)), probs
+
+    def _lookup(self, req: Request, k: int, tree: bool) -> tuple[list[int], list[int] | None, list[float]]:
+        """Tokens, parents (None for a chain) and probabilities of the proposal of at most k."""
         found = self._match(req, k)
         if found is None:
-            return [], []
+            return [], None, []
         text, starts, budget = found
-        if not self.config.tree:
-            return scored_continuation(text, starts, budget, self.config.min_token_prob)
-        tokens, parents, probs = scored_continuation_tree(text, starts, budget, self.config.min_token_prob)
-        return (DraftTree(tuple(tokens), tuple(parents)) if tokens else []), probs
+        if tree:
+            return scored_continuation_tree(text, starts, budget, self.config.min_token_prob)
+        tokens, probs = scored_continuation(text, starts, budget, self.config.min_token_prob)
+        return tokens, None, probs
 
     def _match(self, req: Request, k: int) -> tuple[np.ndarray, np.ndarray, int] | None:
         """The text and positions to continue from, and the draft budget; None: nothing to draft."""
