@@ -14,6 +14,18 @@ GEMM, interleaved, in TFLOP/s (what a layer holding one copy of its weight gives
 
     python benchmarks/gemm_paths.py --per-shape 128,256,512,1024 --json results/gemm_shapes.json
 
+`--few-rows ROWS` times each of Tandem's few-row kernels alone (`gemv_f32`, `gemv_bf16`,
+`gemm_w8a8`, wherever this CPU built them) against the library path it stands in for (oneDNN's
+reordered float32 / bfloat16 product; oneDNN's int8 GEMM on rows quantized by Tandem), interleaved
+pairs over a whole model's layers, median time: the A/B behind each kernel's row limit
+(`tandem.model.linear.kernel_max_rows`), printed beside it (on AMX hosts the tile kernels take
+bfloat16 and int8 layers instead; the limits there serve layers without tiles), with the streaming read bandwidth of
+the machine (a 2-thread sum over 512 MiB) that the one-row figures are a fraction of. Set
+`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` and `TANDEM_CPU_MARCH=cooperlake` on an AMX host to make both
+sides take their non-AMX paths (the kernel choices of an AMD EPYC; timings are the host's).
+
+    python benchmarks/gemm_paths.py --few-rows 1,2,4,6,8,12,16 --json results/gemm_few_rows.json
+
 `--huge-pages ROWS` times Tandem's AMX tile kernels (bfloat16 and int8) over a whole model's layers
 with the tiles in ordinary 4 KB pages and in transparent huge pages (tandem/model/huge_pages.py),
 interleaved, best of `--reps` passes each (what the loader's move to huge pages is worth).
@@ -167,6 +179,117 @@ _shapes: list[tuple[int, int]] = []
 SHAPE_NAMES = ["qkv", "o", "gate_up", "down"]
 
 
+def read_bandwidth(reps: int = 10) -> float:
+    """Bytes a second a plain streaming read reaches on this machine with torch's threads (a sum
+    over 512 MiB of float32, best of `reps`)."""
+    x = torch.ones(512 * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Callable, int]]:
+    """dtype name -> (Tandem's kernel fn(x, i), the library's fn(x, i), weight bytes a pass) for
+    every few-row kernel this CPU built; i indexes `weights`."""
+    from tandem import kernels
+    from tandem.model.quant import Int8Linear, cpu_has_vnni, onednn_int8_available
+
+    pairs: dict[str, tuple[Callable, Callable, int]] = {}
+    f32_bytes = sum(w.numel() for w in weights) * 4
+
+    def onednn(ws: list[torch.Tensor], dtype: torch.dtype) -> Callable:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in ws]
+        return lambda x, i: torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed[i], None, "none", [], "")
+
+    if kernels.has("gemv_f32"):
+        pairs["float32"] = (lambda x, i: torch.ops.tandem.gemv_f32(x, weights[i], None), onednn(weights, torch.float32), f32_bytes)
+    if kernels.has("gemv_bf16"):
+        bf16 = [w.to(torch.bfloat16) for w in weights]
+        pairs["bfloat16"] = (
+            lambda x, i: torch.ops.tandem.gemv_bf16(x.to(torch.bfloat16), bf16[i], None),
+            onednn(bf16, torch.bfloat16),
+            f32_bytes // 2,
+        )
+    if kernels.has("gemm_w8a8") and cpu_has_vnni() and onednn_int8_available():
+        int8 = [Int8Linear(w, None) for w in weights]
+        q = [torch.ops.onednn.qlinear_prepack(m.qweight, None) for m in int8]
+        zero = [torch.zeros(m.out_features, dtype=torch.long) for m in int8]
+
+        def qlinear(x: torch.Tensor, i: int) -> torch.Tensor:
+            xq, x_scale = torch.ops.tandem.quantize_rows_u8(x)
+            y = torch.ops.onednn.qlinear_pointwise(
+                xq, 1.0, 128, q[i], int8[i].scale, zero[i], None, 1.0, 0, torch.float32, "none", [], ""
+            )
+            return y.mul_(x_scale[:, None])
+
+        pairs["int8"] = (
+            lambda x, i: torch.ops.tandem.gemm_w8a8(x, int8[i].qweight, int8[i].scale, int8[i].row_sum, None),
+            qlinear,
+            f32_bytes // 4,
+        )
+    return pairs
+
+
+def _timed_pass(fn: Callable, shapes: list[tuple[int, int]], xs: dict[int, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for i, (k, _) in enumerate(shapes):
+        fn(xs[k], i)
+    return time.perf_counter() - t0
+
+
+def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
+    """Each few-row kernel against its library path per row count (median of `reps` interleaved
+    pairs of passes over `layers` layers), with the row limit Tandem uses on this CPU."""
+    import os
+    import statistics
+
+    from tandem import kernels
+    from tandem.cpu import cpu_flags
+    from tandem.model.linear import kernel_max_rows, mkl_max_rows
+    from tandem.model.quant import _KERNEL_MAX_ROWS as INT8_KERNEL_MAX_ROWS
+
+    kernels.load()
+    shapes = LAYER_SHAPES * layers
+    weights = [torch.randn(o, i) * 0.02 for i, o in shapes]
+    limits = {
+        "float32": kernel_max_rows(torch.float32),
+        "bfloat16": kernel_max_rows(torch.bfloat16),
+        "int8": INT8_KERNEL_MAX_ROWS,
+    }
+    bandwidth = read_bandwidth()
+    env = {k: os.environ[k] for k in ("TANDEM_CPU_MARCH", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    kind = "AMX" if "amx_bf16" in cpu_flags() else "AVX512-BF16" if "avx512_bf16" in cpu_flags() else "other"
+    print(f"{len(weights)} matrices, read bandwidth {bandwidth / 1e9:.1f} GB/s, threads {torch.get_num_threads()}, "
+          f"kernels for: {kind}{' ' + str(env) if env else ''}")
+    out = []
+    for dtype, (kernel, library, nbytes) in few_row_pairs(weights).items():
+        for rows in rows_list:
+            xs = {i: torch.randn(rows, i) for i, _ in LAYER_SHAPES}
+
+            with torch.inference_mode():
+                _timed_pass(kernel, shapes, xs), _timed_pass(library, shapes, xs)
+                pairs = [(_timed_pass(kernel, shapes, xs), _timed_pass(library, shapes, xs)) for _ in range(reps)]
+            tk = statistics.median(p[0] for p in pairs)
+            tl = statistics.median(p[1] for p in pairs)
+            row = {
+                "dtype": dtype, "rows": rows, "kernel_ms": tk * 1e3, "library_ms": tl * 1e3,
+                "kernel_over_library_time": tk / tl, "kernel_gbps": nbytes / tk / 1e9,
+                "kernel_fraction_of_read": nbytes / tk / bandwidth, "limit": limits[dtype],
+            }
+            out.append(row)
+            mark = "kernel" if rows <= limits[dtype] else "library"
+            if dtype == "float32" and rows <= mkl_max_rows(torch.float32):
+                mark = "MKL sgemv"
+            print(f"{dtype:8s} rows {rows:3d}  kernel {row['kernel_ms']:6.1f} ms ({row['kernel_gbps']:4.1f} GB/s, "
+                  f"{row['kernel_fraction_of_read']:4.0%} of read)  library {row['library_ms']:6.1f} ms  "
+                  f"time ratio {row['kernel_over_library_time']:.2f}  (limit {limits[dtype]}: {mark})")
+    return {"read_gbps": bandwidth / 1e9, "cpu_kind": kind, "env": env, "few_rows": out}
+
+
 def per_shape(rows_list: list[int], reps: int) -> list[dict]:
     """bfloat16 tile kernel vs oneDNN per layer shape (median of `reps` interleaved pairs)."""
     import statistics
@@ -266,6 +389,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--per-shape", default=None, metavar="ROWS", help="bf16 tiles vs oneDNN per layer shape")
     ap.add_argument("--huge-pages", default=None, metavar="ROWS", help="tile kernels: 4 KB vs huge pages")
+    ap.add_argument("--few-rows", default=None, metavar="ROWS", help="few-row kernels vs the library, per row count")
     ap.add_argument("--only", default="", metavar="PREFIX", help="time only the paths named PREFIX...")
     args = ap.parse_args()
     if args.threads:
@@ -276,6 +400,12 @@ def main() -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "huge_pages": rows}, indent=2))
+        return
+    if args.few_rows:
+        report = few_rows([int(r) for r in args.few_rows.split(",")], args.layers, max(args.reps, 7))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"threads": torch.get_num_threads(), **report}, indent=2))
         return
     if args.per_shape:
         shapes = per_shape([int(r) for r in args.per_shape.split(",")], max(args.reps, 15))

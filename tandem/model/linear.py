@@ -10,7 +10,7 @@ the weight once, in the order it is stored, is best: on CPUs with AMX, Tandem's 
 (every row count for layers no wider out than in, where oneDNN is slow at prompt sizes too);
 on AVX-512 CPUs MKL's sgemv for one or two float32 rows (the same call transformers makes, so a
 single stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16
-float32 rows and, without AMX, 1-4 bfloat16 rows; on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv
+float32 rows and, without AMX, 1-16 bfloat16 rows; on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv
 streams at half the memory bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers
 keep two forms of the weight where a few-row path exists: oneDNN's and the plain or tiled one, as
 long as two copies fit (`SECOND_COPY_MAX_MEMORY_FRACTION`); else one (the tiles on AMX).
@@ -19,7 +19,7 @@ long as two copies fit (`SECOND_COPY_MAX_MEMORY_FRACTION`); else one (the tiles 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from functools import cache
 from typing import TypeVar
 
@@ -39,11 +39,19 @@ logger = logging.getLogger(__name__)
 # float32 rows that MKL's sgemv takes on AVX-512 CPUs (bit-identical to transformers' own F.linear);
 # on AVX2-only CPUs it runs at half the memory bandwidth there and Tandem's kernel takes them.
 MKL_MAX_ROWS = 2 if "avx512f" in cpu_flags() else 0
-# Rows up to which Tandem's kernels beat oneDNN (benchmarks/gemm_paths.py): with AVX-512 they stream
-# the weight once per six activation rows (in bfloat16, AMX wins from about five rows on); with
-# AVX2 once per two, and oneDNN wins from about twelve.
-_KERNEL_MAX_ROWS = {torch.float32: 16 if "avx512f" in cpu_flags() else 8, torch.bfloat16: 4}
 FEW_ROW_KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
+
+
+def kernel_max_rows(dtype: torch.dtype, flags: Set[str] | None = None) -> int:
+    """Rows up to which Tandem's few-row kernel beats oneDNN for `dtype` on a CPU with `flags` (this
+    one's when None; benchmarks/gemm_paths.py --few-rows). With AVX-512 the kernels stream the weight
+    once per six activation rows, with AVX2 once per two (oneDNN wins from about twelve float32
+    rows there). In bfloat16, oneDNN on AMX wins from about five rows; without AMX, oneDNN's
+    AVX512-BF16 product is slower than the kernel at every row count up to the kernel's 16."""
+    f = cpu_flags() if flags is None else flags
+    if dtype == torch.float32:
+        return 16 if "avx512f" in f else 8
+    return 4 if "amx_bf16" in f else 16
 # bfloat16 rows up to which the AMX tile kernel runs: above, a product is bound by compute and
 # oneDNN's blocking ties or wins (benchmarks/gemm_paths.py: even at 64-128 and 512 rows, 0.88x at 256).
 _AMX_MAX_ROWS = 64
@@ -107,7 +115,7 @@ class PackedLinear(DirectCall, nn.Module):
         if self.tiles is not None or not second_copy:
             few = 0
         elif kernels.has(FEW_ROW_KERNEL[w.dtype]):
-            few = _KERNEL_MAX_ROWS[w.dtype]
+            few = kernel_max_rows(w.dtype)
         else:
             few = mkl_max_rows(w.dtype)
         self.plain = w if few else None
@@ -161,7 +169,7 @@ def plain_product(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], 
         return F.linear
     kernel = getattr(torch.ops.tandem, name)
     low = mkl_max_rows(dtype)
-    high = _KERNEL_MAX_ROWS[dtype]
+    high = kernel_max_rows(dtype)
 
     def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return kernel(x, w, None) if low < x.shape[0] <= high else F.linear(x, w)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
+from tandem.cpu import cpu_flags
 from tandem.model import linear
 from tandem.model.linear import PackedLinear, onednn_available
 from tandem.model.quant import Int8Linear
@@ -19,7 +20,7 @@ def _bf16_round(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not kernels.has("gemv_bf16"), reason="host CPU has no AVX512-BF16")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_bf16_matches_float_reference(rows, shape, bias):
@@ -84,6 +85,26 @@ def test_gemm_w8a8_matches_integer_reference(rows, shape, bias):
     assert yb.dtype == torch.bfloat16
     expect = torch.ops.tandem.gemm_w8a8(xb.float(), w, w_scale, w.sum(1, dtype=torch.int32), b).to(torch.bfloat16)
     assert torch.equal(yb, expect)
+
+
+@pytest.mark.skipif(not onednn_available(torch.bfloat16), reason="oneDNN packs no bfloat16 here")
+def test_bf16_layer_runs_its_few_row_path_to_the_limit_and_onednn_above():
+    """A bfloat16 layer without AMX tiles keeps its plain weight for the kernel's rows (16 on a CPU
+    without AMX, where oneDNN's AVX512-BF16 product is slower at every one of them) and agrees with
+    the float reference on each side of the limit."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 48, generator=g).to(torch.bfloat16)
+    layer = PackedLinear(w, None)
+    if layer.tiles is not None:
+        pytest.skip("AMX tiles take every few-row product here")
+    if kernels.has("gemv_bf16"):
+        assert layer.plain_max_rows == linear.kernel_max_rows(torch.bfloat16)
+        if "amx_bf16" not in cpu_flags():
+            assert layer.plain_max_rows == 16
+    for rows in (1, 4, 5, 16, 17, 24):
+        x = torch.randn(rows, 48, generator=g).to(torch.bfloat16)
+        ref = F.linear(x.float(), w.float())
+        torch.testing.assert_close(layer(x).float(), ref, rtol=1e-2, atol=2e-2)
 
 
 @pytest.mark.skipif(not kernels.load(), reason="kernels did not build here")

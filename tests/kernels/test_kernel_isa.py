@@ -9,7 +9,7 @@ import torch
 from tandem import kernels
 from tandem.cpu import cpu_flags
 from tandem.kernels.isa import kernel_instructions
-from tandem.model.linear import PackedLinear
+from tandem.model.linear import PackedLinear, kernel_max_rows
 from tandem.model.linear_report import few_row_paths, linear_path
 
 SAPPHIRE_RAPIDS = {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}
@@ -29,6 +29,15 @@ def test_each_machine_kind_names_its_instructions():
     assert kernel_instructions("gemm_w8_f32", ZEN2).startswith("AVX2 FMA")
     with pytest.raises(ValueError, match="unknown kernel"):
         kernel_instructions("gemm_nothing", ZEN4)
+
+
+def test_each_machine_kind_gets_its_few_row_limits():
+    """bfloat16 few-row kernel: to 4 rows beside oneDNN's AMX product, to its 16 where oneDNN has
+    only AVX512-BF16 (benchmarks/gemm_paths.py --few-rows, docs/benchmarks-kernels.md)."""
+    assert kernel_max_rows(torch.bfloat16, SAPPHIRE_RAPIDS) == 4
+    assert kernel_max_rows(torch.bfloat16, ZEN4) == 16
+    assert kernel_max_rows(torch.float32, ZEN4) == 16
+    assert kernel_max_rows(torch.float32, ZEN2) == 8
 
 
 @pytest.mark.skipif(not kernels.load(), reason="Tandem's CPU kernels did not build here")
