@@ -20,9 +20,10 @@ reordered float32 / bfloat16 product; oneDNN's int8 GEMM on rows quantized by Ta
 pairs over a whole model's layers, median time: the A/B behind each kernel's row limit
 (`tandem.model.linear.kernel_max_rows`), printed beside it (on AMX hosts the tile kernels take
 bfloat16 and int8 layers instead; the limits there serve layers without tiles), with the streaming read bandwidth of
-the machine (a 2-thread sum over 512 MiB) that the one-row figures are a fraction of. Set
-`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` and `TANDEM_CPU_MARCH=cooperlake` on an AMX host to make both
-sides take their non-AMX paths (the kernel choices of an AMD EPYC; timings are the host's).
+the machine (a 2-thread sum over 512 MiB) that the one-row figures are a fraction of.
+`TANDEM_CPU_MARCH=cooperlake` on an AMX host makes both sides take their non-AMX paths (Tandem's
+kernels and choices, and oneDNN and MKL capped at that kind's instructions: an AMD EPYC's
+products; the timings are the host's).
 
     python benchmarks/gemm_paths.py --few-rows 1,2,4,6,8,12,16 --json results/gemm_few_rows.json
 
@@ -261,7 +262,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
         "int8": INT8_KERNEL_MAX_ROWS,
     }
     bandwidth = read_bandwidth()
-    env = {k: os.environ[k] for k in ("TANDEM_CPU_MARCH", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    env = {k: os.environ[k] for k in ("TANDEM_CPU_MARCH", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ}
     kind = "AMX" if "amx_bf16" in cpu_flags() else "AVX512-BF16" if "avx512_bf16" in cpu_flags() else "other"
     print(f"{len(weights)} matrices, read bandwidth {bandwidth / 1e9:.1f} GB/s, threads {torch.get_num_threads()}, "
           f"kernels for: {kind}{' ' + str(env) if env else ''}")

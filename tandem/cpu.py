@@ -4,7 +4,10 @@
 CPU kind: the kernels are compiled for it instead of `-march=native` (tandem/kernels), and
 `cpu_flags()` drops the host's instruction-set flags that the target lacks, so every kernel choice
 made from the flags is the target's. It lets an AMX host test the AVX2 and AVX-512-without-AMX
-paths; the target must be one the host can run (a subset of its instructions)."""
+paths; the target must be one the host can run (a subset of its instructions). The libraries'
+products follow it too: oneDNN and MKL are capped at the target's instruction set
+(`ONEDNN_MAX_CPU_ISA`, `MKL_ENABLE_INSTRUCTIONS`, unless already set), which they read before their
+first product, and Tandem reads its flags before it loads a model."""
 
 from __future__ import annotations
 
@@ -39,6 +42,31 @@ MACRO_FLAGS = {
     "__AMX_BF16__": "amx_bf16",
     "__AMX_INT8__": "amx_int8",
 }
+
+
+# The instruction-set caps oneDNN and MKL take for a target's flags, best first: a target without
+# AMX runs oneDNN's AVX-512 BF16 kernels, as an AMD EPYC of that kind does.
+ONEDNN_ISA = (
+    ("amx_bf16", "AVX512_CORE_AMX"),
+    ("avx512_bf16", "AVX512_CORE_BF16"),
+    ("avx512_vnni", "AVX512_CORE_VNNI"),
+    ("avx512f", "AVX512_CORE"),
+    ("avx_vnni", "AVX2_VNNI"),
+    ("avx2", "AVX2"),
+)
+MKL_ISA = (("avx512f", "AVX512"), ("avx2", "AVX2"))
+
+
+def library_isa_caps(flags: frozenset[str]) -> dict[str, str]:
+    """The environment that caps oneDNN and MKL at the instruction set of a CPU with `flags`."""
+    caps = {}
+    onednn = next((isa for flag, isa in ONEDNN_ISA if flag in flags), None)
+    if onednn is not None:
+        caps["ONEDNN_MAX_CPU_ISA"] = onednn
+    mkl = next((isa for flag, isa in MKL_ISA if flag in flags), None)
+    if mkl is not None:
+        caps["MKL_ENABLE_INSTRUCTIONS"] = mkl
+    return caps
 
 
 def target_march() -> str | None:
@@ -84,8 +112,17 @@ def cpu_flags() -> frozenset[str]:
         return flags
     macros = march_macros(march)
     lacking = {flag for macro, flag in MACRO_FLAGS.items() if macro not in macros}
-    logger.info("%s=%s: acting as a CPU without %s", MARCH_ENV, march, ", ".join(sorted(lacking & flags)) or "nothing")
-    return flags - lacking
+    target = flags - lacking
+    caps = {var: isa for var, isa in library_isa_caps(target).items() if var not in os.environ}
+    os.environ.update(caps)
+    logger.info(
+        "%s=%s: acting as a CPU without %s%s",
+        MARCH_ENV,
+        march,
+        ", ".join(sorted(lacking & flags)) or "nothing",
+        "".join(f"; {var}={isa}" for var, isa in caps.items()),
+    )
+    return target
 
 
 def cpu_model() -> str:

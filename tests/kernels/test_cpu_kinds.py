@@ -4,7 +4,7 @@ than this host's (`TANDEM_CPU_MARCH`, tandem/cpu.py): AVX2 without AVX-512 (AMD 
 kernel set, which GCC 12 knows where it does not know `znver4`). Each kind runs in a subprocess:
 a process's flags and its library's operators are fixed for its life. A host that cannot run a
 kind's instructions skips it; on an AMX host both run, so the paths of every CPU kind are tested
-wherever the suite runs."""
+wherever the suite runs, oneDNN's and MKL's included (capped at the kind's instructions)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ missing = [op for op in sorted(have) if not kernels.has(op)]
 extra = [op for op in sorted(lack) if kernels.has(op)]
 assert not missing and not extra, (missing, extra)
 assert not {"amx_tile", "amx_bf16"} & cpu.cpu_flags()
+import os
+caps = cpu.library_isa_caps(cpu.cpu_flags())
+assert caps and all(os.environ.get(var) == isa for var, isa in caps.items()), caps
 """
 
 
@@ -56,7 +59,8 @@ def test_kernels_and_layers_as_built_for(march: str) -> None:
     needs = {flag for macro, flag in cpu.MACRO_FLAGS.items() if macro in macros}
     if not needs <= cpu._host_flags():
         pytest.skip(f"this host cannot run {march}'s instructions: {sorted(needs - cpu._host_flags())}")
-    env = os.environ | {cpu.MARCH_ENV: march}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+    env = inherited | {cpu.MARCH_ENV: march}
     have, lack = KINDS[march]
     check = subprocess.run(
         [sys.executable, "-c", CHECK, ",".join(have), ",".join(lack)],
@@ -78,15 +82,30 @@ def test_a_target_drops_the_flags_it_lacks(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(cpu, "_host_flags", lambda: frozenset({"avx2", "fma", "avx512f", "amx_tile", "sse4_2"}))
     monkeypatch.setattr(cpu, "march_macros", lambda march: frozenset({"__AVX2__", "__FMA__"}))
     monkeypatch.setenv(cpu.MARCH_ENV, "haswell")
+    # Restored after the test: the libraries of this process must not be capped by it.
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX512")  # one the user set is kept
     cpu.cpu_flags.cache_clear()
     try:
         assert cpu.cpu_flags() == {"avx2", "fma", "sse4_2"}  # flags no macro stands for are kept
         assert kernels.cflags()[0] == "-march=haswell"
+        assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2" and os.environ["MKL_ENABLE_INSTRUCTIONS"] == "AVX512"
         monkeypatch.setenv(cpu.MARCH_ENV, "native")
         cpu.cpu_flags.cache_clear()
         assert "amx_tile" in cpu.cpu_flags() and kernels.cflags()[0] == "-march=native"
     finally:
         cpu.cpu_flags.cache_clear()
+
+
+def test_the_libraries_are_capped_at_each_kinds_instructions() -> None:
+    """oneDNN and MKL run the products a CPU of the target's kind would: no AMX tiles for a Zen 4
+    class target, AVX2 for a Zen 2/3 class one."""
+    sapphire_rapids = frozenset({"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"})
+    zen4 = sapphire_rapids - {"amx_bf16", "amx_tile"}
+    assert cpu.library_isa_caps(sapphire_rapids)["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_AMX"
+    assert cpu.library_isa_caps(zen4) == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}
+    assert cpu.library_isa_caps(frozenset({"avx2", "fma"})) == {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert cpu.library_isa_caps(frozenset({"sse4_2"})) == {}
 
 
 def test_an_unknown_target_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
