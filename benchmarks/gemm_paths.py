@@ -15,8 +15,9 @@ GEMM, interleaved, in TFLOP/s (what a layer holding one copy of its weight gives
     python benchmarks/gemm_paths.py --per-shape 128,256,512,1024 --json results/gemm_shapes.json
 
 `--few-rows ROWS` times each of Tandem's few-row kernels alone (`gemv_f32`, `gemv_bf16`,
-`gemm_w8a8`, wherever this CPU built them) against the library path it stands in for (oneDNN's
-reordered float32 / bfloat16 product; oneDNN's int8 GEMM on rows quantized by Tandem), interleaved
+`gemm_w8a8`, `gemm_w8_f32`, wherever this CPU built them) against the library path it stands in for (oneDNN's
+reordered float32 / bfloat16 product; oneDNN's int8 GEMM on rows quantized by Tandem, or without
+VNNI the weight-only int8 kernel; that one against the int8 weight widened to float per call), interleaved
 pairs over a whole model's layers, median time: the A/B behind each kernel's row limit
 (`tandem.model.linear.kernel_max_rows`), printed beside it (on AMX hosts the tile kernels take
 bfloat16 and int8 layers instead; the limits there serve layers without tiles), with the streaming read bandwidth of
@@ -193,10 +194,15 @@ def read_bandwidth(reps: int = 10) -> float:
     return x.numel() * 4 / best
 
 
+# The CPU kind a run reports, by its best instruction-set flag.
+KINDS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
 def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Callable, int]]:
     """dtype name -> (Tandem's kernel fn(x, i), the library's fn(x, i), weight bytes a pass) for
     every few-row kernel this CPU built; i indexes `weights`."""
     from tandem import kernels
+    from tandem.model.linear import onednn_available
     from tandem.model.quant import Int8Linear, cpu_has_vnni, onednn_int8_available
 
     pairs: dict[str, tuple[Callable, Callable, int]] = {}
@@ -206,9 +212,9 @@ def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Call
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in ws]
         return lambda x, i: torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed[i], None, "none", [], "")
 
-    if kernels.has("gemv_f32"):
+    if kernels.has("gemv_f32") and onednn_available(torch.float32):
         pairs["float32"] = (lambda x, i: torch.ops.tandem.gemv_f32(x, weights[i], None), onednn(weights, torch.float32), f32_bytes)
-    if kernels.has("gemv_bf16"):
+    if kernels.has("gemv_bf16") and onednn_available(torch.bfloat16):
         bf16 = [w.to(torch.bfloat16) for w in weights]
         pairs["bfloat16"] = (
             lambda x, i: torch.ops.tandem.gemv_bf16(x.to(torch.bfloat16), bf16[i], None),
@@ -232,6 +238,19 @@ def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Call
             qlinear,
             f32_bytes // 4,
         )
+    if kernels.has("gemm_w8_f32"):  # no VNNI: int8 weights widened in registers, against widened per call
+        w8 = [Int8Linear(w, None) for w in weights]
+        if kernels.has("gemm_w8a8"):  # AVX2 W8A8 against the weight-only kernel it stands in for
+            pairs["int8"] = (
+                lambda x, i: torch.ops.tandem.gemm_w8a8(x, w8[i].qweight, w8[i].scale, w8[i].row_sum, None),
+                lambda x, i: torch.ops.tandem.gemm_w8_f32(x, w8[i].qweight, w8[i].scale, None),
+                f32_bytes // 4,
+            )
+        pairs["int8 weight-only"] = (
+            lambda x, i: torch.ops.tandem.gemm_w8_f32(x, w8[i].qweight, w8[i].scale, None),
+            lambda x, i: F.linear(x, w8[i].qweight.to(x.dtype)) * w8[i].scale,
+            f32_bytes // 4,
+        )
     return pairs
 
 
@@ -251,7 +270,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
     from tandem import kernels
     from tandem.cpu import cpu_flags
     from tandem.model.linear import kernel_max_rows, mkl_max_rows
-    from tandem.model.quant import _KERNEL_MAX_ROWS as INT8_KERNEL_MAX_ROWS
+    from tandem.model.quant import W8_KERNEL_MAX_ROWS, w8a8_kernel_max_rows
 
     kernels.load()
     shapes = LAYER_SHAPES * layers
@@ -259,11 +278,13 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
     limits = {
         "float32": kernel_max_rows(torch.float32),
         "bfloat16": kernel_max_rows(torch.bfloat16),
-        "int8": INT8_KERNEL_MAX_ROWS,
+        "int8": w8a8_kernel_max_rows(),
+        "int8 weight-only": W8_KERNEL_MAX_ROWS,
     }
     bandwidth = read_bandwidth()
     env = {k: os.environ[k] for k in ("TANDEM_CPU_MARCH", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ}
-    kind = "AMX" if "amx_bf16" in cpu_flags() else "AVX512-BF16" if "avx512_bf16" in cpu_flags() else "other"
+    flags = cpu_flags()
+    kind = next((name for flag, name in KINDS if flag in flags), "no AVX2")
     print(f"{len(weights)} matrices, read bandwidth {bandwidth / 1e9:.1f} GB/s, threads {torch.get_num_threads()}, "
           f"kernels for: {kind}{' ' + str(env) if env else ''}")
     out = []
@@ -285,7 +306,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
             mark = "kernel" if rows <= limits[dtype] else "library"
             if dtype == "float32" and rows <= mkl_max_rows(torch.float32):
                 mark = "MKL sgemv"
-            print(f"{dtype:8s} rows {rows:3d}  kernel {row['kernel_ms']:6.1f} ms ({row['kernel_gbps']:4.1f} GB/s, "
+            print(f"{dtype:16s} rows {rows:3d}  kernel {row['kernel_ms']:6.1f} ms ({row['kernel_gbps']:4.1f} GB/s, "
                   f"{row['kernel_fraction_of_read']:4.0%} of read)  library {row['library_ms']:6.1f} ms  "
                   f"time ratio {row['kernel_over_library_time']:.2f}  (limit {limits[dtype]}: {mark})")
     return {"read_gbps": bandwidth / 1e9, "cpu_kind": kind, "env": env, "few_rows": out}

@@ -7,8 +7,9 @@
 // three to eight run well below the memory bandwidth, and PyTorch's int8 dynamic-quantization path
 // spends a good part of each small call quantizing in separate ATen operators. These kernels stream
 // four weight rows at a time with software prefetch, multiply with the CPU's vector dot-product
-// instructions (AVX-512 FMA, AVX512-BF16 `vdpbf16ps`, AVX512-VNNI `vpdpbusd`) for up to six
-// activation rows per sweep, and do quantization and epilogue in the same call.
+// instructions (AVX-512 FMA, AVX512-BF16 `vdpbf16ps`, AVX512-VNNI `vpdpbusd`; AVX2 FMA and
+// `vpmaddubsw` without AVX-512) for up to six activation rows per sweep, and do quantization and
+// epilogue in the same call.
 //
 // Each product is registered (torch.ops.tandem.*) only when the host CPU has its instructions;
 // tandem/kernels/__init__.py builds this file with -march=native and the Python callers keep their
@@ -107,6 +108,37 @@ struct W8F32Dot8 : F32Dot8 {  // the activations' side, accumulation and sums as
     for (int i = 0; i < 8; ++i) lanes[i] = on[i] ? p[i] : 0;
     return _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(lanes)));
   }
+};
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+// Signed 8-bit activations x signed 8-bit weights without VNNI. `vpmaddubsw` multiplies unsigned
+// bytes by signed ones, so each activation's sign moves onto its weight (|x| * (sign(x) w)); with
+// both in [-127, 127] a pair of products sums to at most 2 * 127 * 127 < 2^15 (no saturation), and
+// `vpmaddwd` by ones widens the pairs to int32: the exact integer dot product VNNI gives.
+struct S8S8Dot8 {
+  using X = int8_t;
+  using W = int8_t;
+  using Vec = __m256i;
+  using Acc = __m256i;
+  using Out = int32_t;
+  using Mask = int64_t;  // bytes present in a row's last step (kStep: all)
+  static constexpr int64_t kStep = 32;
+  static constexpr int kSweep = 2;
+  static Mask tail_mask(int64_t tail) { return std::min(tail, kStep); }
+  static Vec load(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static Vec load(Mask m, const int8_t* p) {  // no byte-masked load in AVX2
+    if (m >= kStep) return load(p);
+    alignas(32) int8_t lanes[kStep] = {};
+    std::memcpy(lanes, p, static_cast<size_t>(m));
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  }
+  static Acc zero() { return _mm256_setzero_si256(); }
+  static Acc madd(Acc acc, Vec x, Vec w) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  static Out sum(Acc acc) { return hsum256_epi32(acc); }
 };
 #endif
 
@@ -324,12 +356,22 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_u8(const at::Tensor& x) {
   return {xq, scale};
 }
 
+#if defined(__AVX512VNNI__) || (defined(__AVX2__) && defined(__FMA__))
+#define TANDEM_W8A8 1
 #if defined(__AVX512VNNI__)
+using W8A8Dot = U8S8Dot;
+constexpr bool kW8A8Offset = true;  // unsigned activations offset by 128, taken out with w_sum
+#else
+using W8A8Dot = S8S8Dot8;
+constexpr bool kW8A8Offset = false;
+#endif
 // Dynamic int8 activations (one symmetric scale per row, max |x| / 127) times int8 weights with one
 // scale per output row: y = x_scale * w_scale * sum(xq * w) + bias, in x's dtype (float32 or
 // bfloat16; bfloat16 rows are widened one at a time, not copied whole).
 // `vpdpbusd` wants unsigned activations, so they are offset by 128 and the offset is taken back
 // out with each weight row's sum (`w_sum`): sum((xq + 128) * w) - 128 * sum(w) = sum(xq * w).
+// Without VNNI (AVX2) the activations stay signed (S8S8Dot8) and `w_sum` is not read: the same
+// integer sums, so the same results.
 at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                      const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
   check_inputs("tandem gemm_w8a8", x, w);
@@ -347,14 +389,18 @@ at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   uint8_t* up = xu.data_ptr<uint8_t>();
   float x_scale[kMaxRows];
   for (int64_t m = 0; m < M; ++m) x_scale[m] = quantize_row_u8(rows.row(m), K, up + m * K);
+  if constexpr (!kW8A8Offset)  // q + 128 -> q as a signed byte
+    for (int64_t i = 0; i < M * K; ++i) up[i] ^= 0x80;
   const float* bp = bias_ptr(bias, N, b);
   at::Tensor out = at::empty({M, N}, x.options());  // in x's dtype
   float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   uint16_t* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* sp = w_scale.data_ptr<float>();
   const int32_t* sump = w_sum.data_ptr<int32_t>();
-  product<U8S8Dot>(up, M, K, w.data_ptr<int8_t>(), N, [&](int64_t m, int64_t n, int32_t dot) {
-    float v = static_cast<float>(dot - 128 * sump[n]) * x_scale[m] * sp[n];
+  product<W8A8Dot>(reinterpret_cast<const typename W8A8Dot::X*>(up), M, K, w.data_ptr<int8_t>(), N,
+                   [&](int64_t m, int64_t n, int32_t dot) {
+    const int32_t exact = kW8A8Offset ? dot - 128 * sump[n] : dot;
+    float v = static_cast<float>(exact) * x_scale[m] * sp[n];
     if (bp) v += bp[n];
     if (of)
       of[m * N + n] = v;
@@ -363,7 +409,7 @@ at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   });
   return out;
 }
-#endif  // __AVX512VNNI__
+#endif  // TANDEM_W8A8
 
 // ---------------------------------------------------------------------------------------------
 // Attention over the paged KV cache for batches of short queries (decodes, speculative
@@ -681,7 +727,7 @@ TORCH_LIBRARY(tandem, m) {
 #if defined(__AVX512BF16__)
   m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 #endif
-#if defined(__AVX512VNNI__)
+#if defined(TANDEM_W8A8)
   m.def("gemm_w8a8(Tensor x, Tensor w, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
 #endif
   m.def("quantize_rows_u8(Tensor x) -> (Tensor, Tensor)");
@@ -699,7 +745,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
 #if defined(__AVX512BF16__)
   m.impl("gemv_bf16", &gemv_bf16);
 #endif
-#if defined(__AVX512VNNI__)
+#if defined(TANDEM_W8A8)
   m.impl("gemm_w8a8", &gemm_w8a8);
 #endif
   m.impl("quantize_rows_u8", &quantize_rows_u8);

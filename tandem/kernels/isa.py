@@ -23,7 +23,7 @@ def kernel_instructions(kernel: str, flags: Set[str] | None = None) -> str:
     if kernel == "gemv_bf16":
         return "AVX512-BF16 vdpbf16ps"
     if kernel == "gemm_w8a8":
-        return "AVX512-VNNI vpdpbusd"
+        return "AVX512-VNNI vpdpbusd" if vnni512 else "AVX2 vpmaddubsw, signs moved onto the weights"
     if kernel == "gemv_f32":
         return "AVX-512 FMA" if avx512 else "AVX2 FMA"
     if kernel == "gemm_w8_f32":

@@ -58,14 +58,15 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
             library = "oneDNN int8, rows quantized one by one"
         elif m._packed is not None:
             library = "PyTorch dynamic int8"
+        weight_only = f"int8 weight-only kernel gemm_w8_f32 ({kernel_instructions('gemm_w8_f32')}, <= {W8_KERNEL_MAX_ROWS} rows)"
         if m.row_sum is not None:
-            kernel = f"int8 kernel gemm_w8a8 ({kernel_instructions('gemm_w8a8')}, <= 8 rows)"
-            path = f"{kernel} + {library or 'int8 weights widened to float'}"
+            kernel = f"int8 kernel gemm_w8a8 ({kernel_instructions('gemm_w8a8')}, <= {m.kernel_max_rows} rows)"
+            rest = library or (f"{weight_only} + widened to float above" if m.weight_only_kernel else None)
+            path = f"{kernel} + {rest or 'int8 weights widened to float'}"
         elif library is not None:
             path = library
         elif m.weight_only_kernel:
-            isa = kernel_instructions("gemm_w8_f32")
-            path = f"int8 weight-only kernel gemm_w8_f32 ({isa}, <= {W8_KERNEL_MAX_ROWS} rows) + widened to float above"
+            path = f"{weight_only} + widened to float above"
         else:
             path = "int8 weights widened to float (no VNNI)"
         # The prepacked copy the library keeps for its int8 GEMM is about as large as qweight.

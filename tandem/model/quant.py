@@ -15,10 +15,13 @@ activations often are) costs every other row its precision; on the default model
 logprob error of a prefill (tests/model/test_quant.py). All need a CPU with VNNI (AVX512-VNNI or
 AVX-VNNI): without it, fbgemm's 8-bit products can overflow 16-bit sums, and its 7-bit fallback
 costs too much accuracy (on the default model, greedy text parts from float's within a few tokens).
-There, and where PyTorch has no quantized engine, int8 runs weight-only (float32 activations, as
-exact as the float reference): up to 64 rows through Tandem's AVX2 kernel (`gemm_w8_f32`, the int8
-weights widened in registers, so a decode step streams a quarter of float32's bytes), above that
-widened to float per call and multiplied in plain torch (slower than float32).
+There (AVX2 alone) Tandem's kernel still takes up to 16 rows as W8A8, the same integer products
+with `vpmaddubsw` (each activation's sign moved onto its weight, so no pair overflows 16 bits: the
+results equal the VNNI kernel's); above that, and where PyTorch has no quantized engine, int8 runs
+weight-only (float32 activations, as exact as the float reference): up to 64 rows through Tandem's
+AVX2 kernel (`gemm_w8_f32`, the int8 weights widened in registers, so a decode step streams a
+quarter of float32's bytes), above that widened to float per call and multiplied in plain torch
+(slower than float32).
 benchmarks/gemm_paths.py times the choices; docs/default_model.md reports the perplexity cost on
 the default model.
 """
@@ -42,8 +45,11 @@ from tandem.model.linear import M, amx_tiles_available, replace_linears
 
 logger = logging.getLogger("tandem.model")
 
-# Rows up to which Tandem's VNNI kernel beats PyTorch's (benchmarks/gemm_paths.py).
+# Rows up to which Tandem's int8 kernel (`gemm_w8a8`) runs (benchmarks/gemm_paths.py --few-rows): with
+# VNNI, where it beats oneDNN's int8 GEMM; on AVX2 alone its whole 16, where it beats the
+# weight-only kernel from one row (0.81x its time) and most from eight (0.63-0.69x).
 _KERNEL_MAX_ROWS = 8
+_AVX2_KERNEL_MAX_ROWS = 16
 # Activation dtypes the few-row kernel reads directly.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the weight-only AVX2 kernel (no VNNI) runs, in calls of KERNEL_ROWS rows (each
@@ -77,6 +83,13 @@ def onednn_int8_available() -> bool:
     except RuntimeError:
         return False
     return bool((y == 16).all())
+
+
+def w8a8_kernel_max_rows() -> int:
+    """Rows of an int8 product `gemm_w8a8` takes on this CPU (0 where it was not built)."""
+    if not kernels.has("gemm_w8a8"):
+        return 0
+    return _KERNEL_MAX_ROWS if cpu_has_vnni() else _AVX2_KERNEL_MAX_ROWS
 
 
 def cpu_has_vnni() -> bool:
@@ -142,9 +155,11 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
                 self._zero = torch.zeros(self.out_features, dtype=torch.long)
             elif dynamic_int8_available():
                 self._packed = self._prepack()
-        # Tandem's VNNI and AMX kernels want each weight row's sum (they offset activations by 128).
-        offsets_activations = want and (self.tiles is not None or kernels.has("gemm_w8a8"))
-        self.row_sum = q.sum(1, dtype=torch.int32) if offsets_activations else None
+        # Tandem's VNNI and AMX kernels want each weight row's sum (they offset activations by 128;
+        # the AVX2 form takes it and leaves it).
+        int8_kernel = want and (self.tiles is not None or kernels.has("gemm_w8a8"))
+        self.row_sum = q.sum(1, dtype=torch.int32) if int8_kernel else None
+        self.kernel_max_rows = w8a8_kernel_max_rows() if int8_kernel else 0
         # Without VNNI: the weight-only kernel for few rows.
         self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
         # Once fuse_silu laid the tiles out for a gated MLP: the intermediate width, and the tiles'
@@ -202,7 +217,7 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
                 y = torch.ops.tandem.gemm_amx_w8a8(x, self.tiles, self.out_features, tile_scale, tile_sum, tile_bias)
                 return deinterleave(y, self.interleaved)
             return torch.ops.tandem.gemm_amx_w8a8(x, self.tiles, self.out_features, scale, self.row_sum, bias)
-        if self.row_sum is not None and 0 < x.shape[0] <= _KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES:
+        if self.row_sum is not None and 0 < x.shape[0] <= self.kernel_max_rows and x.dtype in _KERNEL_DTYPES:
             # A decode step's few rows: the kernel reads bfloat16 too and answers in x's dtype.
             return torch.ops.tandem.gemm_w8a8(x, qweight, scale, self.row_sum, bias)
         if x.dtype == torch.float32:

@@ -57,8 +57,8 @@ def test_gemv_f32_matches_f_linear(rows, shape, bias):
     torch.testing.assert_close(torch.ops.tandem.gemv_f32(xs, w, None), F.linear(xs, w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not kernels.has("gemm_w8a8"), reason="host CPU has no AVX512-VNNI")
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+@pytest.mark.skipif(not kernels.has("gemm_w8a8"), reason="host CPU has neither AVX512-VNNI nor AVX2")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_w8a8_matches_integer_reference(rows, shape, bias):
@@ -179,15 +179,24 @@ def test_gemm_w8_f32_matches_the_widened_weights(rows, shape, bias):
 
 @pytest.mark.skipif(not kernels.has("gemm_w8_f32"), reason="only built on AVX2 CPUs without VNNI")
 @pytest.mark.parametrize("rows", [1, 16, 17, 40, 64, 65])
-def test_int8_weight_only_layer_equals_its_float_reference(rows):
-    """Without VNNI, Int8Linear runs the weight-only kernel (in 16-row calls up to 64 rows) and the
-    widened float product above: both the float reference's values."""
+def test_int8_layer_without_vnni_runs_w8a8_then_weight_only(rows):
+    """Without VNNI, Int8Linear runs the AVX2 W8A8 kernel to 16 rows (the VNNI kernel's integer
+    sums: activations quantized per row), then the weight-only kernel (in 16-row calls up to 64
+    rows) and the widened float product above: those two the float reference's values."""
+    from tandem.model import quant
+
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(96, 72, generator=g), torch.randn(96, generator=g)
     fast, ref = Int8Linear(w, b), Int8Linear(w, b, use_kernel=False)
-    assert fast.weight_only_kernel
+    assert fast.weight_only_kernel and fast.kernel_max_rows == quant._AVX2_KERNEL_MAX_ROWS == 16
     x = torch.randn(rows, 72, generator=g)
-    torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-4)
+    if rows <= fast.kernel_max_rows:
+        x_scale = x.abs().amax(1).clamp(min=1e-12) / 127
+        xq = torch.round(x / x_scale[:, None]).clamp(-127, 127).double()
+        expect = (xq @ fast.qweight.double().T) * x_scale.double()[:, None] * fast.scale.double() + b.double()
+        torch.testing.assert_close(fast(x).double(), expect, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 9, 17])

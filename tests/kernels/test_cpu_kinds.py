@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 # What each kind's library must hold and lack: the proof that the build and the flags followed the
 # target rather than the host.
 KINDS = {
-    "haswell": ({"gemv_f32", "gemm_w8_f32", "gemm_int4", "paged_attention"}, {"gemv_bf16", "gemm_w8a8", "gemm_amx_bf16"}),
+    "haswell": ({"gemv_f32", "gemm_w8_f32", "gemm_w8a8", "gemm_int4", "paged_attention"}, {"gemv_bf16", "gemm_amx_bf16"}),
     "cooperlake": ({"gemv_f32", "gemv_bf16", "gemm_w8a8", "gemm_int4"}, {"gemm_w8_f32", "gemm_amx_bf16", "paged_attention_amx"}),
 }
 # The kernels against their references, then whole models against transformers and the int8 layers

@@ -27,6 +27,7 @@ def test_each_machine_kind_names_its_instructions():
     assert kernel_instructions("gemv_f32", ZEN2) == "AVX2 FMA"
     assert kernel_instructions("gemm_int4", ZEN2) == "AVX2 FMA"
     assert kernel_instructions("gemm_w8_f32", ZEN2).startswith("AVX2 FMA")
+    assert kernel_instructions("gemm_w8a8", ZEN2).startswith("AVX2 vpmaddubsw")
     with pytest.raises(ValueError, match="unknown kernel"):
         kernel_instructions("gemm_nothing", ZEN4)
 
