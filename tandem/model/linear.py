@@ -52,6 +52,8 @@ def kernel_max_rows(dtype: torch.dtype, flags: Set[str] | None = None) -> int:
     if dtype == torch.float32:
         return 16 if "avx512f" in f else 8
     return 4 if "amx_bf16" in f else 16
+
+
 # bfloat16 rows up to which the AMX tile kernel runs: above, a product is bound by compute and
 # oneDNN's blocking ties or wins (benchmarks/gemm_paths.py: even at 64-128 and 512 rows, 0.88x at 256).
 _AMX_MAX_ROWS = 64
