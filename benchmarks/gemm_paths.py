@@ -240,14 +240,18 @@ def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Call
         )
     if kernels.has("gemm_w8_f32"):  # no VNNI: int8 weights widened in registers, against widened per call
         w8 = [Int8Linear(w, None) for w in weights]
+
+        def weight_only(x: torch.Tensor, i: int) -> torch.Tensor:
+            return torch.ops.tandem.gemm_w8_f32(x, w8[i].qweight, w8[i].scale, None)
+
         if kernels.has("gemm_w8a8"):  # AVX2 W8A8 against the weight-only kernel it stands in for
             pairs["int8"] = (
                 lambda x, i: torch.ops.tandem.gemm_w8a8(x, w8[i].qweight, w8[i].scale, w8[i].row_sum, None),
-                lambda x, i: torch.ops.tandem.gemm_w8_f32(x, w8[i].qweight, w8[i].scale, None),
+                weight_only,
                 f32_bytes // 4,
             )
         pairs["int8 weight-only"] = (
-            lambda x, i: torch.ops.tandem.gemm_w8_f32(x, w8[i].qweight, w8[i].scale, None),
+            weight_only,
             lambda x, i: F.linear(x, w8[i].qweight.to(x.dtype)) * w8[i].scale,
             f32_bytes // 4,
         )
@@ -268,7 +272,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
     import statistics
 
     from tandem import kernels
-    from tandem.cpu import cpu_flags
+    from tandem.cpu import LIBRARY_ISA, MARCH_ENV, cpu_flags
     from tandem.model.linear import kernel_max_rows, mkl_max_rows
     from tandem.model.quant import W8_KERNEL_MAX_ROWS, w8a8_kernel_max_rows
 
@@ -282,8 +286,8 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
         "int8 weight-only": W8_KERNEL_MAX_ROWS,
     }
     bandwidth = read_bandwidth()
-    env = {k: os.environ[k] for k in ("TANDEM_CPU_MARCH", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ}
-    flags = cpu_flags()
+    flags = cpu_flags()  # under TANDEM_CPU_MARCH, also caps the libraries (before any product here)
+    env = {k: os.environ[k] for k in (MARCH_ENV, *LIBRARY_ISA) if k in os.environ}
     kind = next((name for flag, name in KINDS if flag in flags), "no AVX2")
     print(f"{len(weights)} matrices, read bandwidth {bandwidth / 1e9:.1f} GB/s, threads {torch.get_num_threads()}, "
           f"kernels for: {kind}{' ' + str(env) if env else ''}")

@@ -55,17 +55,17 @@ ONEDNN_ISA = (
     ("avx2", "AVX2"),
 )
 MKL_ISA = (("avx512f", "AVX512"), ("avx2", "AVX2"))
+# The environment variable each library reads its cap from.
+LIBRARY_ISA = {"ONEDNN_MAX_CPU_ISA": ONEDNN_ISA, "MKL_ENABLE_INSTRUCTIONS": MKL_ISA}
 
 
 def library_isa_caps(flags: frozenset[str]) -> dict[str, str]:
     """The environment that caps oneDNN and MKL at the instruction set of a CPU with `flags`."""
     caps = {}
-    onednn = next((isa for flag, isa in ONEDNN_ISA if flag in flags), None)
-    if onednn is not None:
-        caps["ONEDNN_MAX_CPU_ISA"] = onednn
-    mkl = next((isa for flag, isa in MKL_ISA if flag in flags), None)
-    if mkl is not None:
-        caps["MKL_ENABLE_INSTRUCTIONS"] = mkl
+    for var, table in LIBRARY_ISA.items():
+        isa = next((isa for flag, isa in table if flag in flags), None)
+        if isa is not None:
+            caps[var] = isa
     return caps
 
 
