@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -357,6 +358,17 @@ def start_server(args: argparse.Namespace, name: str, port: int) -> Server:
     return vllm_server(args, port)
 
 
+def run_labels(systems: list[str]) -> list[str]:
+    """Each run's label: the system's name, then `NAME-run2`, `NAME-run3`, ... for a system listed
+    again (Tandem first and last shows the machine's drift over the run)."""
+    seen: dict[str, int] = {}
+    labels = []
+    for name in systems:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name}-run{seen[name]}")
+    return labels
+
+
 def run_system(args: argparse.Namespace, name: str) -> dict[int, dict[str, Any]]:
     """{concurrency: result} for every level; the server starts once for all of them."""
     results: dict[int, dict[str, Any]] = {}
@@ -535,14 +547,19 @@ def main(argv: list[str] | None = None) -> int:
             f"unknown systems {sorted(unknown)}; known: {known} (llamacpp-NAME comes from --gguf NAME=PATH)"
         )
     by_level: dict[int, dict[str, dict[str, Any]]] = {c: {} for c, _ in args.levels}
-    for name in systems:
+    for name, label in zip(systems, run_labels(systems)):
+        run_args = args
+        if label != name:  # a repeated system's results and log go to a folder of their own
+            run_args = copy.copy(args)
+            run_args.out_dir = args.out_dir / label
+            run_args.out_dir.mkdir(parents=True, exist_ok=True)
         try:
-            for conc, result in run_system(args, name).items():
-                by_level[conc][name] = result
+            for conc, result in run_system(run_args, name).items():
+                by_level[conc][label] = result
         except Exception as exc:  # one failed peer must not lose the others
-            log(f"{name} failed: {exc}")
+            log(f"{label} failed: {exc}")
             for conc in by_level:
-                by_level[conc].setdefault(name, {"error": f"{type(exc).__name__}: {exc}"[:300]})
+                by_level[conc].setdefault(label, {"error": f"{type(exc).__name__}: {exc}"[:300]})
     settings = {
         "model": display_path(args.model),
         "dtype": dtype_setting(args, systems),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "run_peers.py"
@@ -53,3 +54,25 @@ def test_gguf_variants_name_llamacpp_systems():
         "llamacpp-f16": "a.gguf",
         "llamacpp-q8_0": "b.gguf",
     }
+
+
+def test_a_repeated_system_keeps_each_round(tmp_path, monkeypatch):
+    """Tandem run first and last: the second round is its own column and its own files, not an
+    overwrite of the first (the first/last pair is how a table shows the machine's drift)."""
+    rounds = []
+
+    def fake_run_system(args, name):
+        rounds.append(name)
+        result = _result(10.0 * len(rounds), 100.0)
+        (args.out_dir / f"{name}-c1.json").write_text(json.dumps(result))
+        return {1: result}
+
+    monkeypatch.setattr(run_peers, "run_system", fake_run_system)
+    argv = ["--model", "m", "--systems", "tandem,vllm,tandem", "--levels", "1:4", "--out-dir", str(tmp_path)]
+    assert run_peers.run_labels(["tandem", "vllm", "tandem", "tandem"]) == ["tandem", "vllm", "tandem-run2", "tandem-run3"]
+    assert run_peers.main(argv) == 0
+    assert rounds == ["tandem", "vllm", "tandem"]
+    systems = json.loads((tmp_path / "comparison.json").read_text())["tables"]["1"]["systems"]
+    assert systems["tandem"]["out tok/s"] == 10.0 and systems["tandem-run2"]["out tok/s"] == 30.0
+    assert json.loads((tmp_path / "tandem-c1.json").read_text())["output_throughput"] == 10.0
+    assert json.loads((tmp_path / "tandem-run2" / "tandem-c1.json").read_text())["output_throughput"] == 30.0
