@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "exp_approx.h"
@@ -415,7 +416,8 @@ at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // Attention over the paged KV cache for batches of short queries (decodes, speculative
 // verifications): writes the step's new K/V into the cache and attends each query to its own
 // request's context through the block table, causally, with no gathered copy of the context and no
-// padding or mask tensors. Portable C++ (vectorised by the compiler); float32 or bfloat16 cache,
+// padding or mask tensors. Portable C++ (vectorised by the compiler; decodes over a bfloat16 cache
+// with AVX512-BF16 intrinsics, attend_decode_bf16); float32 or bfloat16 cache,
 // or a quantized one (kv_cache_dtype int8 / fp8, tandem/model/kv_quant.py): rows of head_dim
 // one-byte values, zero padding to 4 bytes, and the row's float32 scale.
 
@@ -482,6 +484,96 @@ inline void weighted_values(const float* p, int64_t span, const E* const* vrows,
   }
 }
 
+#if defined(__AVX512BF16__)
+// One decode's attention for one KV head over a bfloat16 cache with AVX512-BF16 (CPUs without AMX
+// run decodes here): the G query heads of its GQA group against `span` context positions. The
+// general loop (paged_attention_impl) broadcasts one key element at a time into a query-wide FMA
+// (~6 GB/s of cache); here a key row meets each query as bfloat16 pairs (`vdpbf16ps`, four
+// positions' sums reduced together), the softmax runs along the positions 16 at a time, and each
+// value row, widened to float32 once per pass, is added into kRows queries' outputs (float32
+// probabilities, as the general loop keeps them).
+// s: G rounded up to kRows rows of ld >= span floats, scratch.
+template <int64_t D>
+void attend_decode_bf16(const uint16_t* const* qrows, int64_t G, const uint16_t* const* krows,
+                        const uint16_t* const* vrows, int64_t span, float scale, float* s, int64_t ld,
+                        uint16_t* const* orows) {
+  constexpr int64_t V = D / 32;             // bfloat16 vectors a row
+  constexpr int64_t kRows = D == 64 ? 4 : 2;  // queries per value pass: kRows * D / 16 accumulators
+  // Scores: four key rows at a time against every query (each key row read once). A head's rows lie
+  // kv_heads rows apart in the cache, too far apart for the hardware prefetcher: the keys and values
+  // kAhead positions on are fetched ahead (the values for the pass after this one, into L2).
+  constexpr int64_t kAhead = 32;
+  int64_t j = 0;
+  for (; j + 4 <= span; j += 4) {
+    for (int64_t jj = j + kAhead; jj < std::min(span, j + kAhead + 4); ++jj)
+      for (int64_t b = 0; b < D * 2; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(krows[jj]) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vrows[jj]) + b, _MM_HINT_T1);
+      }
+    __m512i k[4][V];
+    for (int64_t jj = 0; jj < 4; ++jj)
+      for (int64_t v = 0; v < V; ++v) k[jj][v] = _mm512_loadu_si512(krows[j + jj] + v * 32);
+    for (int64_t c = 0; c < G; ++c) {
+      __m512 acc[4];
+      for (int64_t jj = 0; jj < 4; ++jj) {
+        acc[jj] = _mm512_setzero_ps();
+        for (int64_t v = 0; v < V; ++v)
+          acc[jj] = _mm512_dpbf16_ps(acc[jj], (__m512bh)k[jj][v], (__m512bh)_mm512_loadu_si512(qrows[c] + v * 32));
+      }
+      sum4(acc, s + c * ld + j);
+    }
+  }
+  for (; j < span; ++j)
+    for (int64_t c = 0; c < G; ++c) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t v = 0; v < V; ++v)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(krows[j] + v * 32),
+                               (__m512bh)_mm512_loadu_si512(qrows[c] + v * 32));
+      s[c * ld + j] = _mm512_reduce_add_ps(acc);
+    }
+  for (int64_t c = 0; c < G; ++c) {
+    float* sc = s + c * ld;
+    // Softmax along the positions; the row's 1 / sum goes into the output.
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (j = 0; j < span; j += 16)
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), first_lanes(std::min<int64_t>(16, span - j)), sc + j));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale), sv = _mm512_set1_ps(scale);
+    __m512 sum = _mm512_setzero_ps();
+    for (j = 0; j < span; j += 16) {
+      const __mmask16 k = first_lanes(std::min<int64_t>(16, span - j));
+      const __m512 e = tandem_kernels::exp_clamped16(_mm512_min_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sc + j), sv, m), _mm512_setzero_ps()));
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+      _mm512_mask_storeu_ps(sc + j, k, e);
+    }
+    const float inv = 1.f / _mm512_reduce_add_ps(sum);
+    for (j = 0; j < span; j += 16) {
+      const __mmask16 k = first_lanes(std::min<int64_t>(16, span - j));
+      _mm512_mask_storeu_ps(sc + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + j), _mm512_set1_ps(inv)));
+    }
+  }
+  for (int64_t c = G; c < (G + kRows - 1) / kRows * kRows; ++c) std::fill(s + c * ld, s + c * ld + span, 0.f);
+  auto widen = [](const uint16_t* h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))), 16));
+  };
+  for (int64_t c0 = 0; c0 < G; c0 += kRows) {
+    __m512 acc[kRows][D / 16];
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t e = 0; e < D / 16; ++e) acc[r][e] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < span; ++j) {
+      __m512 vf[D / 16];
+      for (int64_t e = 0; e < D / 16; ++e) vf[e] = widen(vrows[j] + e * 16);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const __m512 p = _mm512_set1_ps(s[(c0 + r) * ld + j]);
+        for (int64_t e = 0; e < D / 16; ++e) acc[r][e] = _mm512_fmadd_ps(p, vf[e], acc[r][e]);
+      }
+    }
+    for (int64_t r = 0; r < kRows && c0 + r < G; ++r)
+      for (int64_t e = 0; e < D / 16; ++e)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orows[c0 + r] + e * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][e]));
+  }
+}
+#endif
+
 // E: the queries' and output's dtype; C: the cache's element (E itself, or int8_t / Fp8E4M3 values
 // of quantized rows, kScaled). k and v are the step's new rows as the cache stores them.
 template <typename E, typename C, bool kScaled, int64_t QT>
@@ -525,6 +617,33 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t tiles = (task_start[b + 1] - task_start[b]) / KVH, local = task - task_start[b];
       const int64_t g = local / tiles, c0 = (local % tiles) * QT;
       const int64_t seq = seq_lens[b], first = qsl[b], nq = qsl[b + 1] - qsl[b];
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<E, at::BFloat16> && std::is_same_v<C, at::BFloat16> && !kScaled) {
+        if (nq == 1 && group <= QT && (D == 64 || D == 128)) {  // a decode: its group in one task
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, seq - window) : 0, span = seq - lo;
+          for (int64_t j = 0; j < span; ++j) {
+            const int64_t pos = lo + j, row = tables[b * max_blocks + pos / BS] * BS + pos % BS;
+            krows[j] = kc + (row * KVH + g) * RS;
+            vrows[j] = vc + (row * KVH + g) * RS;
+          }
+          const int64_t ld = (span + 15) / 16 * 16;
+          if (static_cast<int64_t>(st.size()) < (group + 3) / 4 * 4 * ld) st.resize((group + 3) / 4 * 4 * ld);
+          const uint16_t* qrows[QT];
+          uint16_t* orows[QT];
+          for (int64_t c = 0; c < group; ++c) {
+            qrows[c] = reinterpret_cast<const uint16_t*>(qp + first * qs0 + (g * group + c) * qs1);
+            orows[c] = reinterpret_cast<uint16_t*>(op + (first * H + g * group + c) * D);
+          }
+          const auto* const* kr = reinterpret_cast<const uint16_t* const*>(krows.data());
+          const auto* const* vr = reinterpret_cast<const uint16_t* const*>(vrows.data());
+          if (D == 64)
+            attend_decode_bf16<64>(qrows, group, kr, vr, span, scale, st.data(), ld, orows);
+          else
+            attend_decode_bf16<128>(qrows, group, kr, vr, span, scale, st.data(), ld, orows);
+          continue;
+        }
+      }
+#endif
       const int64_t nc = std::min(QT, nq * group - c0);
       // Query vector c is query token i = (c0 + c) / group, head g * group + (c0 + c) % group; it
       // attends context positions lo[c]..hi[c]. Padding vectors repeat the first one.

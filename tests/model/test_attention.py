@@ -203,6 +203,35 @@ def test_fused_kernel_query_tiles(heads, kv_heads, q_lens, dtype) -> None:
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
+@needs_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(14, 2, 64), (9, 3, 64), (16, 1, 64), (4, 4, 128), (16, 4, 128)]
+)
+@pytest.mark.parametrize("window", [None, 7])
+def test_bfloat16_decodes_match_reference(heads, kv_heads, head_dim, window) -> None:
+    """Decodes over a bfloat16 cache, which have a path of their own with AVX512-BF16 (the GQA
+    group's queries against each key row as bfloat16 pairs, four positions at a time): groups of 1
+    to 16 heads, head_dim 64 and 128, contexts of 1 to 130 positions (not multiples of four, longer
+    than the rows fetched ahead), beside a verification that keeps the general loop."""
+    rng = np.random.default_rng(11)
+    torch.manual_seed(11)
+    q_lens = [1, 1, 1, 1, 3]
+    seq_lens = [1, 5, 37, 130, 20]
+    num_blocks = 128
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, sliding_window=window)
+    backend.prepare(batch)
+    assert not isinstance(batch.attn_metadata, list)  # took the kernel
+    cache = torch.randn(2, num_blocks, BLOCK, kv_heads, head_dim).to(torch.bfloat16)
+    t = batch.num_tokens
+    qkv = torch.randn(t, heads + 2 * kv_heads, head_dim).to(torch.bfloat16)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    out = backend.forward(q, k, v, cache, batch)
+    k_cache, v_cache = cache[0].view(-1, kv_heads, head_dim), cache[1].view(-1, kv_heads, head_dim)
+    expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, head_dim**-0.5, window)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(not kernels.has("paged_attention_amx"), reason="needs AMX")
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block"), [
     (14, 2, 64, 16),  # the 415M peer checkpoint's layout
