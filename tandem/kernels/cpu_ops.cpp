@@ -552,16 +552,13 @@ void attend_decode_bf16(const uint16_t* const* qrows, int64_t G, const uint16_t*
     }
   }
   for (int64_t c = G; c < (G + kRows - 1) / kRows * kRows; ++c) std::fill(s + c * ld, s + c * ld + span, 0.f);
-  auto widen = [](const uint16_t* h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))), 16));
-  };
   for (int64_t c0 = 0; c0 < G; c0 += kRows) {
     __m512 acc[kRows][D / 16];
     for (int64_t r = 0; r < kRows; ++r)
       for (int64_t e = 0; e < D / 16; ++e) acc[r][e] = _mm512_setzero_ps();
     for (int64_t j = 0; j < span; ++j) {
       __m512 vf[D / 16];
-      for (int64_t e = 0; e < D / 16; ++e) vf[e] = widen(vrows[j] + e * 16);
+      for (int64_t e = 0; e < D / 16; ++e) vf[e] = load16(vrows[j] + e * 16, first_lanes(16));
       for (int64_t r = 0; r < kRows; ++r) {
         const __m512 p = _mm512_set1_ps(s[(c0 + r) * ld + j]);
         for (int64_t e = 0; e < D / 16; ++e) acc[r][e] = _mm512_fmadd_ps(p, vf[e], acc[r][e]);
@@ -617,15 +614,19 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t tiles = (task_start[b + 1] - task_start[b]) / KVH, local = task - task_start[b];
       const int64_t g = local / tiles, c0 = (local % tiles) * QT;
       const int64_t seq = seq_lens[b], first = qsl[b], nq = qsl[b + 1] - qsl[b];
+      // krows[j], vrows[j]: the key and value rows of context position lo + j (KV head g).
+      auto locate = [&](int64_t lo, int64_t span) {
+        for (int64_t j = 0; j < span; ++j) {
+          const int64_t pos = lo + j, row = tables[b * max_blocks + pos / BS] * BS + pos % BS;
+          krows[j] = kc + (row * KVH + g) * RS;
+          vrows[j] = vc + (row * KVH + g) * RS;
+        }
+      };
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<E, at::BFloat16> && std::is_same_v<C, at::BFloat16> && !kScaled) {
         if (nq == 1 && group <= QT && (D == 64 || D == 128)) {  // a decode: its group in one task
           const int64_t lo = window > 0 ? std::max<int64_t>(0, seq - window) : 0, span = seq - lo;
-          for (int64_t j = 0; j < span; ++j) {
-            const int64_t pos = lo + j, row = tables[b * max_blocks + pos / BS] * BS + pos % BS;
-            krows[j] = kc + (row * KVH + g) * RS;
-            vrows[j] = vc + (row * KVH + g) * RS;
-          }
+          locate(lo, span);
           const int64_t ld = (span + 15) / 16 * 16;
           if (static_cast<int64_t>(st.size()) < (group + 3) / 4 * 4 * ld) st.resize((group + 3) / 4 * 4 * ld);
           const uint16_t* qrows[QT];
@@ -661,11 +662,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
         for (int64_t d = 0; d < D; ++d) qt[d * QT + c] = c < nc ? to_float(qr[d]) * scale : 0.f;
       }
       const int64_t span = jhi - jlo + 1;
-      for (int64_t j = 0; j < span; ++j) {
-        const int64_t pos = jlo + j, row = tables[b * max_blocks + pos / BS] * BS + pos % BS;
-        krows[j] = kc + (row * KVH + g) * RS;
-        vrows[j] = vc + (row * KVH + g) * RS;
-      }
+      locate(jlo, span);
       for (int64_t j = span; j < span + kPosTile; ++j) krows[j] = krows[0];  // tail of the last tile
       // Scores: for kPosTile positions at a time, accumulate key element d times query column d.
       for (int64_t j0 = 0; j0 < span; j0 += kPosTile) {
