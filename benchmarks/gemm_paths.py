@@ -14,11 +14,13 @@ GEMM, interleaved, in TFLOP/s (what a layer holding one copy of its weight gives
 
     python benchmarks/gemm_paths.py --per-shape 128,256,512,1024 --json results/gemm_shapes.json
 
-`--few-rows ROWS` times each of Tandem's few-row kernels alone (`gemv_f32`, `gemv_bf16`,
-`gemm_w8a8`, `gemm_w8_f32`, wherever this CPU built them) against the library path it stands in for (oneDNN's
+`--few-rows ROWS` times each of Tandem's few-row kernels alone (`gemv_f32`, `gemm_bf16_panels` or
+`gemv_bf16`, `gemm_w8a8`, `gemm_w8_f32`, wherever this CPU built them) against the library path it
+stands in for (oneDNN's
 reordered float32 / bfloat16 product; oneDNN's int8 GEMM on rows quantized by Tandem, or without
 VNNI the weight-only int8 kernel; that one against the int8 weight widened to float per call), interleaved
-pairs over a whole model's layers, median time: the A/B behind each kernel's row limit
+pairs over a whole model's layers, median time: the A/B behind each kernel's row limit; row
+`bf16 panels/rows` times the panel kernel against `gemv_bf16` over the plain weight it replaced
 (`tandem.model.linear.kernel_max_rows`), printed beside it (on AMX hosts the tile kernels take
 bfloat16 and int8 layers instead; the limits there serve layers without tiles), with the streaming read bandwidth of
 the machine (a 2-thread sum over 512 MiB) that the one-row figures are a fraction of.
@@ -203,6 +205,7 @@ def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Call
     every few-row kernel this CPU built; i indexes `weights`."""
     from tandem import kernels
     from tandem.model.linear import onednn_available
+    from tandem.model.panels import pack_panels
     from tandem.model.quant import Int8Linear, cpu_has_vnni, onednn_int8_available
 
     pairs: dict[str, tuple[Callable, Callable, int]] = {}
@@ -216,11 +219,17 @@ def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Call
         pairs["float32"] = (lambda x, i: torch.ops.tandem.gemv_f32(x, weights[i], None), onednn(weights, torch.float32), f32_bytes)
     if kernels.has("gemv_bf16") and onednn_available(torch.bfloat16):
         bf16 = [w.to(torch.bfloat16) for w in weights]
-        pairs["bfloat16"] = (
-            lambda x, i: torch.ops.tandem.gemv_bf16(x.to(torch.bfloat16), bf16[i], None),
-            onednn(bf16, torch.bfloat16),
-            f32_bytes // 2,
-        )
+        rows_kernel = lambda x, i: torch.ops.tandem.gemv_bf16(x.to(torch.bfloat16), bf16[i], None)
+        if kernels.has("gemm_bf16_panels"):  # what a layer runs without AMX, against oneDNN and gemv_bf16
+            panels = [pack_panels(w) for w in bf16]
+
+            def panel_kernel(x: torch.Tensor, i: int) -> torch.Tensor:
+                return torch.ops.tandem.gemm_bf16_panels(x.to(torch.bfloat16), panels[i], bf16[i].shape[0], None)
+
+            pairs["bfloat16"] = (panel_kernel, onednn(bf16, torch.bfloat16), f32_bytes // 2)
+            pairs["bf16 panels/rows"] = (panel_kernel, rows_kernel, f32_bytes // 2)
+        else:
+            pairs["bfloat16"] = (rows_kernel, onednn(bf16, torch.bfloat16), f32_bytes // 2)
     if kernels.has("gemm_w8a8") and cpu_has_vnni() and onednn_int8_available():
         int8 = [Int8Linear(w, None) for w in weights]
         q = [torch.ops.onednn.qlinear_prepack(m.qweight, None) for m in int8]
@@ -282,6 +291,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
     limits = {
         "float32": kernel_max_rows(torch.float32),
         "bfloat16": kernel_max_rows(torch.bfloat16),
+        "bf16 panels/rows": kernel_max_rows(torch.bfloat16),
         "int8": w8a8_kernel_max_rows(),
         "int8 weight-only": W8_KERNEL_MAX_ROWS,
     }

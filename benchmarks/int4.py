@@ -83,8 +83,9 @@ def one_row_bytes(model: Any) -> int:
 
     total = 0
     for m in model.modules():
-        if isinstance(m, PackedLinear) and m.plain is not None:
-            total += m.plain.numel() * m.plain.element_size()
+        if isinstance(m, PackedLinear) and (m.plain is not None or m.panels is not None):
+            few = m.plain if m.plain is not None else m.panels
+            total += few.numel() * few.element_size()
         elif isinstance(m, Int8Linear):
             total += sum(t.numel() * t.element_size() for t in (m.qweight, m.scale, m.row_sum) if t is not None)
         elif isinstance(m, LINEAR_TYPES):

@@ -36,7 +36,7 @@ from typing import TextIO
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "layer_ops.cpp", "int4_ops.cpp", "amx_ops.cpp", "amx_attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "layer_ops.cpp", "int4_ops.cpp", "amx_ops.cpp", "amx_attention.cpp", "panel_ops.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("exp_approx.h", "kernel_util.h"))
 ENV_SWITCH = "TANDEM_CPU_KERNELS"
 # -fno-trapping-math: floating-point exceptions stay masked (as PyTorch runs), so the compiler may

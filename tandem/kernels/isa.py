@@ -20,7 +20,7 @@ def kernel_instructions(kernel: str, flags: Set[str] | None = None) -> str:
         return "AMX-BF16 tiles"
     if kernel == "gemm_amx_w8a8":
         return "AMX-INT8 tiles"
-    if kernel == "gemv_bf16":
+    if kernel in ("gemv_bf16", "gemm_bf16_panels"):
         return "AVX512-BF16 vdpbf16ps"
     if kernel == "gemm_w8a8":
         return "AVX512-VNNI vpdpbusd" if vnni512 else "AVX2 vpmaddubsw, signs moved onto the weights"

@@ -192,6 +192,7 @@ def sub_linear(model: nn.Module, rows: torch.Tensor) -> nn.Module:
     from tandem.model.fp8_linear import Fp8Linear
     from tandem.model.int4 import Int4Linear
     from tandem.model.linear import PackedLinear
+    from tandem.model.panels import unpack_panels
     from tandem.model.quant import Int8Linear
 
     head = getattr(model, "lm_head", None)
@@ -238,6 +239,8 @@ def sub_linear(model: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(head, PackedLinear):
         if head.plain is not None:
             weight = pick(head.plain)
+        elif head.panels is not None:
+            weight = pick(unpack_panels(head.panels, head.out_features))
         elif head.tiles is not None:
             weight = _tile_rows(head.tiles, ids, head.in_features)
         else:  # oneDNN's layout alone (memory was short): its dense form, briefly

@@ -10,9 +10,10 @@ the weight once, in the order it is stored, is best: on CPUs with AMX, Tandem's 
 (every row count for layers no wider out than in, where oneDNN is slow at prompt sizes too);
 on AVX-512 CPUs MKL's sgemv for one or two float32 rows (the same call transformers makes, so a
 single stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16
-float32 rows and, without AMX, 1-16 bfloat16 rows; on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv
+float32 rows and, without AMX, 1-16 bfloat16 rows (over the weight in column panels,
+tandem/model/panels.py); on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv
 streams at half the memory bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers
-keep two forms of the weight where a few-row path exists: oneDNN's and the plain or tiled one, as
+keep two forms of the weight where a few-row path exists: oneDNN's and the plain, panel or tiled one, as
 long as two copies fit (`SECOND_COPY_MAX_MEMORY_FRACTION`); else one (the tiles on AMX).
 """
 
@@ -32,6 +33,7 @@ from tandem.config import SECOND_COPY_MAX_MEMORY_FRACTION
 from tandem.cpu import cpu_flags
 from tandem.model.direct_call import DirectCall
 from tandem.model.gate_up import can_interleave, deinterleave, interleave_tiles
+from tandem.model.panels import can_pack, pack_panels
 
 M = TypeVar("M", bound=nn.Module)
 logger = logging.getLogger(__name__)
@@ -40,6 +42,9 @@ logger = logging.getLogger(__name__)
 # on AVX2-only CPUs it runs at half the memory bandwidth there and Tandem's kernel takes them.
 MKL_MAX_ROWS = 2 if "avx512f" in cpu_flags() else 0
 FEW_ROW_KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
+# The bfloat16 few-row kernel over a PackedLinear's weight in column panels (plain_product's
+# stacked experts, held as stored, keep gemv_bf16).
+PANEL_KERNEL = "gemm_bf16_panels"
 
 
 def kernel_max_rows(dtype: torch.dtype, flags: Set[str] | None = None) -> int:
@@ -97,8 +102,8 @@ def amx_tiles_available() -> bool:
 
 class PackedLinear(DirectCall, nn.Module):
     """A linear layer whose weight is held in oneDNN's reordered layout (CPU only), and, with
-    `second_copy`, also in the form a few-row path reads (AMX tiles for bfloat16, else the plain
-    weight). Without it the layer holds one copy: the tiles alone on AMX (every row count runs on
+    `second_copy`, also in the form a few-row path reads (AMX tiles for bfloat16, else column panels
+    for bfloat16 and the plain weight for float32). Without it the layer holds one copy: the tiles alone on AMX (every row count runs on
     them), oneDNN's layout alone elsewhere."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, second_copy: bool = True) -> None:
@@ -113,15 +118,17 @@ class PackedLinear(DirectCall, nn.Module):
         tiles_only = self.tiles is not None and (not second_copy or self.out_features <= self.in_features)
         self.tiles_max_rows = 0 if self.tiles is None else _ANY_ROWS if tiles_only else _AMX_MAX_ROWS
         self.packed = None if tiles_only else torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
-        # Else the plain weight, where a few-row path exists for this dtype.
+        # Else the plain weight or its panels, where a few-row path exists for this dtype.
+        panels = w.dtype == torch.bfloat16 and kernels.has(PANEL_KERNEL) and can_pack(w)
         if self.tiles is not None or not second_copy:
             few = 0
-        elif kernels.has(FEW_ROW_KERNEL[w.dtype]):
+        elif panels or kernels.has(FEW_ROW_KERNEL[w.dtype]):
             few = kernel_max_rows(w.dtype)
         else:
             few = mkl_max_rows(w.dtype)
-        self.plain = w if few else None
-        self.plain_max_rows = few
+        self.panels = pack_panels(w) if few and panels else None
+        self.plain = w if few and self.panels is None else None
+        self.plain_max_rows = few  # rows the plain weight or the panels take
         self.bias = None if bias is None else bias.detach().contiguous()
         self.interleaved = 0  # the intermediate width once fuse_silu laid the tiles out for it
 
@@ -153,7 +160,9 @@ class PackedLinear(DirectCall, nn.Module):
         if tiles is not None and rows <= self.tiles_max_rows and x.dtype == torch.bfloat16:
             y = torch.ops.tandem.gemm_amx_bf16(x, tiles, self.out_features, self.bias)
             return deinterleave(y, self.interleaved) if self.interleaved else y
-        plain = self.plain  # None exactly when plain_max_rows is 0
+        if rows <= self.plain_max_rows and self.panels is not None:
+            return torch.ops.tandem.gemm_bf16_panels(x, self.panels, self.out_features, self.bias)
+        plain = self.plain  # None when plain_max_rows is 0
         if plain is not None and rows <= self.plain_max_rows:
             if plain.dtype == torch.float32:
                 if rows <= MKL_MAX_ROWS:  # never on AVX2-only CPUs (0)

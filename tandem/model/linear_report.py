@@ -14,7 +14,7 @@ from tandem.config import ModelConfig
 from tandem.kernels.isa import kernel_instructions
 from tandem.model.fp8_linear import Fp8Linear
 from tandem.model.int4 import Int4Linear
-from tandem.model.linear import FEW_ROW_KERNEL, PackedLinear, mkl_max_rows
+from tandem.model.linear import FEW_ROW_KERNEL, PANEL_KERNEL, PackedLinear, mkl_max_rows
 from tandem.model.quant import W8_KERNEL_MAX_ROWS, Int8Linear
 
 logger = logging.getLogger("tandem.model")
@@ -76,20 +76,21 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
         dtype = str(m.dtype).removeprefix("torch.")
         if m.packed is None:
             return f"AMX tiles {dtype}, every row count (one copy)", _tensor_bytes(m.tiles, m.bias)
-        few = f" + {few_row_paths(m.dtype, m.plain_max_rows)}" if m.plain is not None else ""
+        has_few = m.plain is not None or m.panels is not None
+        few = f" + {few_row_paths(m.dtype, m.plain_max_rows, m.panels is not None)}" if has_few else ""
         if m.tiles is not None:
             few = f" + AMX tiles for <= {m.tiles_max_rows} rows"
-        return f"packed oneDNN {dtype}{few}", _tensor_bytes(m.packed, m.plain, m.tiles, m.bias)
+        return f"packed oneDNN {dtype}{few}", _tensor_bytes(m.packed, m.plain, m.panels, m.tiles, m.bias)
     if isinstance(m, nn.Linear):
         return f"F.linear {str(m.weight.dtype).removeprefix('torch.')}", _tensor_bytes(m.weight, m.bias)
     raise TypeError(f"not a linear layer: {type(m).__name__}")
 
 
-def few_row_paths(dtype: torch.dtype, max_rows: int) -> str:
-    """What a PackedLinear's plain weight serves, up to `max_rows` rows: MKL's sgemv (float32, one
-    or two rows on AVX-512), then Tandem's kernel, named with its instructions."""
+def few_row_paths(dtype: torch.dtype, max_rows: int, panels: bool = False) -> str:
+    """What a PackedLinear's plain weight (or its `panels`) serves, up to `max_rows` rows: MKL's
+    sgemv (float32, one or two rows on AVX-512), then Tandem's kernel, named with its instructions."""
     low = mkl_max_rows(dtype)
-    name = FEW_ROW_KERNEL[dtype]
+    name = PANEL_KERNEL if panels else FEW_ROW_KERNEL[dtype]
     parts = [f"MKL sgemv for <= {min(low, max_rows)} rows"] if low else []
     if max_rows > low and kernels.has(name):
         parts.append(f"{name} ({kernel_instructions(name)}) for <= {max_rows} rows")

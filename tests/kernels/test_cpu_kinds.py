@@ -31,6 +31,7 @@ TESTS = [
     "tests/kernels/test_int4_kernel.py",
     "tests/kernels/test_layer_ops.py",
     "tests/kernels/test_kernel_isa.py",
+    "tests/kernels/test_panels.py",
     "tests/model/test_attention.py",
     "tests/model/test_parity.py",
     "tests/model/test_quant.py",

@@ -73,7 +73,9 @@ def test_packed_linear_matches_f_linear(rows, dtype, bias):
     torch.testing.assert_close(lin(x).float(), ref, rtol=tol, atol=tol * 10)
     assert lin(x.view(rows, 1, 24)).shape == (rows, 1, 40)
     if dtype == torch.bfloat16 and amx_tiles_available():  # the tile kernel, no plain copy
-        assert lin.tiles is not None and lin.plain is None
+        assert lin.tiles is not None and lin.plain is None and lin.panels is None
+    elif dtype == torch.bfloat16 and kernels.has("gemm_bf16_panels"):  # the weight in column panels
+        assert lin.panels is not None and lin.plain is None
     else:
         assert (lin.plain is not None) == (dtype == torch.float32 or kernels.has("gemv_bf16"))
 

@@ -1,0 +1,114 @@
+"""The bfloat16 column-panel layout (tandem/model/panels.py) and its few-row kernel
+`gemm_bf16_panels` (tandem/kernels/panel_ops.cpp) against float references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import kernels
+from tandem.model.linear import PackedLinear
+from tandem.model.linear_report import linear_path
+from tandem.model.panels import PANEL, pack_panels, unpack_panels
+
+# (out, in): fewer columns than a panel, ragged last panels, more panels than a block of 8 and a
+# task's chunk, inputs down to one pair.
+SHAPES = [(5, 2), (16, 30), (37, 96), (200, 64), (300, 130)]
+needs_kernel = pytest.mark.skipif(not kernels.has("gemm_bf16_panels"), reason="host CPU has no AVX512-BF16")
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_panels_hold_each_weight_once_in_the_documented_place(shape):
+    n, k = shape
+    w = _weight(n, k, n)
+    p = pack_panels(w)
+    panels = -(-n // PANEL)
+    assert p.shape == (panels, k // 2, PANEL, 2) and p.is_contiguous()
+    # Column c of panel q, input pair j: w[16 q + c, 2 j + i].
+    q, j, c, i = panels - 1, k // 2 - 1, (n - 1) % PANEL, 1
+    assert p[q, j, c, i] == w[PANEL * q + c, 2 * j + i]
+    assert torch.equal(unpack_panels(p, n), w)
+    assert not p.reshape(-1, k // 2 * PANEL * 2).float().abs().sum().isnan()
+    if n % PANEL:  # padding columns are zero
+        assert not p[-1, :, n % PANEL :, :].any()
+
+
+def test_pack_panels_rejects_what_the_layout_cannot_hold():
+    with pytest.raises(ValueError, match="even number of columns"):
+        pack_panels(torch.zeros(4, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        pack_panels(torch.zeros(4, 4))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", range(17))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gemm_bf16_panels_matches_float_reference(rows, shape):
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = _weight(n, k, n)
+    p = pack_panels(w)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    # Products of bfloat16 values are exact in float32; only the summation order differs.
+    ref = F.linear(x.to(torch.bfloat16).float(), w.float(), b)
+    y32 = torch.ops.tandem.gemm_bf16_panels(x, p, n, b)
+    assert y32.dtype == torch.float32 and y32.shape == (rows, n)
+    torch.testing.assert_close(y32, ref, rtol=1e-5, atol=1e-4)
+    y16 = torch.ops.tandem.gemm_bf16_panels(x.to(torch.bfloat16), p, n, None)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (rows, n)
+    torch.testing.assert_close(y16.float(), ref - b, rtol=1e-2, atol=1e-2)
+    # A strided activation is read as its values.
+    xs = x.T.contiguous().T
+    torch.testing.assert_close(torch.ops.tandem.gemm_bf16_panels(xs, p, n, b), y32, rtol=0, atol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(shape):
+    """Each output sums its inputs in one order whatever the batch: a stream's logits are the same
+    decoding alone or beside 15 others, up to the kernel's row limit."""
+    n, k = shape
+    w = _weight(n, k, n + 1)
+    p = pack_panels(w)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    together = torch.ops.tandem.gemm_bf16_panels(x, p, n, None)
+    for m in (0, 5, 15):
+        alone = torch.ops.tandem.gemm_bf16_panels(x[m : m + 1], p, n, None)
+        assert torch.equal(alone[0], together[m])
+    assert torch.equal(torch.ops.tandem.gemm_bf16_panels(x[3:11], p, n, None), together[3:11])
+
+
+@needs_kernel
+def test_gemm_bf16_panels_rejects_bad_operands():
+    p = pack_panels(_weight(40, 64, 0))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        torch.ops.tandem.gemm_bf16_panels(torch.randn(17, 64), p, 40, None)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.tandem.gemm_bf16_panels(torch.randn(2, 62), p, 40, None)
+    with pytest.raises(RuntimeError, match="do not fill"):
+        torch.ops.tandem.gemm_bf16_panels(x, p, 60, None)
+    with pytest.raises(RuntimeError, match="one bias per output row"):
+        torch.ops.tandem.gemm_bf16_panels(x, p, 40, torch.zeros(39))
+
+
+@needs_kernel
+def test_a_bfloat16_layer_without_tiles_runs_its_few_rows_on_the_panels():
+    layer = PackedLinear(_weight(40, 48, 3), None)
+    if layer.tiles is not None:
+        pytest.skip("AMX tiles take every few-row product here")
+    assert layer.plain is None and layer.panels is not None
+    x = torch.randn(layer.plain_max_rows, 48).to(torch.bfloat16)
+    assert torch.equal(layer(x), torch.ops.tandem.gemm_bf16_panels(x, layer.panels, 40, None))
+    path, nbytes = linear_path(layer)  # what the start-up log says of it
+    assert f"gemm_bf16_panels (AVX512-BF16 vdpbf16ps) for <= {layer.plain_max_rows} rows" in path
+    assert nbytes >= layer.panels.numel() * 2
+    # An odd number of inputs has no panel form: the plain weight and gemv_bf16 instead.
+    odd = PackedLinear(_weight(40, 47, 4), None)
+    assert odd.panels is None and (odd.plain is not None) == kernels.has("gemv_bf16")
