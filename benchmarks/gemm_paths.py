@@ -19,8 +19,9 @@ GEMM, interleaved, in TFLOP/s (what a layer holding one copy of its weight gives
 stands in for (oneDNN's
 reordered float32 / bfloat16 product; oneDNN's int8 GEMM on rows quantized by Tandem, or without
 VNNI the weight-only int8 kernel; that one against the int8 weight widened to float per call), interleaved
-pairs over a whole model's layers, median time: the A/B behind each kernel's row limit; row
-`bf16 panels/rows` times the panel kernel against `gemv_bf16` over the plain weight it replaced
+pairs over a whole model's layers, median time: the A/B behind each kernel's row limit; rows
+`bf16 panels/rows` and `int8 panels/rows` time the panel kernels against `gemv_bf16` and
+`gemm_w8a8` over the plain weight they replaced
 (`tandem.model.linear.kernel_max_rows`), printed beside it (on AMX hosts the tile kernels take
 bfloat16 and int8 layers instead; the limits there serve layers without tiles), with the streaming read bandwidth of
 the machine (a 2-thread sum over 512 MiB) that the one-row figures are a fraction of.
@@ -232,7 +233,8 @@ def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Call
             pairs["bfloat16"] = (rows_kernel, onednn(bf16, torch.bfloat16), f32_bytes // 2)
     if kernels.has("gemm_w8a8") and cpu_has_vnni() and onednn_int8_available():
         int8 = [Int8Linear(w, None) for w in weights]
-        q = [torch.ops.onednn.qlinear_prepack(m.qweight, None) for m in int8]
+        rows8 = [m.int8_weight() for m in int8]
+        q = [torch.ops.onednn.qlinear_prepack(w8, None) for w8 in rows8]
         zero = [torch.zeros(m.out_features, dtype=torch.long) for m in int8]
 
         def qlinear(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -242,11 +244,20 @@ def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Call
             )
             return y.mul_(x_scale[:, None])
 
-        pairs["int8"] = (
-            lambda x, i: torch.ops.tandem.gemm_w8a8(x, int8[i].qweight, int8[i].scale, int8[i].row_sum, None),
-            qlinear,
-            f32_bytes // 4,
-        )
+        def row_kernel(x: torch.Tensor, i: int) -> torch.Tensor:
+            return torch.ops.tandem.gemm_w8a8(x, rows8[i], int8[i].scale, int8[i].row_sum, None)
+
+        if kernels.has("gemm_w8a8_panels"):  # what a layer runs without AMX, against oneDNN and gemm_w8a8
+            panels8 = [pack_panels(w8) for w8 in rows8]
+
+            def panel_kernel8(x: torch.Tensor, i: int) -> torch.Tensor:
+                m = int8[i]
+                return torch.ops.tandem.gemm_w8a8_panels(x, panels8[i], m.out_features, m.scale, m.row_sum, None)
+
+            pairs["int8"] = (panel_kernel8, qlinear, f32_bytes // 4)
+            pairs["int8 panels/rows"] = (panel_kernel8, row_kernel, f32_bytes // 4)
+        else:
+            pairs["int8"] = (row_kernel, qlinear, f32_bytes // 4)
     if kernels.has("gemm_w8_f32"):  # no VNNI: int8 weights widened in registers, against widened per call
         w8 = [Int8Linear(w, None) for w in weights]
 
@@ -283,7 +294,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
     from tandem import kernels
     from tandem.cpu import LIBRARY_ISA, MARCH_ENV, cpu_flags
     from tandem.model.linear import kernel_max_rows, mkl_max_rows
-    from tandem.model.quant import W8_KERNEL_MAX_ROWS, w8a8_kernel_max_rows
+    from tandem.model.quant import INT8_PANELS_MAX_ROWS, W8_KERNEL_MAX_ROWS, w8a8_kernel_max_rows
 
     kernels.load()
     shapes = LAYER_SHAPES * layers
@@ -292,7 +303,8 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
         "float32": kernel_max_rows(torch.float32),
         "bfloat16": kernel_max_rows(torch.bfloat16),
         "bf16 panels/rows": kernel_max_rows(torch.bfloat16),
-        "int8": w8a8_kernel_max_rows(),
+        "int8": INT8_PANELS_MAX_ROWS if kernels.has("gemm_w8a8_panels") else w8a8_kernel_max_rows(),
+        "int8 panels/rows": INT8_PANELS_MAX_ROWS,
         "int8 weight-only": W8_KERNEL_MAX_ROWS,
     }
     bandwidth = read_bandwidth()

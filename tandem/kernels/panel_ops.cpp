@@ -1,15 +1,16 @@
-// Few-row bfloat16 products over a weight laid out in column panels, for CPUs with AVX512-BF16 and
-// no AMX (AMD Zen 4 / Zen 5, Cooper Lake).
+// Few-row products over a weight laid out in column panels, for CPUs with AVX-512 and no AMX (AMD
+// Zen 4 / Zen 5, Cooper Lake, Ice Lake): bfloat16 weights (AVX512-BF16 `vdpbf16ps`) and int8
+// weights against int8 activations (AVX512-VNNI `vpdpbusd`).
 //
 // The layout (tandem/model/panels.py packs it): the output columns in panels of 16, each panel
-// [K / 2, 16, 2]: for every pair of inputs (2j, 2j + 1), the 16 columns' two weights side by side,
-// as `vdpbf16ps` multiplies them against one broadcast pair of an activation row. A panel's 16
-// sums then build up in the 16 lanes of one register, with no horizontal sum at the end, and an
-// activation pair read once serves every panel in flight: each multiply reads 4 bytes of
-// activations where the row-dot form (`gemv_bf16`) reads 64. With several activation rows that
-// form reads its activations from L2 once K x rows outgrows L1 and stalls on them; here a weight
-// vector meets every row while it is in a register, so up to 16 rows take one pass over the
-// weight, the multiplies running beside the stream.
+// [K / D, 16, D] for D inputs a 32-bit lane (bfloat16: 2, int8: 4): for every group of D inputs,
+// the 16 columns' D weights side by side, as the instruction multiplies them against one broadcast
+// group of an activation row. A panel's 16 sums then build up in the 16 lanes of one register, with
+// no horizontal sum at the end, and an activation group read once serves every panel in flight:
+// each multiply reads 4 bytes of activations where a row-dot form (`gemv_bf16`, `gemm_w8a8`) reads
+// 64. With several activation rows that form reads its activations from L2 once K x rows outgrows
+// L1 and stalls on them; here a weight vector meets every row while it is in a register, so up to
+// 16 rows take one pass over the weight, the multiplies running beside the stream.
 
 #include <torch/library.h>
 
@@ -17,106 +18,199 @@
 
 namespace {
 
-#if defined(__AVX512BF16__)
-constexpr int64_t kPanel = 16;  // output columns per panel: one float32 vector of sums
+#if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
+constexpr int64_t kPanel = 16;  // output columns per panel: one vector of 32-bit sums
 constexpr int kMaxRows = 16;
-// Pairs ahead (of 64 bytes each) that each panel stream is prefetched: hardware prefetch alone
+// Lanes (64-byte steps) ahead that each panel stream is prefetched: hardware prefetch alone
 // leaves several interleaved streams below memory speed.
 constexpr int64_t kAhead = 16;
 
 // Panels multiplied together for M activation rows: M x R accumulators and R weight vectors in at
-// most 27 of the 32 vector registers, at most 8 streams. A budget of 30 (all but the broadcast pair
-// and one spare) ran 1.05-1.2x slower at 4-16 rows (the compiler spills), 24 no faster.
+// most 27 of the 32 vector registers, at most 8 streams. A budget of 30 (all but the broadcast and
+// one spare) was no faster at any row count on the Sapphire Rapids VM with AMX masked and slower at
+// 4-16 rows in most runs; 24 no faster.
 constexpr int panels_per_block(int m) { return std::min(8, 27 / (m + 1)); }
 
-// acc[m][r] = sum_j x[m] pair j * panel (p + r) pair j, for R panels starting at `w` (panel
-// stride K * 16 elements), stored to out[m * ld + r * 16 ...] as float32.
-template <int M, int R>
-void panel_block(const uint32_t* x, int64_t K2, const uint16_t* w, float* out, int64_t ld) {
-  __m512 acc[M][R];
+#if defined(__AVX512BF16__)
+struct Bf16Pairs {  // two bfloat16 inputs a lane, float32 sums
+  using Acc = __m512;
+  using Out = float;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc madd(Acc a, __m512i x, __m512i w) { return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)w); }
+  static void store(float* p, Acc a) { _mm512_storeu_ps(p, a); }
+};
+#endif
+
+#if defined(__AVX512VNNI__)
+struct U8S8Quads {  // four unsigned-byte activations x four signed-byte weights a lane, int32 sums
+  using Acc = __m512i;
+  using Out = int32_t;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc madd(Acc a, __m512i x, __m512i w) { return _mm512_dpbusd_epi32(a, x, w); }
+  static void store(int32_t* p, Acc a) { _mm512_storeu_si512(p, a); }
+};
+#endif
+
+// out[m * ld + r * 16 + c] = sum over lanes j of x[m] lane j times panel r's lane j, column c, for
+// R panels from `w` (J lanes of 64 bytes a panel).
+template <typename T, int M, int R>
+void panel_block(const uint32_t* x, int64_t J, const uint8_t* w, typename T::Out* out, int64_t ld) {
+  typename T::Acc acc[M][R];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  const int64_t stride = K2 * 32;  // elements per panel
-  for (int64_t j = 0; j < K2; ++j) {
+    for (int r = 0; r < R; ++r) acc[m][r] = T::zero();
+  const int64_t stride = J * 64;  // bytes per panel
+  for (int64_t j = 0; j < J; ++j) {
     __m512i wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * stride + j * 32);
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * stride + j * 64);
     for (int r = 0; r < R; ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + (j + kAhead) * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + (j + kAhead) * 64), _MM_HINT_T0);
     for (int m = 0; m < M; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * K2 + j]));
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xb, (__m512bh)wv[r]);
+      const __m512i xb = _mm512_set1_epi32(static_cast<int>(x[m * J + j]));
+      for (int r = 0; r < R; ++r) acc[m][r] = T::madd(acc[m][r], xb, wv[r]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + m * ld + r * kPanel, acc[m][r]);
+    for (int r = 0; r < R; ++r) T::store(out + m * ld + r * kPanel, acc[m][r]);
 }
+
+// Rows one pass over a block of panels takes: more are split into two passes over the same block
+// (from L2 the second time). On the Sapphire Rapids VM with AMX masked, one pass of 15-16 rows (one
+// panel at a time) took 102-107 ms over the 415M's layers against 69-73 for 13-14; two passes, 73-78.
+constexpr int kPassRows = 12;
 
 // Panels [p0, p1) for M rows: blocks of panels_per_block(M), then the rest one panel at a time.
-template <int M>
-void panel_range(const uint32_t* x, int64_t K2, const uint16_t* w, int64_t p0, int64_t p1, float* out, int64_t ld) {
-  constexpr int R = panels_per_block(M);
-  const int64_t stride = K2 * 32;
+template <typename T, int M>
+void panel_range(const uint32_t* x, int64_t J, const uint8_t* w, int64_t p0, int64_t p1, typename T::Out* out,
+                 int64_t ld) {
+  constexpr int M1 = M <= kPassRows ? M : (M + 1) / 2, M2 = M - M1;
+  constexpr int R = panels_per_block(M1);
+  const int64_t stride = J * 64;
+  auto block = [&]<int B>(int64_t p) {
+    panel_block<T, M1, B>(x, J, w + p * stride, out + (p - p0) * kPanel, ld);
+    if constexpr (M2 > 0) panel_block<T, M2, B>(x + M1 * J, J, w + p * stride, out + M1 * ld + (p - p0) * kPanel, ld);
+  };
   int64_t p = p0;
-  for (; p + R <= p1; p += R) panel_block<M, R>(x, K2, w + p * stride, out + (p - p0) * kPanel, ld);
-  for (; p < p1; ++p) panel_block<M, 1>(x, K2, w + p * stride, out + (p - p0) * kPanel, ld);
+  for (; p + R <= p1; p += R) block.template operator()<R>(p);
+  for (; p < p1; ++p) block.template operator()<1>(p);
 }
 
-template <int M = 1>
-void panel_rows(int m, const uint32_t* x, int64_t K2, const uint16_t* w, int64_t p0, int64_t p1, float* out, int64_t ld) {
+template <typename T, int M = 1>
+void panel_rows(int m, const uint32_t* x, int64_t J, const uint8_t* w, int64_t p0, int64_t p1,
+                typename T::Out* out, int64_t ld) {
   if constexpr (M < kMaxRows) {
-    if (m > M) return panel_rows<M + 1>(m, x, K2, w, p0, p1, out, ld);
+    if (m > M) return panel_rows<T, M + 1>(m, x, J, w, p0, p1, out, ld);
   }
-  panel_range<M>(x, K2, w, p0, p1, out, ld);
+  panel_range<T, M>(x, J, w, p0, p1, out, ld);
 }
 
-// x [M, K] (bfloat16, or float32 rounded to bfloat16) times the weight in panels [P, K/2, 16, 2]
-// (N output columns, N <= 16 P), plus bias; float32 accumulation, the result [M, N] in x's dtype.
-at::Tensor gemm_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N,
-                            const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2, "tandem gemm_bf16_panels: x must be 2-D");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "tandem gemm_bf16_panels: x must be bfloat16 or float32");
-  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kPanel && panels.size(3) == 2 && panels.is_contiguous() &&
-                  panels.scalar_type() == at::kBFloat16,
-              "tandem gemm_bf16_panels: panels must be contiguous bfloat16 [P, K/2, 16, 2]");
-  const int64_t M = x.size(0), K = x.size(1), K2 = panels.size(1), P = panels.size(0);
-  TORCH_CHECK(K == 2 * K2, "tandem gemm_bf16_panels: x has ", K, " columns, the panels ", 2 * K2);
-  TORCH_CHECK(N > 16 * (P - 1) && N <= 16 * P, "tandem gemm_bf16_panels: ", N, " columns do not fill ", P, " panels");
-  TORCH_CHECK(M <= kMaxRows, "tandem gemm_bf16_panels: at most ", kMaxRows, " rows, got ", M);
-  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "tandem gemm_bf16_panels: CPU tensors only");
-  at::Tensor xb = x.to(at::kBFloat16).contiguous(), b;
-  const float* bp = bias_ptr(bias, N, b);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
-  const auto* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
-  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
-  auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
-  // Chunks of panels per task; the sums stay on the stack until stored.
+// x [M, J] 32-bit lanes times the panels [P, J, 16, D] on PyTorch's thread pool, in chunks of
+// panels whose sums stay on the stack; each panel's sums for row m go to
+// store(m, n0, mask, sums) (columns n0 .. n0 + 15, `mask` the ones below N).
+template <typename T, typename Store>
+void panel_product(const uint32_t* x, int64_t M, int64_t J, const uint8_t* w, int64_t P, int64_t N, Store&& store) {
   constexpr int64_t kChunkPanels = 8;
   at::parallel_for(0, P, 2, [&](int64_t q0, int64_t q1) {
-    alignas(64) float acc[kMaxRows * kChunkPanels * kPanel];
+    alignas(64) typename T::Out acc[kMaxRows * kChunkPanels * kPanel];
     for (int64_t c0 = q0; c0 < q1; c0 += kChunkPanels) {
       const int64_t c1 = std::min(q1, c0 + kChunkPanels), ld = (c1 - c0) * kPanel;
-      panel_rows(static_cast<int>(M), xp, K2, wp, c0, c1, acc, ld);
-      const int64_t n0 = c0 * kPanel, n1 = std::min(N, c1 * kPanel);
+      panel_rows<T>(static_cast<int>(M), x, J, w, c0, c1, acc, ld);
       for (int64_t m = 0; m < M; ++m) {
-        for (int64_t n = n0; n < n1; n += kPanel) {
-          const int64_t len = std::min(kPanel, n1 - n);
-          const __mmask16 mask = static_cast<__mmask16>((1u << len) - 1);
-          __m512 v = _mm512_loadu_ps(acc + m * ld + (n - n0));
-          if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n));
-          if (of)
-            _mm512_mask_storeu_ps(of + m * N + n, mask, v);
-          else
-            _mm256_mask_storeu_epi16(ob + m * N + n, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t n0 = c * kPanel, len = std::min(kPanel, N - n0);
+          store(m, n0, static_cast<__mmask16>((1u << len) - 1), acc + m * ld + (c - c0) * kPanel);
         }
       }
     }
   });
+}
+
+void check_panels(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t N, int64_t depth,
+                  at::ScalarType dtype) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bfloat16 or float32");
+  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kPanel && panels.size(3) == depth && panels.is_contiguous() &&
+                  panels.scalar_type() == dtype,
+              op, ": panels must be contiguous ", c10::toString(dtype), " [P, K/", depth, ", 16, ", depth, "]");
+  const int64_t P = panels.size(0);
+  TORCH_CHECK(x.size(1) == depth * panels.size(1), op, ": x has ", x.size(1), " columns, the panels ",
+              depth * panels.size(1));
+  TORCH_CHECK(N > 16 * (P - 1) && N <= 16 * P, op, ": ", N, " columns do not fill ", P, " panels");
+  TORCH_CHECK(x.size(0) <= kMaxRows, op, ": at most ", kMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), op, ": CPU tensors only");
+}
+
+// Stores 16 float32 values (the lanes in `mask`) as float32 or bfloat16.
+inline void store16(float* of, uint16_t* ob, int64_t i, __mmask16 mask, __m512 v) {
+  if (of)
+    _mm512_mask_storeu_ps(of + i, mask, v);
+  else
+    _mm256_mask_storeu_epi16(ob + i, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// x [M, K] (bfloat16, or float32 rounded to bfloat16) times the bfloat16 weight in panels
+// [P, K/2, 16, 2] (N output columns, N <= 16 P), plus bias; float32 accumulation, the result
+// [M, N] in x's dtype.
+at::Tensor gemm_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                            const std::optional<at::Tensor>& bias) {
+  check_panels("tandem gemm_bf16_panels", x, panels, N, 2, at::kBFloat16);
+  const int64_t M = x.size(0);
+  at::Tensor xb = x.to(at::kBFloat16).contiguous(), b;
+  const float* bp = bias_ptr(bias, N, b);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
+  panel_product<Bf16Pairs>(reinterpret_cast<const uint32_t*>(xb.data_ptr()), M, panels.size(1),
+                           reinterpret_cast<const uint8_t*>(panels.data_ptr()), panels.size(0), N,
+                           [&](int64_t m, int64_t n0, __mmask16 mask, const float* sums) {
+    __m512 v = _mm512_loadu_ps(sums);
+    if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n0));
+    store16(of, ob, m * N + n0, mask, v);
+  });
   return out;
 }
 #endif  // __AVX512BF16__
+
+#if defined(__AVX512VNNI__)
+// Dynamic int8 activations (one symmetric scale per row, as gemm_w8a8 quantizes them) times the
+// int8 weight in panels [P, K/4, 16, 4] with one scale and one sum per output column (`w_sum`
+// takes the activations' +128 offset back out), plus bias; the result [M, N] in x's dtype.
+at::Tensor gemm_w8a8_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& w_scale,
+                            const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
+  check_panels("tandem gemm_w8a8_panels", x, panels, N, 4, at::kChar);
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == N,
+              "tandem gemm_w8a8_panels: w_scale must be contiguous float32, one per output column");
+  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == N,
+              "tandem gemm_w8a8_panels: w_sum must be contiguous int32, one per output column");
+  const int64_t M = x.size(0), K = x.size(1);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options()), b;
+  if (M == 0) return out;
+  RowsF32 rows(xc);
+  at::Tensor xu = at::empty({M, K}, x.options().dtype(at::kByte));
+  uint8_t* up = xu.data_ptr<uint8_t>();
+  float x_scale[kMaxRows];
+  for (int64_t m = 0; m < M; ++m) x_scale[m] = quantize_row_u8(rows.row(m), K, up + m * K);
+  const float* bp = bias_ptr(bias, N, b);
+  const float* sp = w_scale.data_ptr<float>();
+  const int32_t* sump = w_sum.data_ptr<int32_t>();
+  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
+  panel_product<U8S8Quads>(reinterpret_cast<const uint32_t*>(up), M, panels.size(1),
+                           reinterpret_cast<const uint8_t*>(panels.data_ptr()), panels.size(0), N,
+                           [&](int64_t m, int64_t n0, __mmask16 mask, const int32_t* sums) {
+    const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, sump + n0), 7);  // 128 * w_sum
+    const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sums), offset);
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x_scale[m]));
+    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, sp + n0));
+    if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n0));
+    store16(of, ob, m * N + n0, mask, v);
+  });
+  return out;
+}
+#endif  // __AVX512VNNI__
 
 }  // namespace
 
@@ -124,10 +218,16 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 #if defined(__AVX512BF16__)
   m.def("gemm_bf16_panels(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
 #endif
+#if defined(__AVX512VNNI__)
+  m.def("gemm_w8a8_panels(Tensor x, Tensor panels, int n, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
 #if defined(__AVX512BF16__)
   m.impl("gemm_bf16_panels", &gemm_bf16_panels);
+#endif
+#if defined(__AVX512VNNI__)
+  m.impl("gemm_w8a8_panels", &gemm_w8a8_panels);
 #endif
 }

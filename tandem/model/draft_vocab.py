@@ -218,7 +218,7 @@ def sub_linear(model: nn.Module, rows: torch.Tensor) -> nn.Module:
         assert isinstance(embed, nn.Embedding)
         return dense(embed.weight, None)
     if isinstance(head, Int8Linear):
-        return Int8Linear.from_int8(pick(head.qweight), pick(head.scale), maybe(head.bias), head.use_kernel)
+        return Int8Linear.from_int8(pick(head.int8_weight()), pick(head.scale), maybe(head.bias), head.use_kernel)
     if isinstance(head, Int4Linear):
         use = None if (head.kernel_max_rows or head.compiled_dequant) else False
         layer = Int4Linear.from_packed(

@@ -60,7 +60,8 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
             library = "PyTorch dynamic int8"
         weight_only = f"int8 weight-only kernel gemm_w8_f32 ({kernel_instructions('gemm_w8_f32')}, <= {W8_KERNEL_MAX_ROWS} rows)"
         if m.row_sum is not None:
-            kernel = f"int8 kernel gemm_w8a8 ({kernel_instructions('gemm_w8a8')}, <= {m.kernel_max_rows} rows)"
+            name = "gemm_w8a8_panels" if m.panels is not None else "gemm_w8a8"
+            kernel = f"int8 kernel {name} ({kernel_instructions(name)}, <= {m.kernel_max_rows} rows)"
             rest = library or (f"{weight_only} + widened to float above" if m.weight_only_kernel else None)
             path = f"{kernel} + {rest or 'int8 weights widened to float'}"
         elif library is not None:
@@ -70,8 +71,8 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
         else:
             path = "int8 weights widened to float (no VNNI)"
         # The prepacked copy the library keeps for its int8 GEMM is about as large as qweight.
-        extra = m.qweight.numel() if library is not None else 0
-        return path, _tensor_bytes(m.qweight, m.scale, m.row_sum, m.bias) + extra
+        extra = m.in_features * m.out_features if library is not None else 0
+        return path, _tensor_bytes(m.qweight, m.panels, m.scale, m.row_sum, m.bias) + extra
     if isinstance(m, PackedLinear):
         dtype = str(m.dtype).removeprefix("torch.")
         if m.packed is None:

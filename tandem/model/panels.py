@@ -1,40 +1,46 @@
-"""A bfloat16 weight in column panels: the layout `tandem.gemm_bf16_panels` reads (few-row products
-on CPUs with AVX512-BF16 and no AMX; tandem/kernels/panel_ops.cpp says why this layout).
+"""A weight in column panels: the layout Tandem's few-row kernels read on CPUs with AVX-512 and no
+AMX (`tandem.gemm_bf16_panels` for bfloat16, `tandem.gemm_w8a8_panels` for int8;
+tandem/kernels/panel_ops.cpp says why this layout).
 
-`pack_panels(w)` of w [N, K] is [ceil(N / 16), K / 2, 16, 2]: panel p holds output columns
-16p .. 16p + 15 (zero rows past N), and for each pair of inputs j the 16 columns' weights
-w[n, 2j], w[n, 2j + 1] side by side. The same bytes as the plain weight, plus the padding rows.
+`pack_panels(w)` of w [N, K] is [ceil(N / 16), K / D, 16, D] with D inputs a 32-bit lane (2 for
+bfloat16, 4 for int8): panel p holds output columns 16p .. 16p + 15 (zero rows past N), and for
+each group j of D inputs the 16 columns' weights w[n, D j .. D j + D - 1] side by side. The same
+bytes as the plain weight, plus the padding columns.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Output columns per panel: one float32 vector of sums in the kernel.
+# Output columns per panel: one vector of 32-bit sums in the kernels.
 PANEL = 16
+# Inputs per 32-bit lane, by weight dtype.
+DEPTH = {torch.bfloat16: 2, torch.int8: 4}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """The layout takes bfloat16 weights with an even number of inputs."""
-    return weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
+    """The layout takes bfloat16 weights with an even number of inputs, int8 with a multiple of 4."""
+    depth = DEPTH.get(weight.dtype)
+    return depth is not None and weight.dim() == 2 and weight.shape[1] % depth == 0
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """w [N, K] bfloat16 (K even) -> [ceil(N / 16), K / 2, 16, 2]."""
+    """w [N, K] (bfloat16 or int8) -> [ceil(N / 16), K / D, 16, D]."""
     if not can_pack(weight):
         raise ValueError(
-            f"pack_panels: needs a 2-D bfloat16 weight with an even number of columns, got "
-            f"{weight.dtype} {tuple(weight.shape)}"
+            "pack_panels: needs a 2-D bfloat16 weight with an even number of columns or an int8 one "
+            f"with a multiple of 4, got {weight.dtype} {tuple(weight.shape)}"
         )
     n, k = weight.shape
+    depth = DEPTH[weight.dtype]
     panels = -(-n // PANEL)
     w = weight.detach()
     if panels * PANEL != n:
         w = torch.cat((w, w.new_zeros(panels * PANEL - n, k)))
-    return w.reshape(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.reshape(panels, PANEL, k // depth, depth).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
     """The weight [n, K] back from its panels (a copy)."""
-    p, half, _, _ = panels.shape
-    return panels.permute(0, 2, 1, 3).reshape(p * PANEL, half * 2)[:n].contiguous()
+    p, lanes, _, depth = panels.shape
+    return panels.permute(0, 2, 1, 3).reshape(p * PANEL, lanes * depth)[:n].contiguous()

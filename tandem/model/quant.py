@@ -5,9 +5,11 @@ bytes, which is what bounds small-batch decoding on a CPU. Activations: quantize
 time with one scale per row (per token), accumulated in int32 and scaled back to float. On CPUs
 with AMX, Tandem's tile kernel (`gemm_amx_w8a8`, the weight in its own tile layout) does every
 product, quantizing inside the call: 1.5x oneDNN's int8 GEMM at 32 rows, 1.6x at 512 (prompt
-chunks). Elsewhere, for up to eight rows (decoding a few streams) Tandem's own AVX512-VNNI kernel
-(tandem/kernels) does the whole product, quantizing inside the call and streaming the weight at
-memory speed; above that the rows are quantized by Tandem (`quantize_rows_u8`) and multiplied by
+chunks). Elsewhere, for up to sixteen rows (decoding a few streams) Tandem's own AVX512-VNNI kernel
+does the whole product, quantizing inside the call and streaming the weight at memory speed: over
+the weight in column panels (`gemm_w8a8_panels`, tandem/model/panels.py, which then stand in for
+the [out, in] weight) where it built, else `gemm_w8a8` over the rows up to eight; above that the
+rows are quantized by Tandem (`quantize_rows_u8`) and multiplied by
 oneDNN's int8 GEMM (`onednn::qlinear_pointwise`, VNNI, weight prepacked once), each result row
 scaled by its own scale. One scale per row matters: PyTorch's `quantized::linear_dynamic` (kept where oneDNN's
 operator is missing) takes one scale for the whole batch, so one large row (a first token's
@@ -42,6 +44,7 @@ from tandem.cpu import cpu_flags
 from tandem.model.direct_call import BoundTensors, DirectCall
 from tandem.model.gate_up import can_interleave, deinterleave, interleave_tiles, interleaved_columns
 from tandem.model.linear import M, amx_tiles_available, replace_linears
+from tandem.model.panels import can_pack, pack_panels, unpack_panels
 
 logger = logging.getLogger("tandem.model")
 
@@ -50,6 +53,9 @@ logger = logging.getLogger("tandem.model")
 # weight-only kernel from one row (0.81x its time) and most from eight (0.63-0.69x).
 _KERNEL_MAX_ROWS = 8
 _AVX2_KERNEL_MAX_ROWS = 16
+# Rows up to which the int8 kernel over column panels (`gemm_w8a8_panels`, AVX512-VNNI without AMX)
+# runs, before oneDNN's int8 GEMM: 0.58-0.83x its time at 1-16 rows (docs/benchmarks-kernels.md).
+INT8_PANELS_MAX_ROWS = 16
 # Activation dtypes the few-row kernel reads directly.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the weight-only AVX2 kernel (no VNNI) runs, in calls of KERNEL_ROWS rows (each
@@ -100,10 +106,11 @@ def cpu_has_vnni() -> bool:
 class Int8Linear(BoundTensors, DirectCall, nn.Module):
     """y = x @ (q * scale)^T + b with q int8 [out, in], scale [out]; activations int8 on the fast path."""
 
-    qweight: torch.Tensor  # buffers (register_buffer)
+    qweight: torch.Tensor | None  # buffers (register_buffer); None where `panels` hold the weight
     scale: torch.Tensor
-    _bound = ("qweight", "scale", "bias")
-    _tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    panels: torch.Tensor | None
+    _bound = ("qweight", "scale", "bias", "panels")
+    _tensors: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, use_kernel: bool | None = None
@@ -160,6 +167,13 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
         int8_kernel = want and (self.tiles is not None or kernels.has("gemm_w8a8"))
         self.row_sum = q.sum(1, dtype=torch.int32) if int8_kernel else None
         self.kernel_max_rows = w8a8_kernel_max_rows() if int8_kernel else 0
+        # AVX512-VNNI without AMX: the few-row kernel reads the weight in column panels
+        # (tandem/model/panels.py), which then replace the [out, in] weight (int8_weight() rebuilds it).
+        panels = int8_kernel and self.tiles is None and kernels.has("gemm_w8a8_panels") and can_pack(q)
+        self.register_buffer("panels", pack_panels(q) if panels else None, persistent=False)
+        if panels:
+            self.qweight = None
+            self.kernel_max_rows = INT8_PANELS_MAX_ROWS
         # Without VNNI: the weight-only kernel for few rows.
         self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
         # Once fuse_silu laid the tiles out for a gated MLP: the intermediate width, and the tiles'
@@ -175,7 +189,7 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
             return self.interleaved == intermediate
         if self.tiles is None or self.row_sum is None or not can_interleave(intermediate, self.out_features):
             return False
-        _, scale, bias = self._tensors
+        _, scale, bias, _ = self._tensors
         order = interleaved_columns(intermediate)
         self.tiles = interleave_tiles(self.tiles, intermediate)
         self._tile_columns = (
@@ -199,18 +213,26 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # quantized-tensor constructors warn of future removal
             qw = torch._make_per_channel_quantized_tensor(
-                self.qweight, self.scale.double(), torch.zeros(self.out_features, dtype=torch.long), 0
+                self.int8_weight(), self.scale.double(), torch.zeros(self.out_features, dtype=torch.long), 0
             )
             return torch.ops.quantized.linear_prepack(qw, self.bias)
 
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weight [out, in]: the layer's own, or rebuilt from its panels (a copy)."""
+        if self.qweight is not None:
+            return self.qweight
+        if self.panels is None:
+            raise RuntimeError("Int8Linear holds neither its weight nor its panels")
+        return unpack_panels(self.panels, self.out_features)
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.qweight.to(dtype) * self.scale.to(dtype)[:, None]
+        return self.int8_weight().to(dtype) * self.scale.to(dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
-        qweight, scale, bias = self._tensors
+        qweight, scale, bias, panels = self._tensors
         if self.tiles is not None and x.dtype in _KERNEL_DTYPES:
             if self._tile_columns is not None:
                 tile_scale, tile_sum, tile_bias = self._tile_columns
@@ -219,6 +241,8 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
             return torch.ops.tandem.gemm_amx_w8a8(x, self.tiles, self.out_features, scale, self.row_sum, bias)
         if self.row_sum is not None and 0 < x.shape[0] <= self.kernel_max_rows and x.dtype in _KERNEL_DTYPES:
             # A decode step's few rows: the kernel reads bfloat16 too and answers in x's dtype.
+            if panels is not None:
+                return torch.ops.tandem.gemm_w8a8_panels(x, panels, self.out_features, scale, self.row_sum, bias)
             return torch.ops.tandem.gemm_w8a8(x, qweight, scale, self.row_sum, bias)
         if x.dtype == torch.float32:
             return self._matmul(x)
@@ -245,7 +269,7 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
             ]
             return torch.cat(parts)
         # Per-channel scales commute with the matmul: scale the output columns instead.
-        y = F.linear(x2, self.qweight.float()) * self.scale
+        y = F.linear(x2, self.int8_weight().float()) * self.scale
         return y if self.bias is None else y + self.bias
 
 

@@ -1,5 +1,5 @@
-"""The bfloat16 column-panel layout (tandem/model/panels.py) and its few-row kernel
-`gemm_bf16_panels` (tandem/kernels/panel_ops.cpp) against float references."""
+"""The column-panel layout (tandem/model/panels.py) and its few-row kernels `gemm_bf16_panels` and
+`gemm_w8a8_panels` (tandem/kernels/panel_ops.cpp) against exact references."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tandem import kernels
 from tandem.model.linear import PackedLinear
 from tandem.model.linear_report import linear_path
 from tandem.model.panels import PANEL, pack_panels, unpack_panels
+from tandem.model.quant import Int8Linear
 
 # (out, in): fewer columns than a panel, ragged last panels, more panels than a block of 8 and a
 # task's chunk, inputs down to one pair.
@@ -112,3 +113,61 @@ def test_a_bfloat16_layer_without_tiles_runs_its_few_rows_on_the_panels():
     # An odd number of inputs has no panel form: the plain weight and gemv_bf16 instead.
     odd = PackedLinear(_weight(40, 47, 4), None)
     assert odd.panels is None and (odd.plain is not None) == kernels.has("gemv_bf16")
+
+
+# int8: inputs in groups of 4 a lane.
+INT8_SHAPES = [(5, 4), (16, 32), (37, 96), (200, 64), (300, 132)]
+needs_int8_kernel = pytest.mark.skipif(
+    not kernels.has("gemm_w8a8_panels"), reason="host CPU has no AVX512-VNNI"
+)
+
+
+def test_int8_panels_round_trip_in_groups_of_four():
+    q = torch.randint(-127, 128, (37, 96), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    p = pack_panels(q)
+    assert p.shape == (3, 24, PANEL, 4) and p.dtype == torch.int8
+    assert p[2, 23, 4, 3] == q[36, 95] and not p[2, :, 5:, :].any()
+    assert torch.equal(unpack_panels(p, 37), q)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_panels(torch.zeros(4, 6, dtype=torch.int8))
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("rows", range(17))
+@pytest.mark.parametrize("shape", INT8_SHAPES)
+def test_gemm_w8a8_panels_matches_the_row_kernel(rows, shape):
+    """The same integer sums as gemm_w8a8 (rows quantized alike, +128 offset taken out with the
+    columns' sums), so the same results; both against the exact reference of those integers."""
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    layer = Int8Linear(torch.randn(n, k, generator=g), None, use_kernel=False)  # the plain int8 weight
+    q, scale, w_sum = layer.qweight, layer.scale, layer.qweight.sum(1, dtype=torch.int32)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    y = torch.ops.tandem.gemm_w8a8_panels(x, pack_panels(q), n, scale, w_sum, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    x_scale = x.abs().amax(1).clamp(min=1e-12) / 127
+    xq = torch.round(x / x_scale[:, None]).clamp(-127, 127).double()
+    expect = (xq @ q.double().T) * x_scale.double()[:, None] * scale.double() + b.double()
+    torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-4)
+    if kernels.has("gemm_w8a8") and rows:  # (it takes at least one row)
+        torch.testing.assert_close(y, torch.ops.tandem.gemm_w8a8(x, q, scale, w_sum, b), rtol=1e-6, atol=1e-5)
+    y16 = torch.ops.tandem.gemm_w8a8_panels(x.to(torch.bfloat16), pack_panels(q), n, scale, w_sum, None)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (rows, n)
+
+
+@needs_int8_kernel
+def test_an_int8_layer_without_tiles_holds_its_weight_as_panels_only():
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(5))
+    layer, ref = Int8Linear(w, torch.zeros(40)), Int8Linear(w, torch.zeros(40), use_kernel=False)
+    if layer.tiles is not None:
+        pytest.skip("AMX tiles take every int8 product here")
+    assert layer.qweight is None and layer.panels is not None and layer.kernel_max_rows == 16
+    assert torch.equal(layer.int8_weight(), ref.qweight)
+    torch.testing.assert_close(layer.dequantized(torch.float32), ref.dequantized(torch.float32))
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    assert torch.equal(layer(x[:5]), layer(x)[:5])  # a row's result whatever the rows beside it
+    torch.testing.assert_close(layer(x).float(), ref(x.float()), rtol=0.05, atol=0.25)  # int8 activations, bf16 out
+    path, nbytes = linear_path(layer)
+    assert "int8 kernel gemm_w8a8_panels (AVX512-VNNI vpdpbusd, <= 16 rows)" in path
+    assert nbytes >= 2 * 40 * 64  # the panels and the library's copy
