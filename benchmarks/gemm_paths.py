@@ -90,6 +90,9 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
             lambda x, m: m(x.to(torch.bfloat16)),
         )
     int8 = [Int8Linear(w, None) for w in weights]
+    for m in int8:  # the paths below read the [out, in] weight, which a layer holding panels rebuilds
+        if m.qweight is None:
+            m.qweight = m.int8_weight()
     if cpu_has_vnni() and onednn_int8_available() and kernels.has("quantize_rows_u8"):
         # oneDNN's int8 GEMM on its own prepacked copy (what Int8Linear runs without AMX).
         qlinear = [

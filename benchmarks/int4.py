@@ -87,7 +87,7 @@ def one_row_bytes(model: Any) -> int:
             few = m.plain if m.plain is not None else m.panels
             total += few.numel() * few.element_size()
         elif isinstance(m, Int8Linear):
-            total += sum(t.numel() * t.element_size() for t in (m.qweight, m.scale, m.row_sum) if t is not None)
+            total += sum(t.numel() * t.element_size() for t in (m.qweight, m.panels, m.scale, m.row_sum) if t is not None)
         elif isinstance(m, LINEAR_TYPES):
             total += linear_path(m)[1]
     return total
