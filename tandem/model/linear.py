@@ -11,10 +11,9 @@ the weight once, in the order it is stored, is best: on CPUs with AMX, Tandem's 
 on AVX-512 CPUs MKL's sgemv for one or two float32 rows (the same call transformers makes, so a
 single stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16
 float32 rows and, without AMX, 1-16 bfloat16 rows (over the weight in column panels,
-tandem/model/panels.py); on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv
-streams at half the memory bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers
-keep two forms of the weight where a few-row path exists: oneDNN's and the plain, panel or tiled one, as
-long as two copies fit (`SECOND_COPY_MAX_MEMORY_FRACTION`); else one (the tiles on AMX).
+tandem/model/panels.py); on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv streams at half the memory
+bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers keep two forms of the weight
+where a few-row path exists: oneDNN's and the plain, panel or tiled one, as long as two copies fit (`SECOND_COPY_MAX_MEMORY_FRACTION`); else one (the tiles on AMX).
 """
 
 from __future__ import annotations
@@ -102,9 +101,10 @@ def amx_tiles_available() -> bool:
 
 class PackedLinear(DirectCall, nn.Module):
     """A linear layer whose weight is held in oneDNN's reordered layout (CPU only), and, with
-    `second_copy`, also in the form a few-row path reads (AMX tiles for bfloat16, else column panels
-    for bfloat16 and the plain weight for float32). Without it the layer holds one copy: the tiles alone on AMX (every row count runs on
-    them), oneDNN's layout alone elsewhere."""
+    `second_copy`, also in the form a few-row path reads: AMX tiles for bfloat16, else column panels
+    for bfloat16 (tandem/model/panels.py) and the plain weight for float32. Without it the layer
+    holds one copy: the tiles alone on AMX (every row count runs on them), oneDNN's layout alone
+    elsewhere."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, second_copy: bool = True) -> None:
         super().__init__()
