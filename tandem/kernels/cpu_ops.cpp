@@ -394,6 +394,7 @@ at::Tensor gemm_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     for (int64_t i = 0; i < M * K; ++i) up[i] ^= 0x80;
   const float* bp = bias_ptr(bias, N, b);
   at::Tensor out = at::empty({M, N}, x.options());  // in x's dtype
+  if (M == 0) return out;  // an empty float32 output's null data pointer would pass for bfloat16 below
   float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   uint16_t* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* sp = w_scale.data_ptr<float>();

@@ -58,6 +58,14 @@ def test_gemv_f32_matches_f_linear(rows, shape, bias):
 
 
 @pytest.mark.skipif(not kernels.has("gemm_w8a8"), reason="host CPU has neither AVX512-VNNI nor AVX2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_w8a8_takes_zero_rows(dtype):
+    w = torch.zeros(8, 64, dtype=torch.int8)
+    y = torch.ops.tandem.gemm_w8a8(torch.zeros(0, 64, dtype=dtype), w, torch.ones(8), torch.zeros(8, dtype=torch.int32), None)
+    assert y.shape == (0, 8) and y.dtype == dtype
+
+
+@pytest.mark.skipif(not kernels.has("gemm_w8a8"), reason="host CPU has neither AVX512-VNNI nor AVX2")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
