@@ -139,12 +139,26 @@ void check_panels(const char* op, const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), op, ": CPU tensors only");
 }
 
+// 16 float32 values as bfloat16, rounded to nearest even as PyTorch rounds (a NaN stays a NaN);
+// the int8 kernel also builds on CPUs with VNNI and no AVX512-BF16 (Ice Lake, Cascade Lake).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
 // Stores 16 float32 values (the lanes in `mask`) as float32 or bfloat16.
 inline void store16(float* of, uint16_t* ob, int64_t i, __mmask16 mask, __m512 v) {
   if (of)
     _mm512_mask_storeu_ps(of + i, mask, v);
   else
-    _mm256_mask_storeu_epi16(ob + i, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_mask_storeu_epi16(ob + i, mask, to_bf16(v));
 }
 #endif
 

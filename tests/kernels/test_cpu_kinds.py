@@ -1,9 +1,10 @@
 """The kernels, and the layers that choose between them, as built and chosen for CPU kinds other
 than this host's (`TANDEM_CPU_MARCH`, tandem/cpu.py): AVX2 without AVX-512 (AMD Zen 2/3 class;
-`haswell`) and AVX-512 with BF16 and VNNI but no AMX (AMD Zen 4 class; `cooperlake`, the same
-kernel set, which GCC 12 knows where it does not know `znver4`). Each kind runs in a subprocess:
+`haswell`), AVX-512 with BF16 and VNNI but no AMX (AMD Zen 4 class; `cooperlake`, the same
+kernel set, which GCC 12 knows where it does not know `znver4`) and AVX-512 with VNNI but no BF16
+(Intel Ice Lake and Cascade Lake servers; `icelake-server`). Each kind runs in a subprocess:
 a process's flags and its library's operators are fixed for its life. A host that cannot run a
-kind's instructions skips it; on an AMX host both run, so the paths of every CPU kind are tested
+kind's instructions skips it; on an AMX host every kind runs, so the paths of every CPU kind are tested
 wherever the suite runs, oneDNN's and MKL's included (capped at the kind's instructions)."""
 
 from __future__ import annotations
@@ -21,8 +22,18 @@ REPO = Path(__file__).resolve().parents[2]
 # What each kind's library must hold and lack: the proof that the build and the flags followed the
 # target rather than the host.
 KINDS = {
-    "haswell": ({"gemv_f32", "gemm_w8_f32", "gemm_w8a8", "gemm_int4", "paged_attention"}, {"gemv_bf16", "gemm_amx_bf16"}),
-    "cooperlake": ({"gemv_f32", "gemv_bf16", "gemm_w8a8", "gemm_int4"}, {"gemm_w8_f32", "gemm_amx_bf16", "paged_attention_amx"}),
+    "haswell": (
+        {"gemv_f32", "gemm_w8_f32", "gemm_w8a8", "gemm_int4", "paged_attention"},
+        {"gemv_bf16", "gemm_bf16_panels", "gemm_w8a8_panels", "gemm_amx_bf16"},
+    ),
+    "cooperlake": (
+        {"gemv_f32", "gemv_bf16", "gemm_bf16_panels", "gemm_w8a8", "gemm_w8a8_panels", "gemm_int4"},
+        {"gemm_w8_f32", "gemm_amx_bf16", "paged_attention_amx"},
+    ),
+    "icelake-server": (
+        {"gemv_f32", "gemm_w8a8", "gemm_w8a8_panels", "gemm_int4"},
+        {"gemv_bf16", "gemm_bf16_panels", "gemm_w8_f32", "gemm_amx_bf16", "paged_attention_amx"},
+    ),
 }
 # The kernels against their references, then whole models against transformers and the int8 layers
 # through the paths this kind chooses.

@@ -152,8 +152,12 @@ def test_gemm_w8a8_panels_matches_the_row_kernel(rows, shape):
     torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-4)
     if kernels.has("gemm_w8a8") and rows:  # (it takes at least one row)
         torch.testing.assert_close(y, torch.ops.tandem.gemm_w8a8(x, q, scale, w_sum, b), rtol=1e-6, atol=1e-5)
-    y16 = torch.ops.tandem.gemm_w8a8_panels(x.to(torch.bfloat16), pack_panels(q), n, scale, w_sum, None)
+    # A bfloat16 result is the float32 one rounded to nearest even (with or without AVX512-BF16).
+    x16 = x.to(torch.bfloat16)
+    y16 = torch.ops.tandem.gemm_w8a8_panels(x16, pack_panels(q), n, scale, w_sum, b)
     assert y16.dtype == torch.bfloat16 and y16.shape == (rows, n)
+    y16_as32 = torch.ops.tandem.gemm_w8a8_panels(x16.float(), pack_panels(q), n, scale, w_sum, b)
+    assert torch.equal(y16, y16_as32.to(torch.bfloat16))
 
 
 @needs_int8_kernel
@@ -167,7 +171,8 @@ def test_an_int8_layer_without_tiles_holds_its_weight_as_panels_only():
     torch.testing.assert_close(layer.dequantized(torch.float32), ref.dequantized(torch.float32))
     x = torch.randn(16, 64).to(torch.bfloat16)
     assert torch.equal(layer(x[:5]), layer(x)[:5])  # a row's result whatever the rows beside it
-    torch.testing.assert_close(layer(x).float(), ref(x.float()), rtol=0.05, atol=0.25)  # int8 activations, bf16 out
+    # int8 activations and a bfloat16 result against the float reference
+    torch.testing.assert_close(layer(x).float(), ref(x.float()), rtol=0.05, atol=0.25)
     path, nbytes = linear_path(layer)
     assert "int8 kernel gemm_w8a8_panels (AVX512-VNNI vpdpbusd, <= 16 rows)" in path
     assert nbytes >= 2 * 40 * 64  # the panels and the library's copy
