@@ -75,7 +75,8 @@ void panel_block(const uint32_t* x, int64_t J, const uint8_t* w, typename T::Out
 
 // Rows one pass over a block of panels takes: more are split into two passes over the same block
 // (from L2 the second time). On the Sapphire Rapids VM with AMX masked, one pass of 15-16 rows (one
-// panel at a time) took 102-107 ms over the 415M's layers against 69-73 for 13-14; two passes, 73-78.
+// panel at a time) took 102-107 ms over the 415M's layers against 69-73 for 13-14 in one pass; two
+// passes of 15-16 rows took 73-78.
 constexpr int kPassRows = 12;
 
 // Panels [p0, p1) for M rows: blocks of panels_per_block(M), then the rest one panel at a time.
