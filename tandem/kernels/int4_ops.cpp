@@ -34,13 +34,8 @@ inline void dequant_block_avx512(const uint8_t* blk, __m512 s, __m512 z, E* o) {
     _mm512_storeu_ps(o, lo);
     _mm512_storeu_ps(o + 16, hi);
   } else {
-    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
-    auto round = [&](__m512 v) {  // float32 -> bfloat16 bits in the low 16 of each lane
-      const __m512i b = _mm512_castps_si512(v);
-      return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, bias), _mm512_and_si512(_mm512_srli_epi32(b, 16), one)), 16);
-    };
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(round(lo)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), _mm512_cvtepi32_epi16(round(hi)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(round_bf16_lanes(lo)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), _mm512_cvtepi32_epi16(round_bf16_lanes(hi)));
   }
 }
 #endif

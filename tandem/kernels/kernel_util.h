@@ -135,6 +135,15 @@ inline at::Tensor check_paged(const char* op, const at::Tensor& q, const at::Ten
 // A mask of the first n (0-16) of 16 lanes.
 inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
 
+// float32 -> bfloat16 bits in the low 16 of each 32-bit lane, rounded to nearest even as PyTorch
+// rounds (integer arithmetic: no AVX512-BF16 needed; a NaN whose payload lies only in the low 16
+// bits would round to infinity).
+inline __m512i round_bf16_lanes(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+}
+
 // 16 x 16 32-bit transpose in registers: rows r[0..15] become columns.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16], u[16];

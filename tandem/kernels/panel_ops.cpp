@@ -118,7 +118,7 @@ void panel_product(const uint32_t* x, int64_t M, int64_t J, const uint8_t* w, in
       for (int64_t m = 0; m < M; ++m) {
         for (int64_t c = c0; c < c1; ++c) {
           const int64_t n0 = c * kPanel, len = std::min(kPanel, N - n0);
-          store(m, n0, static_cast<__mmask16>((1u << len) - 1), acc + m * ld + (c - c0) * kPanel);
+          store(m, n0, first_lanes(len), acc + m * ld + (c - c0) * kPanel);
         }
       }
     }
@@ -146,11 +146,9 @@ inline __m256i to_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
 #else
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
+  const __m512i r = round_bf16_lanes(v);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
 #endif
 }
 

@@ -166,14 +166,13 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
         # the AVX2 form takes it and leaves it).
         int8_kernel = want and (self.tiles is not None or kernels.has("gemm_w8a8"))
         self.row_sum = q.sum(1, dtype=torch.int32) if int8_kernel else None
-        self.kernel_max_rows = w8a8_kernel_max_rows() if int8_kernel else 0
         # AVX512-VNNI without AMX: the few-row kernel reads the weight in column panels
         # (tandem/model/panels.py), which then replace the [out, in] weight (int8_weight() rebuilds it).
         panels = int8_kernel and self.tiles is None and kernels.has("gemm_w8a8_panels") and can_pack(q)
         self.register_buffer("panels", pack_panels(q) if panels else None, persistent=False)
         if panels:
             self.qweight = None
-            self.kernel_max_rows = INT8_PANELS_MAX_ROWS
+        self.kernel_max_rows = INT8_PANELS_MAX_ROWS if panels else w8a8_kernel_max_rows() if int8_kernel else 0
         # Without VNNI: the weight-only kernel for few rows.
         self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
         # Once fuse_silu laid the tiles out for a gated MLP: the intermediate width, and the tiles'
