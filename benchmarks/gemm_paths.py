@@ -20,8 +20,8 @@ stands in for (oneDNN's
 reordered float32 / bfloat16 product; oneDNN's int8 GEMM on rows quantized by Tandem, or without
 VNNI the weight-only int8 kernel; that one against the int8 weight widened to float per call), interleaved
 pairs over a whole model's layers, median time: the A/B behind each kernel's row limit; rows
-`bf16 panels/rows` and `int8 panels/rows` time the panel kernels against `gemv_bf16` and
-`gemm_w8a8` over the plain weight they replaced
+`bf16 panels/rows`, `int8 panels/rows` and `int4 panels/rows` time the panel kernels against
+`gemv_bf16`, `gemm_w8a8` and `gemm_int4` over the row-layout weight they replaced
 (`tandem.model.linear.kernel_max_rows`), printed beside it (on AMX hosts the tile kernels take
 bfloat16 and int8 layers instead; the limits there serve layers without tiles), with the streaming read bandwidth of
 the machine (a 2-thread sum over 512 MiB) that the one-row figures are a fraction of.
@@ -140,22 +140,48 @@ def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
 
 def int4_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, Callable]]:
     """4-bit layers (groups of 32, with zero points) of the same shapes, bfloat16 activations as the
-    engine runs them on a bfloat16 CPU: each product a 4-bit layer can take (tandem/model/int4.py)."""
+    engine runs them on a bfloat16 CPU: each product a 4-bit layer can take (tandem/model/int4.py).
+    Each layer is prepared in both layouts: the row layout the row kernels read and, where the panel
+    kernel is built (AVX512-VNNI), the column panels."""
+    from types import SimpleNamespace
+
     from tandem import kernels
-    from tandem.model.int4 import Int4Linear
+    from tandem.model.int4 import DequantScratch, pack_nibbles
+    from tandem.model.panels import pack_group_panels, pack_int4_panels
 
     g = torch.Generator().manual_seed(0)
+    panels = kernels.has("gemm_int4_panels")
     layers = []
     for w in weights:
         n, k = w.shape
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        layers.append(Int4Linear(q, torch.rand(n, k // 32, generator=g) * 0.01, torch.full((n, k // 32), 7.5), 32, None))
+        s = torch.rand(n, k // 32, generator=g) * 0.01
+        zs = s * 7.5
+        layers.append(SimpleNamespace(
+            qweight=pack_nibbles(q), scales=s, zs=zs, n=n, k=k,
+            panels=pack_int4_panels(q) if panels else None,
+            panel_scales=pack_group_panels(s) if panels else None,
+            panel_zs=pack_group_panels(zs) if panels else None,
+        ))
     paths: dict[str, tuple[list, Callable]] = {}
     bf16 = torch.bfloat16
+    scratch = DequantScratch()  # one buffer for every layer, as a model's 4-bit layers share one
+
+    def dequantized(m: SimpleNamespace) -> torch.Tensor:
+        out = scratch.get(bf16, m.n * m.k).view(m.n, m.k)
+        return torch.ops.tandem.dequant_int4(m.qweight, m.scales, m.zs, 32, out)
+
     if rows <= 64 and kernels.has("gemm_int4"):  # linear in rows: far too slow beyond
         paths["int4 Tandem kernel gemm_int4 (bf16 x)"] = (
             layers,
             lambda x, m: torch.ops.tandem.gemm_int4(x.to(bf16), m.qweight, m.scales, m.zs, 32, None),
+        )
+    if panels:
+        paths["int4 Tandem panels gemm_int4_panels (bf16 x)"] = (
+            layers,
+            lambda x, m: torch.ops.tandem.gemm_int4_panels(
+                x.to(bf16), m.panels, m.n, m.panel_scales, m.panel_zs, 32, None
+            ),
         )
     if kernels.has("gemm_amx_int4") and torch.ops.tandem.amx_ready():
         paths["int4 Tandem AMX kernel gemm_amx_int4"] = (
@@ -164,7 +190,7 @@ def int4_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, 
         )
     paths["int4 dequantize per call + bf16 GEMM"] = (
         layers,
-        lambda x, m: F.linear(x.to(bf16), m.dequantized(bf16, scratch=True)),
+        lambda x, m: F.linear(x.to(bf16), dequantized(m)),
     )
     return paths
 
@@ -278,6 +304,26 @@ def few_row_pairs(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, Call
             lambda x, i: F.linear(x, w8[i].qweight.to(x.dtype)) * w8[i].scale,
             f32_bytes // 4,
         )
+    if kernels.has("gemm_int4_panels") and kernels.has("gemm_int4"):
+        # 4-bit, symmetric groups of 128 (the GPTQ checkpoint of benchmarks/int4.py): the panels
+        # against the row kernel, bfloat16 activations.
+        from tandem.model.int4 import pack_nibbles
+        from tandem.model.panels import pack_group_panels, pack_int4_panels
+
+        g = torch.Generator().manual_seed(0)
+        q4 = [torch.randint(0, 16, tuple(w.shape), generator=g, dtype=torch.uint8) for w in weights]
+        s4 = [torch.rand(w.shape[0], w.shape[1] // 128, generator=g) * 0.01 for w in weights]
+        rows4 = [pack_nibbles(q) for q in q4]
+        panels4 = [(pack_int4_panels(q), pack_group_panels(s)) for q, s in zip(q4, s4)]
+
+        def panel_kernel4(x: torch.Tensor, i: int) -> torch.Tensor:
+            p, ps = panels4[i]
+            return torch.ops.tandem.gemm_int4_panels(x.to(torch.bfloat16), p, weights[i].shape[0], ps, None, 128, None)
+
+        def row_kernel4(x: torch.Tensor, i: int) -> torch.Tensor:
+            return torch.ops.tandem.gemm_int4(x.to(torch.bfloat16), rows4[i], s4[i], None, 128, None)
+
+        pairs["int4 panels/rows"] = (panel_kernel4, row_kernel4, f32_bytes // 8 + f32_bytes // 128)
     return pairs
 
 
@@ -309,6 +355,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
         "int8": INT8_PANELS_MAX_ROWS if kernels.has("gemm_w8a8_panels") else w8a8_kernel_max_rows(),
         "int8 panels/rows": INT8_PANELS_MAX_ROWS,
         "int8 weight-only": W8_KERNEL_MAX_ROWS,
+        "int4 panels/rows": None,  # the panels take every row count
     }
     bandwidth = read_bandwidth()
     flags = cpu_flags()  # under TANDEM_CPU_MARCH, also caps the libraries (before any product here)
@@ -332,12 +379,13 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
                 "kernel_fraction_of_read": nbytes / tk / bandwidth, "limit": limits[dtype],
             }
             out.append(row)
-            mark = "kernel" if rows <= limits[dtype] else "library"
+            limit = limits[dtype]
+            mark = "kernel" if limit is None or rows <= limit else "library"
             if dtype == "float32" and rows <= mkl_max_rows(torch.float32):
                 mark = "MKL sgemv"
             print(f"{dtype:16s} rows {rows:3d}  kernel {row['kernel_ms']:6.1f} ms ({row['kernel_gbps']:4.1f} GB/s, "
                   f"{row['kernel_fraction_of_read']:4.0%} of read)  library {row['library_ms']:6.1f} ms  "
-                  f"time ratio {row['kernel_over_library_time']:.2f}  (limit {limits[dtype]}: {mark})")
+                  f"time ratio {row['kernel_over_library_time']:.2f}  (limit {limit or 'none'}: {mark})")
     return {"read_gbps": bandwidth / 1e9, "cpu_kind": kind, "env": env, "few_rows": out}
 
 

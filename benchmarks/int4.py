@@ -144,11 +144,13 @@ class Variant:
 
 def time_layers(int4_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each distinct 4-bit layer shape: the kernel, dequantize-then-GEMM per call (the default above
-    the kernel's rows) and with the dequantized weight kept, and the float weight's F.linear."""
+    the kernel's rows) and with the dequantized weight kept, and the float weight's F.linear; where
+    the layer holds column panels (AVX512-VNNI without AMX), also the panel kernel."""
     import torch
     import torch.nn.functional as F
 
     from tandem.config import ModelConfig
+    from tandem.kernels import has as kernels_has
     from tandem.model.int4 import Int4Linear
     from tandem.model.loader import load_model
 
@@ -170,41 +172,56 @@ def time_layers(int4_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]
     rows_out = []
     for (n, k), lin in shapes.items():
         w = lin.dequantized(torch.float32)
+        qw, sc, zs = lin.weight_parts()  # the row layout (rebuilt once where panels replace it)
+        gs = lin.group_size
+        bufs = {dt: torch.empty(n, k, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+
+        def dequant(dtype: torch.dtype = torch.float32, qw=qw, sc=sc, zs=zs, gs=gs, bufs=bufs) -> torch.Tensor:
+            return torch.ops.tandem.dequant_int4(qw, sc, zs, gs, bufs[dtype])
+
         for rows in (1, 4, 8, 16, 32, 64, 128, 256, 512):
             x = torch.randn(rows, k)
             xb = x.to(torch.bfloat16)
 
-            def kernel(x: torch.Tensor = x, lin: Int4Linear = lin) -> torch.Tensor:
-                return torch.ops.tandem.gemm_int4(x, lin.qweight, lin.scales, lin.zs, lin.group_size, None)
+            def kernel(x: torch.Tensor = x, qw=qw, sc=sc, zs=zs, gs=gs) -> torch.Tensor:
+                return torch.ops.tandem.gemm_int4(x, qw, sc, zs, gs, None)
 
-            def per_call(x: torch.Tensor = x, lin: Int4Linear = lin) -> torch.Tensor:
-                return F.linear(x, lin.dequantized(torch.float32, scratch=True))
+            def panels(x: torch.Tensor = x, lin: Int4Linear = lin) -> torch.Tensor:
+                return torch.ops.tandem.gemm_int4_panels(
+                    x, lin.panels, lin.out_features, lin.panel_scales, lin.panel_zs, lin.group_size, None
+                )
+
+            def per_call(x: torch.Tensor = x, dequant=dequant) -> torch.Tensor:
+                return F.linear(x, dequant(torch.float32))
 
             def kept(x: torch.Tensor = x, w: torch.Tensor = w) -> torch.Tensor:
                 return F.linear(x, w)
 
-            def dequant(lin: Int4Linear = lin) -> torch.Tensor:
-                return lin.dequantized(torch.float32, scratch=True)
-
             # bfloat16 activations, as the engine runs on a CPU with bfloat16: the AMX form and the
             # path it replaces.
-            def kernel_bf16(x: torch.Tensor = xb, lin: Int4Linear = lin) -> torch.Tensor:
-                return torch.ops.tandem.gemm_int4(x, lin.qweight, lin.scales, lin.zs, lin.group_size, None)
+            def kernel_bf16(x: torch.Tensor = xb, qw=qw, sc=sc, zs=zs, gs=gs) -> torch.Tensor:
+                return torch.ops.tandem.gemm_int4(x, qw, sc, zs, gs, None)
 
-            def amx(x: torch.Tensor = xb, lin: Int4Linear = lin) -> torch.Tensor:
-                return torch.ops.tandem.gemm_amx_int4(x, lin.qweight, lin.scales, lin.zs, lin.group_size, None)
+            def panels_bf16(x: torch.Tensor = xb, panels=panels) -> torch.Tensor:
+                return panels(x)
 
-            def per_call_bf16(x: torch.Tensor = xb, lin: Int4Linear = lin) -> torch.Tensor:
-                return F.linear(x, lin.dequantized(torch.bfloat16, scratch=True))
+            def amx(x: torch.Tensor = xb, qw=qw, sc=sc, zs=zs, gs=gs) -> torch.Tensor:
+                return torch.ops.tandem.gemm_amx_int4(x, qw, sc, zs, gs, None)
 
+            def per_call_bf16(x: torch.Tensor = xb, dequant=dequant) -> torch.Tensor:
+                return F.linear(x, dequant(torch.bfloat16))
+
+            has_kernel, has_panels = kernels_has("gemm_int4") and rows <= 64, lin.panels is not None
             rows_out.append({
                 "shape": [n, k],
                 "rows": rows,
-                "int4_kernel_ms": best(kernel) if lin.kernel_max_rows else None,
+                "int4_kernel_ms": best(kernel) if has_kernel else None,
+                "int4_panels_ms": best(panels) if has_panels else None,
                 "dequant_per_call_gemm_ms": best(per_call),
                 "dequant_kept_gemm_ms": best(kept),
                 "dequant_alone_ms": best(dequant),
-                "bf16_int4_kernel_ms": best(kernel_bf16) if lin.kernel_max_rows else None,
+                "bf16_int4_kernel_ms": best(kernel_bf16) if has_kernel else None,
+                "bf16_int4_panels_ms": best(panels_bf16) if has_panels else None,
                 "bf16_amx_int4_ms": best(amx) if lin.amx_max_rows else None,
                 "bf16_dequant_per_call_gemm_ms": best(per_call_bf16),
             })

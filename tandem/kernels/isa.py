@@ -22,7 +22,7 @@ def kernel_instructions(kernel: str, flags: Set[str] | None = None) -> str:
         return "AMX-INT8 tiles"
     if kernel in ("gemv_bf16", "gemm_bf16_panels"):
         return "AVX512-BF16 vdpbf16ps"
-    if kernel == "gemm_w8a8_panels":
+    if kernel in ("gemm_w8a8_panels", "gemm_int4_panels"):
         return "AVX512-VNNI vpdpbusd"
     if kernel == "gemm_w8a8":
         return "AVX512-VNNI vpdpbusd" if vnni512 else "AVX2 vpmaddubsw, signs moved onto the weights"

@@ -104,39 +104,56 @@ void panel_rows(int m, const uint32_t* x, int64_t J, const uint8_t* w, int64_t p
   panel_range<T, M>(x, J, w, p0, p1, out, ld);
 }
 
-// x [M, J] 32-bit lanes times the panels [P, J, 16, D] on PyTorch's thread pool, in chunks of
-// panels whose sums stay on the stack; each panel's sums for row m go to
-// store(m, n0, mask, sums) (columns n0 .. n0 + 15, `mask` the ones below N).
-template <typename T, typename Store>
-void panel_product(const uint32_t* x, int64_t M, int64_t J, const uint8_t* w, int64_t P, int64_t N, Store&& store) {
+// The panels' products on PyTorch's thread pool, in chunks of panels whose sums stay on the stack:
+// rows(m0, m, c0, c1, acc, ld) writes rows m0 .. m0 + m - 1 (m <= kMaxRows) of panels [c0, c1) to
+// acc (row i at acc + i * ld, panel c at (c - c0) * 16); each panel's sums for row m then go to
+// store(m, n0, mask, sums) (columns n0 .. n0 + 15, `mask` the ones below N). More than kMaxRows
+// rows take the chunk's panels again per kMaxRows, from L2.
+template <typename Out, typename Rows, typename Store>
+void panel_product(int64_t M, int64_t P, int64_t N, Rows&& rows, Store&& store) {
   constexpr int64_t kChunkPanels = 8;
   at::parallel_for(0, P, 2, [&](int64_t q0, int64_t q1) {
-    alignas(64) typename T::Out acc[kMaxRows * kChunkPanels * kPanel];
+    alignas(64) Out acc[kMaxRows * kChunkPanels * kPanel];
     for (int64_t c0 = q0; c0 < q1; c0 += kChunkPanels) {
       const int64_t c1 = std::min(q1, c0 + kChunkPanels), ld = (c1 - c0) * kPanel;
-      panel_rows<T>(static_cast<int>(M), x, J, w, c0, c1, acc, ld);
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t c = c0; c < c1; ++c) {
-          const int64_t n0 = c * kPanel, len = std::min(kPanel, N - n0);
-          store(m, n0, first_lanes(len), acc + m * ld + (c - c0) * kPanel);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t m = std::min<int64_t>(kMaxRows, M - m0);
+        rows(m0, m, c0, c1, acc, ld);
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t n0 = c * kPanel, len = std::min(kPanel, N - n0);
+            store(m0 + i, n0, first_lanes(len), acc + i * ld + (c - c0) * kPanel);
+          }
         }
       }
     }
   });
 }
 
+// x [M, J] 32-bit lanes (M <= kMaxRows) times the panels [P, J, 16, D] with T's multiply.
+template <typename T, typename Store>
+void lane_product(const uint32_t* x, int64_t M, int64_t J, const uint8_t* w, int64_t P, int64_t N, Store&& store) {
+  panel_product<typename T::Out>(
+      M, P, N,
+      [&](int64_t m0, int64_t m, int64_t c0, int64_t c1, typename T::Out* acc, int64_t ld) {
+        panel_rows<T>(static_cast<int>(m), x + m0 * J, J, w, c0, c1, acc, ld);
+      },
+      store);
+}
+
+// `depth` bytes a lane of `dtype` elements holding `inputs` inputs; at most `max_rows` rows.
 void check_panels(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t N, int64_t depth,
-                  at::ScalarType dtype) {
+                  at::ScalarType dtype, int64_t inputs, int64_t max_rows) {
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bfloat16 or float32");
   TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kPanel && panels.size(3) == depth && panels.is_contiguous() &&
                   panels.scalar_type() == dtype,
-              op, ": panels must be contiguous ", c10::toString(dtype), " [P, K/", depth, ", 16, ", depth, "]");
+              op, ": panels must be contiguous ", c10::toString(dtype), " [P, K/", inputs, ", 16, ", depth, "]");
   const int64_t P = panels.size(0);
-  TORCH_CHECK(x.size(1) == depth * panels.size(1), op, ": x has ", x.size(1), " columns, the panels ",
-              depth * panels.size(1));
+  TORCH_CHECK(x.size(1) == inputs * panels.size(1), op, ": x has ", x.size(1), " columns, the panels ",
+              inputs * panels.size(1));
   TORCH_CHECK(N > 16 * (P - 1) && N <= 16 * P, op, ": ", N, " columns do not fill ", P, " panels");
-  TORCH_CHECK(x.size(0) <= kMaxRows, op, ": at most ", kMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(x.size(0) <= max_rows, op, ": at most ", max_rows, " rows, got ", x.size(0));
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), op, ": CPU tensors only");
 }
 
@@ -167,7 +184,7 @@ inline void store16(float* of, uint16_t* ob, int64_t i, __mmask16 mask, __m512 v
 // [M, N] in x's dtype.
 at::Tensor gemm_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                             const std::optional<at::Tensor>& bias) {
-  check_panels("tandem gemm_bf16_panels", x, panels, N, 2, at::kBFloat16);
+  check_panels("tandem gemm_bf16_panels", x, panels, N, 2, at::kBFloat16, 2, kMaxRows);
   const int64_t M = x.size(0);
   at::Tensor xb = x.to(at::kBFloat16).contiguous(), b;
   const float* bp = bias_ptr(bias, N, b);
@@ -175,7 +192,7 @@ at::Tensor gemm_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64
   if (M == 0) return out;
   float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
-  panel_product<Bf16Pairs>(reinterpret_cast<const uint32_t*>(xb.data_ptr()), M, panels.size(1),
+  lane_product<Bf16Pairs>(reinterpret_cast<const uint32_t*>(xb.data_ptr()), M, panels.size(1),
                            reinterpret_cast<const uint8_t*>(panels.data_ptr()), panels.size(0), N,
                            [&](int64_t m, int64_t n0, __mmask16 mask, const float* sums) {
     __m512 v = _mm512_loadu_ps(sums);
@@ -192,7 +209,7 @@ at::Tensor gemm_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64
 // takes the activations' +128 offset back out), plus bias; the result [M, N] in x's dtype.
 at::Tensor gemm_w8a8_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& w_scale,
                             const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
-  check_panels("tandem gemm_w8a8_panels", x, panels, N, 4, at::kChar);
+  check_panels("tandem gemm_w8a8_panels", x, panels, N, 4, at::kChar, 4, kMaxRows);
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == N,
               "tandem gemm_w8a8_panels: w_scale must be contiguous float32, one per output column");
   TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == N,
@@ -211,7 +228,7 @@ at::Tensor gemm_w8a8_panels(const at::Tensor& x, const at::Tensor& panels, int64
   const int32_t* sump = w_sum.data_ptr<int32_t>();
   float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
-  panel_product<U8S8Quads>(reinterpret_cast<const uint32_t*>(up), M, panels.size(1),
+  lane_product<U8S8Quads>(reinterpret_cast<const uint32_t*>(up), M, panels.size(1),
                            reinterpret_cast<const uint8_t*>(panels.data_ptr()), panels.size(0), N,
                            [&](int64_t m, int64_t n0, __mmask16 mask, const int32_t* sums) {
     const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, sump + n0), 7);  // 128 * w_sum
@@ -225,6 +242,181 @@ at::Tensor gemm_w8a8_panels(const at::Tensor& x, const at::Tensor& panels, int64
 }
 #endif  // __AVX512VNNI__
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 4-bit weights in panels [P, K/8, 16, 4] bytes: a lane is one column's 8 inputs 8j .. 8j + 7,
+// byte b holding input 8j + b in its low nibble and 8j + 4 + b in its high one, unsigned 0..15,
+// the weight (q - zero) * scale of its group. An AND and a shift + AND give two lanes of four
+// unsigned bytes, and `vpdpbusd` multiplies them by the broadcast int8 activations (as
+// gemm_int4 quantizes them: one scale per 32 inputs). A block's 32 inputs sum in int32, then
+// convert and scale by the block's activation scale times the group's 16 column scales (one
+// vector of the scales panels [P, G, 16]). A symmetric weight's zero point (8) comes out in
+// integers, each block's sums starting at -8 x its int8 activations' sum; an asymmetric one's
+// per group, zs (= scale x zero, [P, G, 16]) times the group's activation sum.
+struct Int4PanelRows {  // activation rows, quantized: row m's data at m x (K, K/32, G)
+  const int8_t* q;      // [M, K]
+  const float* s;       // [M, K/32]: each block's scale
+  const int32_t* zc;    // [M, K/32]: -8 x the block's int8 sum
+  const float* xg;      // [M, G]: each group's sum of the activations as quantized
+  Int4PanelRows rows_from(int64_t m, int64_t K, int64_t G) const {
+    return {q + m * K, s + m * (K / 32), zc + m * (K / 32), xg + m * G};
+  }
+};
+
+// M rows times R panels: M x R int32 block sums and as many float totals, each row's two
+// broadcasts and a panel's two nibble vectors within 30 registers; R divides a chunk's 8 panels
+// (R = 5 ran a chunk as 5 + 1 + 1 + 1 panels).
+constexpr int int4_panels_per_block(int m) {
+  for (int r : {8, 4, 2})
+    if (2 * m * r + 2 * m + 3 <= 30) return r;
+  return 1;
+}
+// Lanes ahead each 4-bit panel stream is prefetched: the nibbles take more instructions a byte
+// than the other weights' lanes, so a lane goes by sooner. At 8 rows 32 took 15.6-15.8 ms a pass
+// over the 415M's layers against 16.6-17.6 with 16 (Sapphire Rapids VM, AMX masked).
+constexpr int64_t kInt4Ahead = 32;
+// Rows one pass over a block of panels takes; more are split into two passes.
+constexpr int kInt4PassRows = 8;
+
+template <int M, int R, bool SYM>
+void int4_panel_block(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8_t* w, const float* ws,
+                      const float* wz, float* out, int64_t ld) {
+  const int64_t B = K / 32, G = K / gs, bpg = gs / 32, stride = K / 8 * 64, sstride = G * kPanel;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 tot[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) tot[m][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      __m512i ia[M][R];
+      for (int m = 0; m < M; ++m) {
+        const __m512i start = SYM ? _mm512_set1_epi32(a.zc[m * B + b]) : _mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) ia[m][r] = start;
+      }
+      for (int64_t j = b * 4; j < b * 4 + 4; ++j) {
+        __m512i b0[M], b1[M];
+        for (int m = 0; m < M; ++m) {
+          int32_t x0, x1;
+          std::memcpy(&x0, a.q + m * K + j * 8, 4);
+          std::memcpy(&x1, a.q + m * K + j * 8 + 4, 4);
+          b0[m] = _mm512_set1_epi32(x0);
+          b1[m] = _mm512_set1_epi32(x1);
+        }
+        // Near a panel's end, stream r prefetches the start of the next block's panel r: panels of
+        // 4-bit weights are short (7 KB for K = 896), so a block starting cold costs much.
+        const int64_t ahead = (j + kInt4Ahead) * 64 + (j + kInt4Ahead >= K / 8 ? (R - 1) * stride : 0);
+        for (int r = 0; r < R; ++r) {
+          const __m512i v = _mm512_loadu_si512(w + r * stride + j * 64);
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + ahead), _MM_HINT_T0);
+          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          for (int m = 0; m < M; ++m) {
+            ia[m][r] = _mm512_dpbusd_epi32(ia[m][r], lo, b0[m]);
+            ia[m][r] = _mm512_dpbusd_epi32(ia[m][r], hi, b1[m]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 wsv = _mm512_loadu_ps(ws + r * sstride + g * kPanel);
+        for (int m = 0; m < M; ++m) {
+          const __m512 scale = _mm512_mul_ps(wsv, _mm512_set1_ps(a.s[m * B + b]));
+          tot[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][r]), scale, tot[m][r]);
+        }
+      }
+    }
+    if constexpr (!SYM) {
+      for (int r = 0; r < R; ++r) {
+        const __m512 zv = _mm512_loadu_ps(wz + r * sstride + g * kPanel);
+        for (int m = 0; m < M; ++m) tot[m][r] = _mm512_fnmadd_ps(zv, _mm512_set1_ps(a.xg[m * G + g]), tot[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + m * ld + r * kPanel, tot[m][r]);
+}
+
+// Panels [p0, p1) for M rows, as panel_range does for the other weights.
+template <int M, bool SYM>
+void int4_panel_range(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8_t* w, const float* ws,
+                      const float* wz, int64_t p0, int64_t p1, float* out, int64_t ld) {
+  constexpr int M1 = M <= kInt4PassRows ? M : (M + 1) / 2, M2 = M - M1;
+  constexpr int R = int4_panels_per_block(M1);
+  const int64_t stride = K / 8 * 64, sstride = K / gs * kPanel;
+  const Int4PanelRows second = a.rows_from(M1, K, K / gs);
+  auto block = [&]<int Q>(int64_t p) {
+    const float* z = SYM ? nullptr : wz + p * sstride;
+    int4_panel_block<M1, Q, SYM>(a, K, gs, w + p * stride, ws + p * sstride, z, out + (p - p0) * kPanel, ld);
+    if constexpr (M2 > 0)
+      int4_panel_block<M2, Q, SYM>(second, K, gs, w + p * stride, ws + p * sstride, z,
+                                   out + M1 * ld + (p - p0) * kPanel, ld);
+  };
+  int64_t p = p0;
+  for (; p + R <= p1; p += R) block.template operator()<R>(p);
+  for (; p < p1; ++p) block.template operator()<1>(p);
+}
+
+template <bool SYM, int M = 1>
+void int4_panel_rows(int m, const Int4PanelRows& a, int64_t K, int64_t gs, const uint8_t* w, const float* ws,
+                     const float* wz, int64_t p0, int64_t p1, float* out, int64_t ld) {
+  if constexpr (M < kMaxRows) {
+    if (m > M) return int4_panel_rows<SYM, M + 1>(m, a, K, gs, w, ws, wz, p0, p1, out, ld);
+  }
+  int4_panel_range<M, SYM>(a, K, gs, w, ws, wz, p0, p1, out, ld);
+}
+
+// x [M, K] (float32 or bfloat16; any number of rows) times the 4-bit weight in panels
+// [P, K/8, 16, 4] with scales [P, G, 16] and zs = scale x zero [P, G, 16] (none: every zero 8),
+// plus bias; the result [M, N] in x's dtype.
+at::Tensor gemm_int4_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& zs, int64_t group_size,
+                            const std::optional<at::Tensor>& bias) {
+  const char* op = "tandem gemm_int4_panels";
+  check_panels(op, x, panels, N, 4, at::kByte, 8, x.size(0));
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), gs = group_size;
+  TORCH_CHECK(gs > 0 && gs % 32 == 0 && K % gs == 0, op, ": group_size must be a multiple of 32 that divides K, got ",
+              gs, " for K = ", K);
+  const int64_t G = K / gs, B = K / 32;
+  for (const at::Tensor* t : {&scales, zs.has_value() ? &*zs : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
+                    t->size(1) == G && t->size(2) == kPanel,
+                op, ": scales and zs must be contiguous float32 [P, K / group_size, 16]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options()), b;
+  if (M == 0) return out;
+  RowsF32 rows(xc);
+  std::vector<int8_t> q(M * K);
+  std::vector<float> s(M * B), xg(M * G, 0.f);
+  std::vector<int32_t> zc(M * B);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = rows.row(m);
+    for (int64_t blk = 0; blk < B; ++blk) {
+      int32_t qsum;
+      s[m * B + blk] = quantize_block32(xm + blk * 32, q.data() + m * K + blk * 32, &qsum);
+      zc[m * B + blk] = -static_cast<int32_t>(kSymZero) * qsum;
+      xg[m * G + blk / (gs / 32)] += s[m * B + blk] * static_cast<float>(qsum);
+    }
+  }
+  const Int4PanelRows act{q.data(), s.data(), zc.data(), xg.data()};
+  const float* bp = bias_ptr(bias, N, b);
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zs.has_value() ? zs->data_ptr<float>() : nullptr;
+  const uint8_t* wp = panels.data_ptr<uint8_t>();
+  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
+  panel_product<float>(
+      M, P, N,
+      [&](int64_t m0, int64_t m, int64_t c0, int64_t c1, float* acc, int64_t ld) {
+        const Int4PanelRows a = act.rows_from(m0, K, G);
+        (zp ? int4_panel_rows<false> : int4_panel_rows<true>)(static_cast<int>(m), a, K, gs, wp, sp, zp, c0, c1, acc,
+                                                              ld);
+      },
+      [&](int64_t m, int64_t n0, __mmask16 mask, const float* sums) {
+        __m512 v = _mm512_loadu_ps(sums);
+        if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n0));
+        store16(of, ob, m * N + n0, mask, v);
+      });
+  return out;
+}
+#endif  // __AVX512VNNI__ && __AVX512BW__
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
@@ -234,6 +426,9 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 #if defined(__AVX512VNNI__)
   m.def("gemm_w8a8_panels(Tensor x, Tensor panels, int n, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("gemm_int4_panels(Tensor x, Tensor panels, int n, Tensor scales, Tensor? zs, int group_size, Tensor? bias) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
@@ -242,5 +437,8 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
 #endif
 #if defined(__AVX512VNNI__)
   m.impl("gemm_w8a8_panels", &gemm_w8a8_panels);
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.impl("gemm_int4_panels", &gemm_int4_panels);
 #endif
 }

@@ -220,14 +220,14 @@ def sub_linear(model: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(head, Int8Linear):
         return Int8Linear.from_int8(pick(head.int8_weight()), pick(head.scale), maybe(head.bias), head.use_kernel)
     if isinstance(head, Int4Linear):
-        use = None if (head.kernel_max_rows or head.compiled_dequant) else False
+        qweight, scales, zs = head.weight_parts()
         layer = Int4Linear.from_packed(
-            pick(head.qweight),
-            pick(head.scales),
-            maybe(head.zs),
+            pick(qweight),
+            pick(scales),
+            maybe(zs),
             head.group_size,
             maybe(head.bias),
-            use_kernel=use,
+            use_kernel=None if head.use_kernels else False,
         )
         if head.in_perm is not None:
             layer.in_perm = head.in_perm

@@ -12,7 +12,14 @@ their columns are stored sorted by group and `in_perm` gathers the activations i
 first (a copy of the activations, not of the weight).
 
 Paths, by rows of the product (a decode step of a few streams is a few rows):
-- up to `INT4_KERNEL_MAX_ROWS` rows (bfloat16 rows only up to `INT4_AMX_KERNEL_MAX_ROWS` where
+- with AVX512-VNNI and no AMX (AMD Zen 4 / Zen 5, Ice Lake, Cooper Lake), every row count:
+  `tandem.gemm_int4_panels` (tandem/kernels/panel_ops.cpp) over the weight in column panels
+  (tandem/model/panels.py), which replace `qweight`, `scales` and `zs` (`weight_parts()` rebuilds
+  them): int8 activations in blocks of 32 as below, `vpdpbusd` against 16 columns' nibbles at once.
+  It reads the weight at 73-80% of memory speed for one row and, compute-bound from 32 rows on,
+  multiplies 3-5x faster than dequantizing into a bfloat16 GEMM without AMX
+  (docs/quantized_checkpoints.md);
+- otherwise up to `INT4_KERNEL_MAX_ROWS` rows (bfloat16 rows only up to `INT4_AMX_KERNEL_MAX_ROWS` where
   AMX takes over from there):
   `tandem.gemm_int4` (AVX512-VNNI, or AVX2 + FMA; tandem/kernels/int4_ops.cpp) streams the packed
   weight once per four rows, unpacking in registers; it quantizes the activations to int8 in
@@ -36,6 +43,7 @@ from tandem import kernels
 from tandem.kernels.isa import kernel_instructions
 from tandem.model.direct_call import BoundTensors, DirectCall
 from tandem.model.linear import amx_tiles_available
+from tandem.model.panels import pack_group_panels, pack_int4_panels, unpack_group_panels, unpack_int4_panels
 
 # Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM. On an AVX2 host the
 # kernel was still 1.2-3.3x faster than dequantize + float32 GEMM at 32-64 rows; with VNNI and
@@ -114,12 +122,17 @@ def dequantize_torch(
 class Int4Linear(BoundTensors, DirectCall, nn.Module):
     """y = x @ W^T + b with W held as 4-bit groups (layout above); computed in x's dtype."""
 
-    qweight: torch.Tensor  # buffers (register_buffer)
-    scales: torch.Tensor
+    # Buffers (register_buffer). Where `panels` hold the weight, qweight, scales and zs are None and
+    # panel_scales / panel_zs hold the scales and zero terms ([ceil(N / 16), G, 16]).
+    qweight: torch.Tensor | None
+    scales: torch.Tensor | None
     zs: torch.Tensor | None
     in_perm: torch.Tensor | None
-    _bound = ("qweight", "scales", "zs", "bias", "in_perm")
-    _tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    panels: torch.Tensor | None
+    panel_scales: torch.Tensor | None
+    panel_zs: torch.Tensor | None
+    _bound = ("qweight", "scales", "zs", "bias", "in_perm", "panels", "panel_scales", "panel_zs")
+    _tensors: tuple[torch.Tensor | None, ...]
 
     def __init__(
         self,
@@ -201,8 +214,20 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         return layer
 
     def choose_paths(self, use_kernels: bool) -> None:
-        """Which product takes how many rows on this host (`use_kernels=False`: PyTorch ops only)."""
+        """Which product takes how many rows on this host (`use_kernels=False`: PyTorch ops only); on
+        a host that runs the panel kernel the weight moves into panels."""
+        self.use_kernels = use_kernels
         amx = use_kernels and amx_tiles_available()  # gemm_amx_int4 is built with the other tile products
+        self.register_buffer("panels", None, persistent=False)
+        self.register_buffer("panel_scales", None, persistent=False)
+        self.register_buffer("panel_zs", None, persistent=False)
+        if use_kernels and not amx and kernels.has("gemm_int4_panels"):
+            qweight, scales, zs = self.weight_parts()
+            self.panels = pack_int4_panels(unpack_nibbles(qweight))
+            self.panel_scales = pack_group_panels(scales)
+            self.panel_zs = None if zs is None else pack_group_panels(zs)
+            self.qweight = self.scales = self.zs = None
+        # The panel kernel takes every row count; the others stand in where it is not built.
         self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if use_kernels and kernels.has("gemm_int4") else 0
         # bfloat16 rows from just above amx_min_rows go to the tiles (float32 rows never do: the
         # kernel keeps them up to its limit, which a float32 engine's 13-16-row steps need).
@@ -210,19 +235,34 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         self.amx_min_rows = min(INT4_AMX_KERNEL_MAX_ROWS, self.kernel_max_rows) if amx else 0
         self.compiled_dequant = use_kernels and kernels.has("dequant_int4")
 
+    def weight_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qweight, scales, zs) in the internal layout, rebuilt from the panels where those hold
+        the weight (a copy then: for loading and the rare paths that read it)."""
+        if self.panels is None:
+            assert self.qweight is not None and self.scales is not None
+            return self.qweight, self.scales, self.zs
+        n = self.out_features
+        assert self.panel_scales is not None
+        zs = None if self.panel_zs is None else unpack_group_panels(self.panel_zs, n)
+        return pack_nibbles(unpack_int4_panels(self.panels, n)), unpack_group_panels(self.panel_scales, n), zs
+
     def dequantized(self, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
         """The weight [out, in] in `dtype`, inputs in `in_perm` order if there is one. scratch=True
         writes it into a buffer shared by every layer (valid until the next layer's call): the
         per-call path allocates nothing."""
+        qweight, scales, zs = self.weight_parts()
         if self.compiled_dequant and dtype in (torch.float32, torch.bfloat16):
             n, k = self.out_features, self.in_features
             out = self.scratch.get(dtype, n * k).view(n, k) if scratch else torch.empty(n, k, dtype=dtype)
-            return torch.ops.tandem.dequant_int4(self.qweight, self.scales, self.zs, self.group_size, out)
-        return dequantize_torch(self.qweight, self.scales, self.zs, self.group_size, dtype)
+            return torch.ops.tandem.dequant_int4(qweight, scales, zs, self.group_size, out)
+        return dequantize_torch(qweight, scales, zs, self.group_size, dtype)
 
     def path(self) -> str:
         """Which products this layer runs (the start-up report)."""
         parts = []
+        if self.panels is not None:
+            isa = kernel_instructions("gemm_int4_panels")
+            return f"int4 kernel gemm_int4_panels ({isa}, weight in column panels, every row count)"
         if self.kernel_max_rows:
             bf16 = f"; bfloat16 <= {self.amx_min_rows}" if self.amx_max_rows else ""
             isa = kernel_instructions("gemm_int4")
@@ -235,9 +275,13 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         if x.dim() != 2:
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
-        qweight, scales, zs, bias, in_perm = self._tensors
+        qweight, scales, zs, bias, in_perm, panels, panel_scales, panel_zs = self._tensors
         if in_perm is not None:
             x = x.index_select(1, in_perm)
+        if panels is not None and x.dtype in _KERNEL_DTYPES:
+            return torch.ops.tandem.gemm_int4_panels(
+                x, panels, self.out_features, panel_scales, panel_zs, self.group_size, bias
+            )
         rows = x.shape[0]
         if self.amx_min_rows < rows <= self.amx_max_rows and x.dtype == torch.bfloat16:
             return torch.ops.tandem.gemm_amx_int4(x, qweight, scales, zs, self.group_size, bias)
@@ -258,19 +302,19 @@ def fuse_int4(parts: list[Int4Linear], bias: torch.Tensor | None) -> Int4Linear:
     )
     if not same:
         raise ValueError("layers fused together must share their act-order input permutation")
+    weights = [p.weight_parts() for p in parts]
     zs = None
-    if any(p.zs is not None for p in parts):
-        zs = torch.cat([p.zs if p.zs is not None else p.scales * SYMMETRIC_ZERO for p in parts])
+    if any(z is not None for _, _, z in weights):
+        zs = torch.cat([z if z is not None else s * SYMMETRIC_ZERO for _, s, z in weights])
     fused = Int4Linear.from_packed(
-        torch.cat([p.qweight for p in parts]),
-        torch.cat([p.scales for p in parts]),
+        torch.cat([q for q, _, _ in weights]),
+        torch.cat([s for _, s, _ in weights]),
         zs,
         first.group_size,
         bias,
         first.scratch,
+        use_kernel=first.use_kernels,
     )
     fused.register_buffer("in_perm", first.in_perm, persistent=False)
-    fused.kernel_max_rows, fused.compiled_dequant = first.kernel_max_rows, first.compiled_dequant
-    fused.amx_max_rows, fused.amx_min_rows = first.amx_max_rows, first.amx_min_rows
     fused.bind_tensors()
     return fused

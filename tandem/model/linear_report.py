@@ -47,7 +47,8 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
     if isinstance(m, Fp8Linear):
         return "torch._scaled_mm fp8, rows quantized one by one", _tensor_bytes(m.qweight, m.scale, m.bias)
     if isinstance(m, Int4Linear):
-        return f"{m.path()}, groups of {m.group_size}", _tensor_bytes(m.qweight, m.scales, m.zs, m.bias)
+        held = (m.qweight, m.scales, m.zs, m.panels, m.panel_scales, m.panel_zs, m.bias)
+        return f"{m.path()}, groups of {m.group_size}", _tensor_bytes(*held)
     if isinstance(m, Int8Linear):
         if m.tiles is not None:
             return "int8 AMX tile kernel, rows quantized one by one", _tensor_bytes(

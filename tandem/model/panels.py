@@ -1,6 +1,6 @@
 """A weight in column panels: the layout Tandem's few-row kernels read on CPUs with AVX-512 and no
-AMX (`tandem.gemm_bf16_panels` for bfloat16, `tandem.gemm_w8a8_panels` for int8;
-tandem/kernels/panel_ops.cpp says why this layout).
+AMX (`tandem.gemm_bf16_panels` for bfloat16, `tandem.gemm_w8a8_panels` for int8,
+`tandem.gemm_int4_panels` for 4-bit; tandem/kernels/panel_ops.cpp says why this layout).
 
 `pack_panels(w)` of w [N, K] is [ceil(N / 16), K / D, 16, D] with D inputs a 32-bit lane (2 for
 bfloat16, 4 for int8): panel p holds output columns 16p .. 16p + 15 (zero rows past N), and for
@@ -44,3 +44,39 @@ def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
     """The weight [n, K] back from its panels (a copy)."""
     p, lanes, _, depth = panels.shape
     return panels.permute(0, 2, 1, 3).reshape(p * PANEL, lanes * depth)[:n].contiguous()
+
+
+def _pad_columns(t: torch.Tensor) -> torch.Tensor:
+    """t [N, ...] with zero rows appended up to a whole number of panels."""
+    n = t.shape[0]
+    panels = -(-n // PANEL)
+    return t if panels * PANEL == n else torch.cat((t, t.new_zeros(panels * PANEL - n, *t.shape[1:])))
+
+
+def pack_int4_panels(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] of 4-bit values 0..15 (K a multiple of 8) -> [ceil(N / 16), K / 8, 16, 4] uint8."""
+    if q.dim() != 2 or q.shape[1] % 8:
+        raise ValueError(f"pack_int4_panels: needs a 2-D [N, K] tensor with K a multiple of 8, got {tuple(q.shape)}")
+    k = q.shape[1]
+    lanes = _pad_columns(q.detach().to(torch.uint8)).reshape(-1, PANEL, k // 8, 2, 4)
+    packed = lanes[:, :, :, 0] | (lanes[:, :, :, 1] << 4)
+    return packed.permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_int4_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The 4-bit values [n, K] back from their panels."""
+    p, lanes, _, _ = panels.shape
+    b = panels.permute(0, 2, 1, 3).reshape(p * PANEL, lanes, 1, 4)[:n]
+    return torch.cat((b & 0x0F, b >> 4), dim=2).reshape(n, lanes * 8).contiguous()
+
+
+def pack_group_panels(values: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, G] (scales, zero terms) -> [ceil(N / 16), G, 16] float32."""
+    g = values.shape[1]
+    return _pad_columns(values.detach().float()).reshape(-1, PANEL, g).permute(0, 2, 1).contiguous()
+
+
+def unpack_group_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-group values [n, G] back from their panels."""
+    p, g, _ = panels.shape
+    return panels.permute(0, 2, 1).reshape(p * PANEL, g)[:n].contiguous()

@@ -24,14 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 KINDS = {
     "haswell": (
         {"gemv_f32", "gemm_w8_f32", "gemm_w8a8", "gemm_int4", "paged_attention"},
-        {"gemv_bf16", "gemm_bf16_panels", "gemm_w8a8_panels", "gemm_amx_bf16"},
+        {"gemv_bf16", "gemm_bf16_panels", "gemm_w8a8_panels", "gemm_int4_panels", "gemm_amx_bf16"},
     ),
     "cooperlake": (
-        {"gemv_f32", "gemv_bf16", "gemm_bf16_panels", "gemm_w8a8", "gemm_w8a8_panels", "gemm_int4"},
+        {"gemv_f32", "gemv_bf16", "gemm_bf16_panels", "gemm_w8a8", "gemm_w8a8_panels", "gemm_int4", "gemm_int4_panels"},
         {"gemm_w8_f32", "gemm_amx_bf16", "paged_attention_amx"},
     ),
     "icelake-server": (
-        {"gemv_f32", "gemm_w8a8", "gemm_w8a8_panels", "gemm_int4"},
+        {"gemv_f32", "gemm_w8a8", "gemm_w8a8_panels", "gemm_int4", "gemm_int4_panels"},
         {"gemv_bf16", "gemm_bf16_panels", "gemm_w8_f32", "gemm_amx_bf16", "paged_attention_amx"},
     ),
 }
@@ -40,6 +40,7 @@ KINDS = {
 TESTS = [
     "tests/kernels/test_cpu_kernels.py",
     "tests/kernels/test_int4_kernel.py",
+    "tests/kernels/test_int4_panels.py",
     "tests/kernels/test_layer_ops.py",
     "tests/kernels/test_kernel_isa.py",
     "tests/kernels/test_panels.py",

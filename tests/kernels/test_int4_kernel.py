@@ -146,7 +146,7 @@ def test_gemm_int4_activation_error_is_small():
     q, s, z = _weights(n, k, group, 0)
     x = torch.randn(4, k)
     lin = Int4Linear(q, s, z, group, None)
-    ref = F.linear(x.double(), dequantize_torch(lin.qweight, lin.scales, lin.zs, group, torch.float64))
+    ref = F.linear(x.double(), dequantize_torch(*lin.weight_parts(), group, torch.float64))
     y = lin(x)
     assert float((y.double() - ref).norm() / ref.norm()) < 0.01
 
@@ -198,7 +198,7 @@ def test_int4_linear_paths_agree(rows, monkeypatch):
     ref = F.linear(x.double(), off.dequantized(torch.float64), b.double())
     torch.testing.assert_close(off(x).double(), ref, rtol=1e-5, atol=1e-5)
     y = on(x)
-    if rows <= on.kernel_max_rows:  # int8 activation blocks
+    if rows <= on.kernel_max_rows or on.panels is not None:  # int8 activation blocks
         assert float((y.double() - ref).norm() / ref.norm()) < 0.01
     else:
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
@@ -215,11 +215,14 @@ def test_fused_int4_layers_keep_zero_points_only_where_needed():
     for seed, sym in [(0, True), (1, True), (2, False)]:
         q, s, z = _weights(n, k, group, seed)
         parts.append(Int4Linear(q, s, torch.full_like(z, 8.0) if sym else z, group, None))
-    assert parts[0].zs is None and parts[2].zs is not None
+    def zero_terms(layer: Int4Linear) -> torch.Tensor | None:
+        return layer.weight_parts()[2]
+
+    assert zero_terms(parts[0]) is None and zero_terms(parts[2]) is not None
     x = torch.randn(3, k)
     for chosen in (parts[:2], parts):
         fused = fuse_int4(chosen, None)
-        assert (fused.zs is None) == all(p.zs is None for p in chosen)
+        assert (zero_terms(fused) is None) == all(zero_terms(p) is None for p in chosen)
         expect = torch.cat([p(x) for p in chosen], dim=-1)
         torch.testing.assert_close(fused(x), expect, rtol=1e-5, atol=1e-5)
 
@@ -232,7 +235,7 @@ def test_int4_linear_follows_its_tensors_when_they_are_replaced():
     x = torch.randn(2, 128)
     before = lin(x)
     lin._apply(lambda t: t.clone())
-    assert lin._tensors[0] is lin.qweight and lin._tensors[3] is lin.bias
+    assert lin._tensors[0] is lin.qweight and lin._tensors[3] is lin.bias and lin._tensors[5] is lin.panels
     with torch.no_grad():
         lin.bias.zero_()  # the new bias: forward must see it
     torch.testing.assert_close(lin(x), before - bias, rtol=1e-5, atol=1e-5)

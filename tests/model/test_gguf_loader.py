@@ -128,21 +128,28 @@ def test_packed_layers_hold_the_dequantized_weights(model_factory, tmp_path, cas
     for name, p_mod in p_model.named_modules():
         if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
             assert isinstance(p_mod, Int4Linear), name
-            # x = I runs both through their weights exactly (more rows than the int4 kernel takes).
+            # x = I runs the float layer through its weight exactly: the packed layer's weight.
             eye = torch.eye(p_mod.in_features)
-            assert torch.equal(p_mod(eye), d_model.get_submodule(name)(eye)), name
+            assert torch.equal(p_mod.dequantized(torch.float32).T, d_model.get_submodule(name)(eye)), name
             layers += 1
     # Every projection the float model has (MoE experts are stacked tensors: dequantized).
     suffixes = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     assert layers == sum(name.endswith(suffixes) for name, _ in d_model.named_modules())
     assert layers >= 2 * len(p_model.layers)
-    # Outputs agree with the dequantized model's within the packed kernel's activation rounding.
+    # Outputs agree with the dequantized model's within the packed kernel's activation rounding: the
+    # 3-token prompt's pass has int8 activation blocks; without AMX the panel kernel runs every
+    # prompt's pass with them, 40 tokens of these random models' sharp distributions (measured up
+    # to 0.40 on a token of log-probability -3.4; on the trained default model the prompt path's
+    # perplexity moved by 0.01%, docs/quantized_checkpoints.md).
+    panels = any(isinstance(m, Int4Linear) and m.panels is not None for m in p_model.modules())
+    tol = 0.5 if panels else 0.1
     prompts = _prompts()
     for a, b in zip(_generate(packed, prompts), _generate(dense, prompts)):
         first = a.outputs[0].logprobs[0]
         ref = b.outputs[0].logprobs[0]
         common = set(first) & set(ref)
-        assert common and all(abs(first[t].logprob - ref[t].logprob) < 0.1 for t in common)
+        diffs = {t: abs(first[t].logprob - ref[t].logprob) for t in common}
+        assert common and max(diffs.values()) < tol, diffs
 
 
 @pytest.mark.parametrize(

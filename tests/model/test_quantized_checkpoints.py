@@ -48,7 +48,8 @@ INT4 = ("awq", "gptq", "ct-int4")
 # these random models (sharp distributions: initializer_range 0.2); without it, rounding only.
 PROMPT_TOL = 2e-4
 DECODE_TOL = {True: 0.25, False: 2e-4}
-# Prompts longer than the kernel's rows (16), so their pass is the dequantize-then-GEMM one.
+# Prompts longer than the kernel's rows (16), so their pass is the dequantize-then-GEMM one (where the
+# panel kernel, which takes every row count, is not the 4-bit path).
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
     "import os\nimport sys\n\n\ndef main(argv):\n    for name in os.listdir(argv[1]):\n        print(name)\n",
@@ -113,11 +114,17 @@ def test_quantized_checkpoint_matches_dequantized_reference(name, use_kernels, w
         for j, tok in enumerate(o.outputs[0].token_ids):
             got = o.outputs[0].logprobs[j][tok].logprob
             worst_decode = max(worst_decode, abs(got - float(lp[n - 1 + j, tok])))
-    assert worst_prompt < PROMPT_TOL, worst_prompt
-    assert worst_decode < DECODE_TOL[kernel], worst_decode
-    # Greedy: the first token comes from the prompt pass (exact), so it is the reference's argmax.
+    # Without AMX the 4-bit panel kernel takes every row count, prompts too (int8 activations).
+    panels = any(isinstance(m, Int4Linear) and m.panels is not None for m in inner.modules())
+    assert worst_prompt < (DECODE_TOL[True] if panels else PROMPT_TOL), worst_prompt
+    assert worst_decode < DECODE_TOL[kernel or panels], worst_decode
     for o, lp in zip(outs, hf):
-        assert o.outputs[0].token_ids[0] == int(lp[len(o.prompt_token_ids) - 1].argmax())
+        last = lp[len(o.prompt_token_ids) - 1]
+        first = o.outputs[0].token_ids[0]
+        if panels:  # the first token's reference log-probability within the tolerance of the best
+            assert float(last.max() - last[first]) < DECODE_TOL[True]
+        else:  # from the prompt pass (exact), so the reference's argmax
+            assert first == int(last.argmax())
 
 
 def _fused_reference(ref: Path, layer: int) -> dict[str, torch.Tensor]:
@@ -156,10 +163,13 @@ def test_int4_weights_take_a_quarter_of_bfloat16(written):
     assert len(layers) == 4 * cfg.num_layers  # q/k/v fused, o, gate/up fused, down
     for m in layers:
         weights = m.out_features * m.in_features
-        assert m.qweight.numel() * m.qweight.element_size() == weights // 2
         groups = weights // m.group_size
-        assert m.scales.numel() == groups
-        assert m.zs is None  # symmetric: every zero point 8, none stored
+        # Row layout, or column panels (padded to 16 columns) where those replace it.
+        qweight, scales, zs = (m.qweight, m.scales, m.zs) if m.panels is None else (m.panels, m.panel_scales, m.panel_zs)
+        padded = -(-m.out_features // 16) * 16 * m.in_features
+        assert qweight.numel() * qweight.element_size() in (weights // 2, padded // 2)
+        assert scales.numel() in (groups, padded // m.group_size)
+        assert zs is None  # symmetric: every zero point 8, none stored
     # One dequantization buffer for the model's 4-bit layers: not one per layer (the float model's
     # memory again), nor one per process (shared with other models).
     assert len({id(m.scratch) for m in layers}) == 1
