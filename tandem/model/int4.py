@@ -16,8 +16,8 @@ Paths, by rows of the product (a decode step of a few streams is a few rows):
   `tandem.gemm_int4_panels` (tandem/kernels/panel_ops.cpp) over the weight in column panels
   (tandem/model/panels.py), which replace `qweight`, `scales` and `zs` (`weight_parts()` rebuilds
   them): int8 activations in blocks of 32 as below, `vpdpbusd` against 16 columns' nibbles at once.
-  It reads the weight at 73-80% of memory speed for one row and, compute-bound from 32 rows on,
-  multiplies 3-5x faster than dequantizing into a bfloat16 GEMM without AMX
+  One row's pass reads the weight at ~80% of the read bandwidth, and from 32 rows on it takes
+  0.28-0.36x the time of dequantizing into a bfloat16 GEMM without AMX tiles
   (docs/quantized_checkpoints.md);
 - otherwise up to `INT4_KERNEL_MAX_ROWS` rows (bfloat16 rows only up to `INT4_AMX_KERNEL_MAX_ROWS` where
   AMX takes over from there):

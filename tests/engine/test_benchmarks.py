@@ -244,9 +244,13 @@ def test_per_token_cpu_quick(tmp_path: Path) -> None:
     assert [w["length"] for w in r["windows"]] == [100, 800]
     for w in r["windows"]:
         assert w["window"][0] < w["window"][1] == w["length"]
-        assert w["api_us_per_token"] > 0 and w["engine_us_per_token"] > 0
+        # A window's figure can be 0 on a loaded machine: when the client falls behind, a window's
+        # tokens reach it in one burst and both readings come after the processes' work for them.
+        # The run's totals (from before the request to after its end) cannot miss it.
+        assert w["api_us_per_token"] >= 0 and w["engine_us_per_token"] >= 0
         assert all(run["tokens"] >= w["window"][1] - w["window"][0] for run in w["runs"])
     (request,) = r["requests"]
     # Each chunk holds what is new: never more chunks than tokens (and the finish).
     assert request["tokens"] == 800 and 0 < request["chunks"] <= 801
+    assert request["api_cpu_s"] > 0 and request["engine_cpu_s"] > 0
     assert set(r["ratio_longest_over_shortest"]) == {"api", "engine"}
