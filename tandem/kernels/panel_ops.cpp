@@ -277,9 +277,15 @@ constexpr int64_t kInt4Ahead = 32;
 // Rows one pass over a block of panels takes; more are split into two passes.
 constexpr int kInt4PassRows = 8;
 
-template <int M, int R, bool SYM>
-void int4_panel_block(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8_t* w, const float* ws,
-                      const float* wz, float* out, int64_t ld) {
+// A group's 16 column scales (or zero terms), held as float32 or as float16 (its bits).
+inline __m512 load_group(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_group(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int M, int R, bool SYM, typename S>
+void int4_panel_block(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8_t* w, const S* ws,
+                      const S* wz, float* out, int64_t ld) {
   const int64_t B = K / 32, G = K / gs, bpg = gs / 32, stride = K / 8 * 64, sstride = G * kPanel;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 tot[M][R];
@@ -315,7 +321,7 @@ void int4_panel_block(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8
         }
       }
       for (int r = 0; r < R; ++r) {
-        const __m512 wsv = _mm512_loadu_ps(ws + r * sstride + g * kPanel);
+        const __m512 wsv = load_group(ws + r * sstride + g * kPanel);
         for (int m = 0; m < M; ++m) {
           const __m512 scale = _mm512_mul_ps(wsv, _mm512_set1_ps(a.s[m * B + b]));
           tot[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][r]), scale, tot[m][r]);
@@ -324,7 +330,7 @@ void int4_panel_block(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8
     }
     if constexpr (!SYM) {
       for (int r = 0; r < R; ++r) {
-        const __m512 zv = _mm512_loadu_ps(wz + r * sstride + g * kPanel);
+        const __m512 zv = load_group(wz + r * sstride + g * kPanel);
         for (int m = 0; m < M; ++m) tot[m][r] = _mm512_fnmadd_ps(zv, _mm512_set1_ps(a.xg[m * G + g]), tot[m][r]);
       }
     }
@@ -334,15 +340,15 @@ void int4_panel_block(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8
 }
 
 // Panels [p0, p1) for M rows, as panel_range does for the other weights.
-template <int M, bool SYM>
-void int4_panel_range(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8_t* w, const float* ws,
-                      const float* wz, int64_t p0, int64_t p1, float* out, int64_t ld) {
+template <int M, bool SYM, typename S>
+void int4_panel_range(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8_t* w, const S* ws,
+                      const S* wz, int64_t p0, int64_t p1, float* out, int64_t ld) {
   constexpr int M1 = M <= kInt4PassRows ? M : (M + 1) / 2, M2 = M - M1;
   constexpr int R = int4_panels_per_block(M1);
   const int64_t stride = K / 8 * 64, sstride = K / gs * kPanel;
   const Int4PanelRows second = a.rows_from(M1, K, K / gs);
   auto block = [&]<int Q>(int64_t p) {
-    const float* z = SYM ? nullptr : wz + p * sstride;
+    const S* z = SYM ? nullptr : wz + p * sstride;
     int4_panel_block<M1, Q, SYM>(a, K, gs, w + p * stride, ws + p * sstride, z, out + (p - p0) * kPanel, ld);
     if constexpr (M2 > 0)
       int4_panel_block<M2, Q, SYM>(second, K, gs, w + p * stride, ws + p * sstride, z,
@@ -353,18 +359,18 @@ void int4_panel_range(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8
   for (; p < p1; ++p) block.template operator()<1>(p);
 }
 
-template <bool SYM, int M = 1>
-void int4_panel_rows(int m, const Int4PanelRows& a, int64_t K, int64_t gs, const uint8_t* w, const float* ws,
-                     const float* wz, int64_t p0, int64_t p1, float* out, int64_t ld) {
+template <bool SYM, typename S, int M = 1>
+void int4_panel_rows(int m, const Int4PanelRows& a, int64_t K, int64_t gs, const uint8_t* w, const S* ws,
+                     const S* wz, int64_t p0, int64_t p1, float* out, int64_t ld) {
   if constexpr (M < kMaxRows) {
-    if (m > M) return int4_panel_rows<SYM, M + 1>(m, a, K, gs, w, ws, wz, p0, p1, out, ld);
+    if (m > M) return int4_panel_rows<SYM, S, M + 1>(m, a, K, gs, w, ws, wz, p0, p1, out, ld);
   }
   int4_panel_range<M, SYM>(a, K, gs, w, ws, wz, p0, p1, out, ld);
 }
 
 // x [M, K] (float32 or bfloat16; any number of rows) times the 4-bit weight in panels
 // [P, K/8, 16, 4] with scales [P, G, 16] and zs = scale x zero [P, G, 16] (none: every zero 8),
-// plus bias; the result [M, N] in x's dtype.
+// both float32 or both float16, plus bias; the result [M, N] in x's dtype.
 at::Tensor gemm_int4_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& scales,
                             const std::optional<at::Tensor>& zs, int64_t group_size,
                             const std::optional<at::Tensor>& bias) {
@@ -374,10 +380,12 @@ at::Tensor gemm_int4_panels(const at::Tensor& x, const at::Tensor& panels, int64
   TORCH_CHECK(gs > 0 && gs % 32 == 0 && K % gs == 0, op, ": group_size must be a multiple of 32 that divides K, got ",
               gs, " for K = ", K);
   const int64_t G = K / gs, B = K / 32;
+  const bool half = scales.scalar_type() == at::kHalf;
   for (const at::Tensor* t : {&scales, zs.has_value() ? &*zs : &scales})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
-                    t->size(1) == G && t->size(2) == kPanel,
-                op, ": scales and zs must be contiguous float32 [P, K / group_size, 16]");
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                    t->scalar_type() == scales.scalar_type() && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == P && t->size(1) == G && t->size(2) == kPanel,
+                op, ": scales and zs must be contiguous [P, K / group_size, 16], both float32 or both float16");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options()), b;
   if (M == 0) return out;
@@ -396,8 +404,6 @@ at::Tensor gemm_int4_panels(const at::Tensor& x, const at::Tensor& panels, int64
   }
   const Int4PanelRows act{q.data(), s.data(), zc.data(), xg.data()};
   const float* bp = bias_ptr(bias, N, b);
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zs.has_value() ? zs->data_ptr<float>() : nullptr;
   const uint8_t* wp = panels.data_ptr<uint8_t>();
   float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -405,8 +411,15 @@ at::Tensor gemm_int4_panels(const at::Tensor& x, const at::Tensor& panels, int64
       M, P, N,
       [&](int64_t m0, int64_t m, int64_t c0, int64_t c1, float* acc, int64_t ld) {
         const Int4PanelRows a = act.rows_from(m0, K, G);
-        (zp ? int4_panel_rows<false> : int4_panel_rows<true>)(static_cast<int>(m), a, K, gs, wp, sp, zp, c0, c1, acc,
-                                                              ld);
+        auto run = [&]<typename S>(const S* sp, const S* zp) {
+          (zp ? int4_panel_rows<false, S> : int4_panel_rows<true, S>)(static_cast<int>(m), a, K, gs, wp, sp, zp, c0,
+                                                                      c1, acc, ld);
+        };
+        if (half)
+          run(reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+              zs.has_value() ? reinterpret_cast<const uint16_t*>(zs->data_ptr()) : nullptr);
+        else
+          run(scales.data_ptr<float>(), zs.has_value() ? zs->data_ptr<float>() : nullptr);
       },
       [&](int64_t m, int64_t n0, __mmask16 mask, const float* sums) {
         __m512 v = _mm512_loadu_ps(sums);

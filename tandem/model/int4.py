@@ -15,7 +15,8 @@ Paths, by rows of the product (a decode step of a few streams is a few rows):
 - with AVX512-VNNI and no AMX (AMD Zen 4 / Zen 5, Ice Lake, Cooper Lake), every row count:
   `tandem.gemm_int4_panels` (tandem/kernels/panel_ops.cpp) over the weight in column panels
   (tandem/model/panels.py), which replace `qweight`, `scales` and `zs` (`weight_parts()` rebuilds
-  them): int8 activations in blocks of 32 as below, `vpdpbusd` against 16 columns' nibbles at once.
+  them; scales and zero terms float16 where that loses nothing): int8 activations in blocks of 32
+  as below, `vpdpbusd` against 16 columns' nibbles at once.
   One row's pass reads the weight at ~80% of the read bandwidth, and from 32 rows on it takes
   0.28-0.36x the time of dequantizing into a bfloat16 GEMM without AMX tiles
   (docs/quantized_checkpoints.md);
@@ -43,7 +44,13 @@ from tandem import kernels
 from tandem.kernels.isa import kernel_instructions
 from tandem.model.direct_call import BoundTensors, DirectCall
 from tandem.model.linear import amx_tiles_available
-from tandem.model.panels import pack_group_panels, pack_int4_panels, unpack_group_panels, unpack_int4_panels
+from tandem.model.panels import (
+    fits_half,
+    pack_group_panels,
+    pack_int4_panels,
+    unpack_group_panels,
+    unpack_int4_panels,
+)
 
 # Rows up to which the 4-bit kernel runs; more go to dequantize-then-GEMM. On an AVX2 host the
 # kernel was still 1.2-3.3x faster than dequantize + float32 GEMM at 32-64 rows; with VNNI and
@@ -223,9 +230,12 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
         self.register_buffer("panel_zs", None, persistent=False)
         if use_kernels and not amx and kernels.has("gemm_int4_panels"):
             qweight, scales, zs = self.weight_parts()
+            # float16 group vectors where no value changes: a sixth fewer bytes for groups of 32.
+            half = fits_half(scales) and (zs is None or fits_half(zs))
+            dtype = torch.float16 if half else torch.float32
             self.panels = pack_int4_panels(unpack_nibbles(qweight))
-            self.panel_scales = pack_group_panels(scales)
-            self.panel_zs = None if zs is None else pack_group_panels(zs)
+            self.panel_scales = pack_group_panels(scales).to(dtype)
+            self.panel_zs = None if zs is None else pack_group_panels(zs).to(dtype)
             self.qweight = self.scales = self.zs = None
         # The panel kernel takes every row count; the others stand in where it is not built.
         self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if use_kernels and kernels.has("gemm_int4") else 0

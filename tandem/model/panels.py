@@ -77,6 +77,11 @@ def pack_group_panels(values: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_group_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """Per-group values [n, G] back from their panels."""
+    """Per-group values [n, G] back from their panels, as float32."""
     p, g, _ = panels.shape
-    return panels.permute(0, 2, 1).reshape(p * PANEL, g)[:n].contiguous()
+    return panels.permute(0, 2, 1).reshape(p * PANEL, g)[:n].float().contiguous()
+
+
+def fits_half(values: torch.Tensor) -> bool:
+    """Whether every value is exactly a float16 (finite, in range, no bits lost)."""
+    return bool(torch.equal(values.half().float(), values.float()))

@@ -156,3 +156,33 @@ def test_a_4bit_layer_without_tiles_holds_its_weight_as_panels_only(symmetric):
     x = torch.randn(3, k)
     torch.testing.assert_close(fused(x), torch.cat([layer(x) - b, other(x)], dim=-1), rtol=1e-5, atol=1e-5)
     assert fused.panels is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_float16_group_vectors_give_the_float32_results(symmetric):
+    """Scales and zero terms that are exactly float16 (GGUF's, most GPTQ / AWQ files') are held as
+    float16: the same products as float32 vectors, bit for bit, in fewer bytes; a layer whose values
+    are not all float16 keeps float32."""
+    n, k, group = 150, 512, 32
+    q, s, z = _weights(n, k, group, 7, symmetric)
+    s = s.half().float()
+    # zero points 1, 2, 4 or 8: s x z keeps s's 11 significant bits, exactly float16 (as GGUF's
+    # minimums are; an AWQ scale x zero generally is not, and keeps float32)
+    z = 2.0 ** torch.randint(0, 4, s.shape, generator=torch.Generator().manual_seed(8)).float()
+    qp, sp = pack_int4_panels(q), pack_group_panels(s)
+    zp = None if symmetric else pack_group_panels(s * z)
+    x = torch.randn(20, k)
+    y32 = torch.ops.tandem.gemm_int4_panels(x, qp, n, sp, zp, group, None)
+    y16 = torch.ops.tandem.gemm_int4_panels(x, qp, n, sp.half(), None if zp is None else zp.half(), group, None)
+    assert torch.equal(y16, y32)
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        torch.ops.tandem.gemm_int4_panels(x, qp, n, sp.half(), pack_group_panels(s * z), group, None)
+    layer = Int4Linear(q, s, z if not symmetric else torch.full_like(s, 8.0), group, None)
+    if layer.amx_max_rows:
+        pytest.skip("AMX hosts keep the row layout for the tile kernel")
+    assert layer.panel_scales.dtype == torch.float16 and (symmetric or layer.panel_zs.dtype == torch.float16)
+    assert torch.equal(layer.weight_parts()[1], s)
+    torch.testing.assert_close(layer(x), y32, rtol=0, atol=0)
+    kept = Int4Linear(q, s + 1e-5, torch.full_like(s, 8.0), group, None)  # not float16 values
+    assert kept.panel_scales.dtype == torch.float32
