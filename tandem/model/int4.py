@@ -237,8 +237,9 @@ class Int4Linear(BoundTensors, DirectCall, nn.Module):
             self.panel_scales = pack_group_panels(scales).to(dtype)
             self.panel_zs = None if zs is None else pack_group_panels(zs).to(dtype)
             self.qweight = self.scales = self.zs = None
-        # The panel kernel takes every row count; the others stand in where it is not built.
-        self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if use_kernels and kernels.has("gemm_int4") else 0
+        # The panel kernel takes every row count; the row kernel stands in where it is not built.
+        row_kernel = use_kernels and self.panels is None and kernels.has("gemm_int4")
+        self.kernel_max_rows = INT4_KERNEL_MAX_ROWS if row_kernel else 0
         # bfloat16 rows from just above amx_min_rows go to the tiles (float32 rows never do: the
         # kernel keeps them up to its limit, which a float32 engine's 13-16-row steps need).
         self.amx_max_rows = INT4_AMX_MAX_ROWS if amx else 0

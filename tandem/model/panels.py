@@ -18,6 +18,13 @@ PANEL = 16
 DEPTH = {torch.bfloat16: 2, torch.int8: 4}
 
 
+def _pad_columns(t: torch.Tensor) -> torch.Tensor:
+    """t [N, ...] with zero rows appended up to a whole number of panels."""
+    n = t.shape[0]
+    panels = -(-n // PANEL)
+    return t if panels * PANEL == n else torch.cat((t, t.new_zeros(panels * PANEL - n, *t.shape[1:])))
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """The layout takes bfloat16 weights with an even number of inputs, int8 with a multiple of 4."""
     depth = DEPTH.get(weight.dtype)
@@ -31,26 +38,16 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
             "pack_panels: needs a 2-D bfloat16 weight with an even number of columns or an int8 one "
             f"with a multiple of 4, got {weight.dtype} {tuple(weight.shape)}"
         )
-    n, k = weight.shape
+    k = weight.shape[1]
     depth = DEPTH[weight.dtype]
-    panels = -(-n // PANEL)
-    w = weight.detach()
-    if panels * PANEL != n:
-        w = torch.cat((w, w.new_zeros(panels * PANEL - n, k)))
-    return w.reshape(panels, PANEL, k // depth, depth).permute(0, 2, 1, 3).contiguous()
+    w = _pad_columns(weight.detach())
+    return w.reshape(-1, PANEL, k // depth, depth).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
     """The weight [n, K] back from its panels (a copy)."""
     p, lanes, _, depth = panels.shape
     return panels.permute(0, 2, 1, 3).reshape(p * PANEL, lanes * depth)[:n].contiguous()
-
-
-def _pad_columns(t: torch.Tensor) -> torch.Tensor:
-    """t [N, ...] with zero rows appended up to a whole number of panels."""
-    n = t.shape[0]
-    panels = -(-n // PANEL)
-    return t if panels * PANEL == n else torch.cat((t, t.new_zeros(panels * PANEL - n, *t.shape[1:])))
 
 
 def pack_int4_panels(q: torch.Tensor) -> torch.Tensor:

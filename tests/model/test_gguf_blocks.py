@@ -57,9 +57,9 @@ def test_packed_blocks_dequantize_exactly(tmp_path, kind, compiled):
     # a rounding step from the reference below, so an unseeded input makes the test flaky.
     x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(0))
     got = layer(x)
-    if layer.kernel_max_rows:
-        # The few-row kernel quantizes the activations to int8 per 32 (one scale each, as llama.cpp's
-        # q8 activations): its product is exactly that of those activations with the weights.
+    if layer.kernel_max_rows or layer.panels is not None:
+        # The 4-bit kernels quantize the activations to int8 per 32 (one scale each, as llama.cpp's
+        # q8 activations): their product is exactly that of those activations with the weights.
         blocks = x.view(3, -1, 32)
         scale = blocks.abs().amax(-1, keepdim=True) / 127
         want = (torch.round(blocks / scale) * scale).view(3, COLS) @ ref.T
