@@ -24,7 +24,9 @@ pairs over a whole model's layers, median time: the A/B behind each kernel's row
 `gemv_bf16`, `gemm_w8a8` and `gemm_int4` over the row-layout weight they replaced
 (`tandem.model.linear.kernel_max_rows`), printed beside it (on AMX hosts the tile kernels take
 bfloat16 and int8 layers instead; the limits there serve layers without tiles), with the streaming read bandwidth of
-the machine (a 2-thread sum over 512 MiB) that the one-row figures are a fraction of.
+the machine (a 2-thread sum over 512 MiB) that the one-row figures are a fraction of. Row counts
+above 16 are timed for the int8 panels alone (`gemm_w8a8_panels` takes every product of an int8
+layer where it built: against oneDNN's int8 GEMM up to prompt sizes).
 `TANDEM_CPU_MARCH=cooperlake` on an AMX host makes both sides take their non-AMX paths (Tandem's
 kernels and choices, and oneDNN and MKL capped at that kind's instructions: an AMD EPYC's
 products; the timings are the host's).
@@ -51,6 +53,8 @@ import torch.nn.functional as F
 
 # (in, out) of one decoder layer of the 415M peer checkpoint: qkv, o, gate_up, down.
 LAYER_SHAPES = [(896, 1152), (896, 896), (896, 9728), (4864, 896)]
+# Rows the few-row kernels take (`--few-rows` times more only where a kernel takes every row count).
+FEW_ROWS = 16
 
 
 def make_paths(weights: list[torch.Tensor], rows: int) -> dict[str, tuple[list, Callable]]:
@@ -343,7 +347,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
     from tandem import kernels
     from tandem.cpu import LIBRARY_ISA, MARCH_ENV, cpu_flags
     from tandem.model.linear import kernel_max_rows, mkl_max_rows
-    from tandem.model.quant import INT8_PANELS_MAX_ROWS, W8_KERNEL_MAX_ROWS, w8a8_kernel_max_rows
+    from tandem.model.quant import W8_KERNEL_MAX_ROWS, w8a8_kernel_max_rows
 
     kernels.load()
     shapes = LAYER_SHAPES * layers
@@ -352,8 +356,8 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
         "float32": kernel_max_rows(torch.float32),
         "bfloat16": kernel_max_rows(torch.bfloat16),
         "bf16 panels/rows": kernel_max_rows(torch.bfloat16),
-        "int8": INT8_PANELS_MAX_ROWS if kernels.has("gemm_w8a8_panels") else w8a8_kernel_max_rows(),
-        "int8 panels/rows": INT8_PANELS_MAX_ROWS,
+        "int8": None if kernels.has("gemm_w8a8_panels") else w8a8_kernel_max_rows(),  # panels: every row count
+        "int8 panels/rows": None,
         "int8 weight-only": W8_KERNEL_MAX_ROWS,
         "int4 panels/rows": None,  # the panels take every row count
     }
@@ -364,8 +368,11 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
     print(f"{len(weights)} matrices, read bandwidth {bandwidth / 1e9:.1f} GB/s, threads {torch.get_num_threads()}, "
           f"kernels for: {kind}{' ' + str(env) if env else ''}")
     out = []
+    panels8 = kernels.has("gemm_w8a8_panels")
     for dtype, (kernel, library, nbytes) in few_row_pairs(weights).items():
         for rows in rows_list:
+            if rows > FEW_ROWS and not (dtype == "int8" and panels8):
+                continue  # only the int8 panels (against oneDNN's int8 GEMM) take more rows
             xs = {i: torch.randn(rows, i) for i, _ in LAYER_SHAPES}
 
             with torch.inference_mode():

@@ -202,28 +202,6 @@ inline auto bf16_epilogue(uint16_t* out, int64_t n, const float* bias) {
   };
 }
 
-// quantize_row_u8 (kernel_util.h) on 16 lanes, reading float32 or bfloat16 directly: the same
-// operations (max |x| / 127, x times its reciprocal rounded to nearest even, clamped, + 128), so the
-// same bytes (a scalar loop costs about a third of a 32-row int8 product).
-template <typename T>
-float quantize_row_u8_16(const T* row, int64_t K, uint8_t* out) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = first_lanes(std::min<int64_t>(16, K - k));
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row + k, m)));
-  }
-  const float s = std::max(_mm512_reduce_max_ps(amax), 1e-12f) / 127.f;
-  const __m512 inv = _mm512_set1_ps(1.f / s);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), offset = _mm512_set1_epi32(128);
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = first_lanes(std::min<int64_t>(16, K - k));
-    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + k, m), inv));  // rounds to nearest even
-    q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), offset);
-    _mm_mask_storeu_epi8(out + k, m, _mm512_cvtepi32_epi8(q));
-  }
-  return s;
-}
-
 int64_t padded_k(int64_t K, int64_t values_per_block) {
   return (K + values_per_block - 1) / values_per_block * values_per_block;
 }
@@ -336,21 +314,14 @@ struct W8A8Inputs {
 
 W8A8Inputs prepare_w8a8(const at::Tensor& x, int64_t Kp, int64_t n, const at::Tensor& w_scale,
                         const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0);
   const at::Tensor xc = x.contiguous();
   W8A8Inputs in;
   in.rows = at::empty({M, Kp}, x.options().dtype(at::kByte));
   in.row_scales = at::empty({M}, x.options().dtype(at::kFloat));
   uint8_t* up = in.rows.data_ptr<uint8_t>();
   float* sp = in.row_scales.data_ptr<float>();
-  at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t m = r0; m < r1; ++m) {
-      if (xc.scalar_type() == at::kFloat)
-        sp[m] = quantize_row_u8_16(xc.data_ptr<float>() + m * K, K, up + m * Kp);
-      else
-        sp[m] = quantize_row_u8_16(reinterpret_cast<const uint16_t*>(xc.data_ptr()) + m * K, K, up + m * Kp);
-    }
-  });
+  quantize_rows_u8_16(xc, up, Kp, sp);
   in.row_scale = sp;
   in.bias = bias_ptr(bias, n, in.bias_holder);
   in.w_scale = w_scale.data_ptr<float>();

@@ -8,11 +8,17 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
+
+// Before a loop over a block's rows or columns (a trip count the template fixes): unrolled in full,
+// so that the block's accumulators stay in registers. Without it GCC keeps part of a large block
+// (8 x 3 vectors) on the stack, a load and a store per multiply.
+#define TANDEM_UNROLL _Pragma("GCC unroll 32")
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -175,6 +181,42 @@ inline void transpose16(__m512i r[16]) {
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// quantize_row_u8 on 16 lanes, reading float32 or bfloat16 directly: the same
+// operations (max |x| / 127, x times its reciprocal rounded to nearest even, clamped, + 128), so the
+// same bytes (a scalar loop costs about a third of a 32-row int8 product).
+template <typename T>
+inline float quantize_row_u8_16(const T* row, int64_t K, uint8_t* out) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = first_lanes(std::min<int64_t>(16, K - k));
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(row + k, m)));
+  }
+  const float s = std::max(_mm512_reduce_max_ps(amax), 1e-12f) / 127.f;
+  const __m512 inv = _mm512_set1_ps(1.f / s);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), offset = _mm512_set1_epi32(128);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = first_lanes(std::min<int64_t>(16, K - k));
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(row + k, m), inv));  // rounds to nearest even
+    q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), offset);
+    _mm_mask_storeu_epi8(out + k, m, _mm512_cvtepi32_epi8(q));
+  }
+  return s;
+}
+
+// Every row of x ([M, K] float32 or bfloat16, contiguous) through quantize_row_u8_16 on PyTorch's
+// thread pool: row m's bytes at out + m * ld (ld >= K), its scale at scale[m].
+inline void quantize_rows_u8_16(const at::Tensor& x, uint8_t* out, int64_t ld, float* scale) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; ++m) {
+      if (x.scalar_type() == at::kFloat)
+        scale[m] = quantize_row_u8_16(x.data_ptr<float>() + m * K, K, out + m * ld);
+      else
+        scale[m] = quantize_row_u8_16(reinterpret_cast<const uint16_t*>(x.data_ptr()) + m * K, K, out + m * ld);
+    }
+  });
 }
 #endif
 

@@ -1,6 +1,6 @@
-// Few-row products over a weight laid out in column panels, for CPUs with AVX-512 and no AMX (AMD
-// Zen 4 / Zen 5, Cooper Lake, Ice Lake): bfloat16 weights (AVX512-BF16 `vdpbf16ps`) and int8
-// weights against int8 activations (AVX512-VNNI `vpdpbusd`).
+// Products over a weight laid out in column panels, for CPUs with AVX-512 and no AMX (AMD Zen 4 /
+// Zen 5, Cooper Lake, Ice Lake): bfloat16 weights for few rows (AVX512-BF16 `vdpbf16ps`), int8 and
+// 4-bit weights against int8 activations for every row count (AVX512-VNNI `vpdpbusd`).
 //
 // The layout (tandem/model/panels.py packs it): the output columns in panels of 16, each panel
 // [K / D, 16, D] for D inputs a 32-bit lane (bfloat16: 2, int8: 4): for every group of D inputs,
@@ -10,7 +10,10 @@
 // each multiply reads 4 bytes of activations where a row-dot form (`gemv_bf16`, `gemm_w8a8`) reads
 // 64. With several activation rows that form reads its activations from L2 once K x rows outgrows
 // L1 and stalls on them; here a weight vector meets every row while it is in a register, so up to
-// 16 rows take one pass over the weight, the multiplies running beside the stream.
+// 16 rows take one pass over the weight, the multiplies running beside the stream. More rows take
+// each chunk of panels again per 16 rows, from L2: compute-bound there, where int8's `vpdpbusd`
+// (64 products an instruction) runs 1.4-1.5x oneDNN's int8 GEMM on the Sapphire Rapids VM with
+// AMX masked, and bfloat16's `vdpbf16ps` (32) loses to oneDNN's blocking.
 
 #include <torch/library.h>
 
@@ -56,21 +59,21 @@ struct U8S8Quads {  // four unsigned-byte activations x four signed-byte weights
 template <typename T, int M, int R>
 void panel_block(const uint32_t* x, int64_t J, const uint8_t* w, typename T::Out* out, int64_t ld) {
   typename T::Acc acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = T::zero();
+  TANDEM_UNROLL for (int m = 0; m < M; ++m)
+    TANDEM_UNROLL for (int r = 0; r < R; ++r) acc[m][r] = T::zero();
   const int64_t stride = J * 64;  // bytes per panel
   for (int64_t j = 0; j < J; ++j) {
     __m512i wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * stride + j * 64);
-    for (int r = 0; r < R; ++r)
+    TANDEM_UNROLL for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * stride + j * 64);
+    TANDEM_UNROLL for (int r = 0; r < R; ++r)
       _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + (j + kAhead) * 64), _MM_HINT_T0);
-    for (int m = 0; m < M; ++m) {
+    TANDEM_UNROLL for (int m = 0; m < M; ++m) {
       const __m512i xb = _mm512_set1_epi32(static_cast<int>(x[m * J + j]));
-      for (int r = 0; r < R; ++r) acc[m][r] = T::madd(acc[m][r], xb, wv[r]);
+      TANDEM_UNROLL for (int r = 0; r < R; ++r) acc[m][r] = T::madd(acc[m][r], xb, wv[r]);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) T::store(out + m * ld + r * kPanel, acc[m][r]);
+  TANDEM_UNROLL for (int m = 0; m < M; ++m)
+    TANDEM_UNROLL for (int r = 0; r < R; ++r) T::store(out + m * ld + r * kPanel, acc[m][r]);
 }
 
 // Rows one pass over a block of panels takes: more are split into two passes over the same block
@@ -203,13 +206,13 @@ at::Tensor gemm_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64
 }
 #endif  // __AVX512BF16__
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Dynamic int8 activations (one symmetric scale per row, as gemm_w8a8 quantizes them) times the
 // int8 weight in panels [P, K/4, 16, 4] with one scale and one sum per output column (`w_sum`
 // takes the activations' +128 offset back out), plus bias; the result [M, N] in x's dtype.
 at::Tensor gemm_w8a8_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& w_scale,
                             const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
-  check_panels("tandem gemm_w8a8_panels", x, panels, N, 4, at::kChar, 4, kMaxRows);
+  check_panels("tandem gemm_w8a8_panels", x, panels, N, 4, at::kChar, 4, std::numeric_limits<int64_t>::max());
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == N,
               "tandem gemm_w8a8_panels: w_scale must be contiguous float32, one per output column");
   TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == N,
@@ -218,11 +221,11 @@ at::Tensor gemm_w8a8_panels(const at::Tensor& x, const at::Tensor& panels, int64
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options()), b;
   if (M == 0) return out;
-  RowsF32 rows(xc);
   at::Tensor xu = at::empty({M, K}, x.options().dtype(at::kByte));
+  at::Tensor xs = at::empty({M}, x.options().dtype(at::kFloat));
   uint8_t* up = xu.data_ptr<uint8_t>();
-  float x_scale[kMaxRows];
-  for (int64_t m = 0; m < M; ++m) x_scale[m] = quantize_row_u8(rows.row(m), K, up + m * K);
+  float* x_scale = xs.data_ptr<float>();
+  quantize_rows_u8_16(xc, up, K, x_scale);
   const float* bp = bias_ptr(bias, N, b);
   const float* sp = w_scale.data_ptr<float>();
   const int32_t* sump = w_sum.data_ptr<int32_t>();
@@ -240,7 +243,7 @@ at::Tensor gemm_w8a8_panels(const at::Tensor& x, const at::Tensor& panels, int64
   });
   return out;
 }
-#endif  // __AVX512VNNI__
+#endif  // __AVX512VNNI__ && __AVX512BW__
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // 4-bit weights in panels [P, K/8, 16, 4] bytes: a lane is one column's 8 inputs 8j .. 8j + 7,
@@ -289,18 +292,18 @@ void int4_panel_block(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8
   const int64_t B = K / 32, G = K / gs, bpg = gs / 32, stride = K / 8 * 64, sstride = G * kPanel;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 tot[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) tot[m][r] = _mm512_setzero_ps();
+  TANDEM_UNROLL for (int m = 0; m < M; ++m)
+    TANDEM_UNROLL for (int r = 0; r < R; ++r) tot[m][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
       __m512i ia[M][R];
-      for (int m = 0; m < M; ++m) {
+      TANDEM_UNROLL for (int m = 0; m < M; ++m) {
         const __m512i start = SYM ? _mm512_set1_epi32(a.zc[m * B + b]) : _mm512_setzero_si512();
-        for (int r = 0; r < R; ++r) ia[m][r] = start;
+        TANDEM_UNROLL for (int r = 0; r < R; ++r) ia[m][r] = start;
       }
       for (int64_t j = b * 4; j < b * 4 + 4; ++j) {
         __m512i b0[M], b1[M];
-        for (int m = 0; m < M; ++m) {
+        TANDEM_UNROLL for (int m = 0; m < M; ++m) {
           int32_t x0, x1;
           std::memcpy(&x0, a.q + m * K + j * 8, 4);
           std::memcpy(&x1, a.q + m * K + j * 8 + 4, 4);
@@ -310,33 +313,33 @@ void int4_panel_block(const Int4PanelRows& a, int64_t K, int64_t gs, const uint8
         // Near a panel's end, stream r prefetches the start of the next block's panel r: panels of
         // 4-bit weights are short (7 KB for K = 896), so a block starting cold costs much.
         const int64_t ahead = (j + kInt4Ahead) * 64 + (j + kInt4Ahead >= K / 8 ? (R - 1) * stride : 0);
-        for (int r = 0; r < R; ++r) {
+        TANDEM_UNROLL for (int r = 0; r < R; ++r) {
           const __m512i v = _mm512_loadu_si512(w + r * stride + j * 64);
           _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + ahead), _MM_HINT_T0);
           const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-          for (int m = 0; m < M; ++m) {
+          TANDEM_UNROLL for (int m = 0; m < M; ++m) {
             ia[m][r] = _mm512_dpbusd_epi32(ia[m][r], lo, b0[m]);
             ia[m][r] = _mm512_dpbusd_epi32(ia[m][r], hi, b1[m]);
           }
         }
       }
-      for (int r = 0; r < R; ++r) {
+      TANDEM_UNROLL for (int r = 0; r < R; ++r) {
         const __m512 wsv = load_group(ws + r * sstride + g * kPanel);
-        for (int m = 0; m < M; ++m) {
+        TANDEM_UNROLL for (int m = 0; m < M; ++m) {
           const __m512 scale = _mm512_mul_ps(wsv, _mm512_set1_ps(a.s[m * B + b]));
           tot[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][r]), scale, tot[m][r]);
         }
       }
     }
     if constexpr (!SYM) {
-      for (int r = 0; r < R; ++r) {
+      TANDEM_UNROLL for (int r = 0; r < R; ++r) {
         const __m512 zv = load_group(wz + r * sstride + g * kPanel);
-        for (int m = 0; m < M; ++m) tot[m][r] = _mm512_fnmadd_ps(zv, _mm512_set1_ps(a.xg[m * G + g]), tot[m][r]);
+        TANDEM_UNROLL for (int m = 0; m < M; ++m) tot[m][r] = _mm512_fnmadd_ps(zv, _mm512_set1_ps(a.xg[m * G + g]), tot[m][r]);
       }
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + m * ld + r * kPanel, tot[m][r]);
+  TANDEM_UNROLL for (int m = 0; m < M; ++m)
+    TANDEM_UNROLL for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + m * ld + r * kPanel, tot[m][r]);
 }
 
 // Panels [p0, p1) for M rows, as panel_range does for the other weights.
@@ -436,7 +439,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 #if defined(__AVX512BF16__)
   m.def("gemm_bf16_panels(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
 #endif
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("gemm_w8a8_panels(Tensor x, Tensor panels, int n, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -448,7 +451,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
 #if defined(__AVX512BF16__)
   m.impl("gemm_bf16_panels", &gemm_bf16_panels);
 #endif
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.impl("gemm_w8a8_panels", &gemm_w8a8_panels);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

@@ -60,8 +60,12 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
         elif m._packed is not None:
             library = "PyTorch dynamic int8"
         weight_only = f"int8 weight-only kernel gemm_w8_f32 ({kernel_instructions('gemm_w8_f32')}, <= {W8_KERNEL_MAX_ROWS} rows)"
+        if m.panels is not None:
+            name = "gemm_w8a8_panels"
+            path = f"int8 kernel {name} ({kernel_instructions(name)}, weight in column panels, every row count)"
+            return path, _tensor_bytes(m.panels, m.scale, m.row_sum, m.bias)
         if m.row_sum is not None:
-            name = "gemm_w8a8_panels" if m.panels is not None else "gemm_w8a8"
+            name = "gemm_w8a8"
             kernel = f"int8 kernel {name} ({kernel_instructions(name)}, <= {m.kernel_max_rows} rows)"
             rest = library or (f"{weight_only} + widened to float above" if m.weight_only_kernel else None)
             path = f"{kernel} + {rest or 'int8 weights widened to float'}"

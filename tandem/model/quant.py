@@ -5,11 +5,12 @@ bytes, which is what bounds small-batch decoding on a CPU. Activations: quantize
 time with one scale per row (per token), accumulated in int32 and scaled back to float. On CPUs
 with AMX, Tandem's tile kernel (`gemm_amx_w8a8`, the weight in its own tile layout) does every
 product, quantizing inside the call: 1.5x oneDNN's int8 GEMM at 32 rows, 1.6x at 512 (prompt
-chunks). Elsewhere, for up to sixteen rows (decoding a few streams) Tandem's own AVX512-VNNI kernel
-does the whole product, quantizing inside the call and streaming the weight at memory speed: over
-the weight in column panels (`gemm_w8a8_panels`, tandem/model/panels.py, which then stand in for
-the [out, in] weight) where it built, else `gemm_w8a8` over the rows up to eight; above that the
-rows are quantized by Tandem (`quantize_rows_u8`) and multiplied by
+chunks). On AVX512-VNNI CPUs without AMX, Tandem's kernel over the weight in column panels
+(`gemm_w8a8_panels`, tandem/model/panels.py, which then stand in for the [out, in] weight) does
+every product, quantizing inside the call: at memory speed for a few rows, 0.6-0.7x the time of
+oneDNN's int8 GEMM from 8 to 512 rows (docs/benchmarks-kernels.md), and no library copy of the
+weight. Where the panels are not built, `gemm_w8a8` over the rows takes up to eight rows; above
+that the rows are quantized by Tandem (`quantize_rows_u8`) and multiplied by
 oneDNN's int8 GEMM (`onednn::qlinear_pointwise`, VNNI, weight prepacked once), each result row
 scaled by its own scale. One scale per row matters: PyTorch's `quantized::linear_dynamic` (kept where oneDNN's
 operator is missing) takes one scale for the whole batch, so one large row (a first token's
@@ -53,9 +54,6 @@ logger = logging.getLogger("tandem.model")
 # weight-only kernel from one row (0.81x its time) and most from eight (0.63-0.69x).
 _KERNEL_MAX_ROWS = 8
 _AVX2_KERNEL_MAX_ROWS = 16
-# Rows up to which the int8 kernel over column panels (`gemm_w8a8_panels`, AVX512-VNNI without AMX)
-# runs, before oneDNN's int8 GEMM: 0.58-0.83x its time at 1-16 rows (docs/benchmarks-kernels.md).
-INT8_PANELS_MAX_ROWS = 16
 # Activation dtypes the few-row kernel reads directly.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the weight-only AVX2 kernel (no VNNI) runs, in calls of KERNEL_ROWS rows (each
@@ -151,28 +149,29 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
         # use_kernel=False forces the float reference path (tests); None takes what the host has.
         self.use_kernel = use_kernel
         want = use_kernel is not False
-        # Above the few-row kernel's rows: oneDNN's int8 GEMM (AMX or VNNI) on activations quantized
-        # per row where it is there, else PyTorch's dynamic linear (one scale per tensor).
-        self._qlinear = self._zero = self._packed = None
         # AMX: the weight in tiles, for all rows (no library copy).
         self.tiles = torch.ops.tandem.amx_pack(q) if want and amx_tiles_available() else None
-        if self.tiles is None and want and cpu_has_vnni():
+        # Tandem's VNNI and AMX kernels want each weight row's sum (they offset activations by 128;
+        # the AVX2 form takes it and leaves it).
+        int8_kernel = want and (self.tiles is not None or kernels.has("gemm_w8a8"))
+        self.row_sum = q.sum(1, dtype=torch.int32) if int8_kernel else None
+        # AVX512-VNNI without AMX: the weight in column panels (tandem/model/panels.py) for every
+        # row count, which then replace the [out, in] weight (int8_weight() rebuilds it).
+        panels = int8_kernel and self.tiles is None and kernels.has("gemm_w8a8_panels") and can_pack(q)
+        self.register_buffer("panels", pack_panels(q) if panels else None, persistent=False)
+        if panels:
+            self.qweight = None
+        # Otherwise, above the few-row kernel's rows: oneDNN's int8 GEMM (VNNI) on activations
+        # quantized per row where it is there, else PyTorch's dynamic linear (one scale per tensor).
+        self._qlinear = self._zero = self._packed = None
+        if self.tiles is None and not panels and want and cpu_has_vnni():
             if onednn_int8_available() and kernels.has("quantize_rows_u8"):
                 self._qlinear = torch.ops.onednn.qlinear_prepack(q, None)
                 self._zero = torch.zeros(self.out_features, dtype=torch.long)
             elif dynamic_int8_available():
                 self._packed = self._prepack()
-        # Tandem's VNNI and AMX kernels want each weight row's sum (they offset activations by 128;
-        # the AVX2 form takes it and leaves it).
-        int8_kernel = want and (self.tiles is not None or kernels.has("gemm_w8a8"))
-        self.row_sum = q.sum(1, dtype=torch.int32) if int8_kernel else None
-        # AVX512-VNNI without AMX: the few-row kernel reads the weight in column panels
-        # (tandem/model/panels.py), which then replace the [out, in] weight (int8_weight() rebuilds it).
-        panels = int8_kernel and self.tiles is None and kernels.has("gemm_w8a8_panels") and can_pack(q)
-        self.register_buffer("panels", pack_panels(q) if panels else None, persistent=False)
-        if panels:
-            self.qweight = None
-        self.kernel_max_rows = INT8_PANELS_MAX_ROWS if panels else w8a8_kernel_max_rows() if int8_kernel else 0
+        # Rows up to which the row kernel runs (0: none; the panels take every row count).
+        self.kernel_max_rows = w8a8_kernel_max_rows() if int8_kernel and not panels else 0
         # Without VNNI: the weight-only kernel for few rows.
         self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
         # Once fuse_silu laid the tiles out for a gated MLP: the intermediate width, and the tiles'
@@ -238,10 +237,12 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
                 y = torch.ops.tandem.gemm_amx_w8a8(x, self.tiles, self.out_features, tile_scale, tile_sum, tile_bias)
                 return deinterleave(y, self.interleaved)
             return torch.ops.tandem.gemm_amx_w8a8(x, self.tiles, self.out_features, scale, self.row_sum, bias)
+        if panels is not None:  # every row count; other activation dtypes through float32
+            x2 = x if x.dtype in _KERNEL_DTYPES else x.float()
+            y = torch.ops.tandem.gemm_w8a8_panels(x2, panels, self.out_features, scale, self.row_sum, bias)
+            return y.to(x.dtype)
         if self.row_sum is not None and 0 < x.shape[0] <= self.kernel_max_rows and x.dtype in _KERNEL_DTYPES:
             # A decode step's few rows: the kernel reads bfloat16 too and answers in x's dtype.
-            if panels is not None:
-                return torch.ops.tandem.gemm_w8a8_panels(x, panels, self.out_features, scale, self.row_sum, bias)
             return torch.ops.tandem.gemm_w8a8(x, qweight, scale, self.row_sum, bias)
         if x.dtype == torch.float32:
             return self._matmul(x)

@@ -133,11 +133,12 @@ def test_int8_panels_round_trip_in_groups_of_four():
 
 
 @needs_int8_kernel
-@pytest.mark.parametrize("rows", range(17))
+@pytest.mark.parametrize("rows", [*range(18), 31, 33, 70])
 @pytest.mark.parametrize("shape", INT8_SHAPES)
 def test_gemm_w8a8_panels_matches_the_row_kernel(rows, shape):
     """The same integer sums as gemm_w8a8 (rows quantized alike, +128 offset taken out with the
-    columns' sums), so the same results; both against the exact reference of those integers."""
+    columns' sums), so the same results; both against the exact reference of those integers, for
+    every row count (past 16 the chunk's panels again per 16 rows)."""
     n, k = shape
     g = torch.Generator().manual_seed(rows * 1000 + n)
     layer = Int8Linear(torch.randn(n, k, generator=g), None, use_kernel=False)  # the plain int8 weight
@@ -150,7 +151,7 @@ def test_gemm_w8a8_panels_matches_the_row_kernel(rows, shape):
     xq = torch.round(x / x_scale[:, None]).clamp(-127, 127).double()
     expect = (xq @ q.double().T) * x_scale.double()[:, None] * scale.double() + b.double()
     torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-4)
-    if kernels.has("gemm_w8a8") and rows:  # (it takes at least one row)
+    if kernels.has("gemm_w8a8") and 0 < rows <= 16:  # (the row kernel takes 1 to 16 rows)
         torch.testing.assert_close(y, torch.ops.tandem.gemm_w8a8(x, q, scale, w_sum, b), rtol=1e-6, atol=1e-5)
     # A bfloat16 result is the float32 one rounded to nearest even (with or without AVX512-BF16).
     x16 = x.to(torch.bfloat16)
@@ -166,13 +167,20 @@ def test_an_int8_layer_without_tiles_holds_its_weight_as_panels_only():
     layer, ref = Int8Linear(w, torch.zeros(40)), Int8Linear(w, torch.zeros(40), use_kernel=False)
     if layer.tiles is not None:
         pytest.skip("AMX tiles take every int8 product here")
-    assert layer.qweight is None and layer.panels is not None and layer.kernel_max_rows == 16
+    # The panels take every row count: no row kernel limit, no library copy of the weight.
+    assert layer.qweight is None and layer.panels is not None and layer.kernel_max_rows == 0
+    assert layer._qlinear is None and layer._packed is None
     assert torch.equal(layer.int8_weight(), ref.qweight)
     torch.testing.assert_close(layer.dequantized(torch.float32), ref.dequantized(torch.float32))
-    x = torch.randn(16, 64).to(torch.bfloat16)
+    x = torch.randn(40, 64).to(torch.bfloat16)
     assert torch.equal(layer(x[:5]), layer(x)[:5])  # a row's result whatever the rows beside it
+    assert torch.equal(layer(x), torch.ops.tandem.gemm_w8a8_panels(x, layer.panels, 40, layer.scale, layer.row_sum, layer.bias))
     # int8 activations and a bfloat16 result against the float reference
     torch.testing.assert_close(layer(x).float(), ref(x.float()), rtol=0.05, atol=0.25)
+    # other activation dtypes through float32, answered in their own dtype
+    y16 = layer(x.to(torch.float16))
+    assert y16.dtype == torch.float16
+    torch.testing.assert_close(y16.float(), layer(x.float()), rtol=1e-3, atol=1e-3)
     path, nbytes = linear_path(layer)
-    assert "int8 kernel gemm_w8a8_panels (AVX512-VNNI vpdpbusd, <= 16 rows)" in path
-    assert nbytes >= 2 * 40 * 64  # the panels and the library's copy
+    assert "int8 kernel gemm_w8a8_panels (AVX512-VNNI vpdpbusd, weight in column panels, every row count)" in path
+    assert nbytes == 48 * 64 + 3 * 40 * 4  # the panels (40 columns padded to 48), scales, sums, bias

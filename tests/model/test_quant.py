@@ -139,8 +139,10 @@ def test_int8_default_model_stays_close_to_float():
         llm = LLM(quantization="int8")
         for m in llm.engine.core.runner.model.modules():
             if isinstance(m, Int8Linear) and not use_kernel:  # the int8 weights widened to float
-                m._qlinear = m._packed = m.row_sum = m.tiles = None
+                m.qweight = m.int8_weight()
+                m._qlinear = m._packed = m.row_sum = m.tiles = m.panels = None
                 m.weight_only_kernel = False
+                m.bind_tensors()
         lps, top = _teacher_forced(llm, seqs)
         assert not any(math.isnan(v) for v in lps)
         diffs = [abs(a - b) for a, b in zip(lps, ref_lps)]
