@@ -17,6 +17,8 @@
 
 #include <torch/library.h>
 
+#include <memory>
+
 #include "kernel_util.h"
 
 namespace {
@@ -392,20 +394,22 @@ at::Tensor gemm_int4_panels(const at::Tensor& x, const at::Tensor& panels, int64
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options()), b;
   if (M == 0) return out;
-  RowsF32 rows(xc);
-  std::vector<int8_t> q(M * K);
+  std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
   std::vector<float> s(M * B), xg(M * G, 0.f);
   std::vector<int32_t> zc(M * B);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = rows.row(m);
-    for (int64_t blk = 0; blk < B; ++blk) {
-      int32_t qsum;
-      s[m * B + blk] = quantize_block32(xm + blk * 32, q.data() + m * K + blk * 32, &qsum);
-      zc[m * B + blk] = -static_cast<int32_t>(kSymZero) * qsum;
-      xg[m * G + blk / (gs / 32)] += s[m * B + blk] * static_cast<float>(qsum);
+  at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
+    RowsF32 rows(xc);  // each thread widens into its own row buffer
+    for (int64_t m = r0; m < r1; ++m) {
+      const float* xm = rows.row(m);
+      for (int64_t blk = 0; blk < B; ++blk) {
+        int32_t qsum;
+        s[m * B + blk] = quantize_block32(xm + blk * 32, q.get() + m * K + blk * 32, &qsum);
+        zc[m * B + blk] = -static_cast<int32_t>(kSymZero) * qsum;
+        xg[m * G + blk / (gs / 32)] += s[m * B + blk] * static_cast<float>(qsum);
+      }
     }
-  }
-  const Int4PanelRows act{q.data(), s.data(), zc.data(), xg.data()};
+  });
+  const Int4PanelRows act{q.get(), s.data(), zc.data(), xg.data()};
   const float* bp = bias_ptr(bias, N, b);
   const uint8_t* wp = panels.data_ptr<uint8_t>();
   float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
