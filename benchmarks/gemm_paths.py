@@ -6,7 +6,8 @@ figures include reading the weights from memory as a decode step does, not from 
 
     python benchmarks/gemm_paths.py --rows 1,8,32,128 --json results/gemm_paths.json
 
-`--only PREFIX` keeps the paths whose name starts with it (`--only int4`: the 4-bit products).
+`--only PREFIX` keeps the paths whose name starts with it (`--only int4`: the 4-bit products; with
+`--few-rows`, the kernel pairs: `--only int8`).
 
 `--per-shape ROWS` instead times each layer shape alone at prompt-sized row counts (bound by
 compute, not by reading weights), bfloat16 on AMX: Tandem's tile kernel against oneDNN's packed
@@ -338,9 +339,10 @@ def _timed_pass(fn: Callable, shapes: list[tuple[int, int]], xs: dict[int, torch
     return time.perf_counter() - t0
 
 
-def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
+def few_rows(rows_list: list[int], layers: int, reps: int, only: str = "") -> dict:
     """Each few-row kernel against its library path per row count (median of `reps` interleaved
-    pairs of passes over `layers` layers), with the row limit Tandem uses on this CPU."""
+    pairs of passes over `layers` layers), with the row limit Tandem uses on this CPU; `only`: the
+    pairs whose name starts with it."""
     import os
     import statistics
 
@@ -370,6 +372,8 @@ def few_rows(rows_list: list[int], layers: int, reps: int) -> dict:
     out = []
     panels8 = kernels.has("gemm_w8a8_panels")
     for dtype, (kernel, library, nbytes) in few_row_pairs(weights).items():
+        if not dtype.startswith(only):
+            continue
         for rows in rows_list:
             if rows > FEW_ROWS and not (dtype == "int8" and panels8):
                 continue  # only the int8 panels (against oneDNN's int8 GEMM) take more rows
@@ -508,7 +512,7 @@ def main() -> None:
             args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "huge_pages": rows}, indent=2))
         return
     if args.few_rows:
-        report = few_rows([int(r) for r in args.few_rows.split(",")], args.layers, max(args.reps, 7))
+        report = few_rows([int(r) for r in args.few_rows.split(",")], args.layers, max(args.reps, 7), args.only)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"threads": torch.get_num_threads(), **report}, indent=2))
