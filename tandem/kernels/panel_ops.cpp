@@ -12,7 +12,7 @@
 // L1 and stalls on them; here a weight vector meets every row while it is in a register, so up to
 // 16 rows take one pass over the weight, the multiplies running beside the stream. More rows take
 // each chunk of panels again per 16 rows, from L2: compute-bound there, where int8's `vpdpbusd`
-// (64 products an instruction) takes 0.55-0.66x the time of oneDNN's int8 GEMM at 32-512 rows on
+// (64 products an instruction) takes 0.64-0.77x the time of oneDNN's int8 GEMM at 32-512 rows on
 // the Sapphire Rapids VM with AMX masked, and bfloat16's `vdpbf16ps` (32) loses to oneDNN's blocking.
 
 #include <torch/library.h>

@@ -7,7 +7,7 @@ with AMX, Tandem's tile kernel (`gemm_amx_w8a8`, the weight in its own tile layo
 product, quantizing inside the call: 1.5x oneDNN's int8 GEMM at 32 rows, 1.6x at 512 (prompt
 chunks). On AVX512-VNNI CPUs without AMX, Tandem's kernel over the weight in column panels
 (`gemm_w8a8_panels`, tandem/model/panels.py, which then stand in for the [out, in] weight) does
-every product, quantizing inside the call: at memory speed for a few rows, 0.5-0.7x the time of
+every product, quantizing inside the call: at memory speed for a few rows, 0.55-0.77x the time of
 oneDNN's int8 GEMM from 1 to 512 rows (docs/benchmarks-kernels.md), and no library copy of the
 weight. Where the panels are not built, `gemm_w8a8` over the rows takes up to eight rows; above
 that the rows are quantized by Tandem (`quantize_rows_u8`) and multiplied by
