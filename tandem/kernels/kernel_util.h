@@ -8,7 +8,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <limits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -214,7 +214,7 @@ at::Tensor gemm_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64
 // takes the activations' +128 offset back out), plus bias; the result [M, N] in x's dtype.
 at::Tensor gemm_w8a8_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& w_scale,
                             const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
-  check_panels("tandem gemm_w8a8_panels", x, panels, N, 4, at::kChar, 4, std::numeric_limits<int64_t>::max());
+  check_panels("tandem gemm_w8a8_panels", x, panels, N, 4, at::kChar, 4, x.size(0));  // any number of rows
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == N,
               "tandem gemm_w8a8_panels: w_scale must be contiguous float32, one per output column");
   TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == N,

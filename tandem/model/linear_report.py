@@ -54,16 +54,16 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
             return "int8 AMX tile kernel, rows quantized one by one", _tensor_bytes(
                 m.qweight, m.tiles, m.scale, m.row_sum, m.bias
             )
+        if m.panels is not None:
+            name = "gemm_w8a8_panels"
+            path = f"int8 kernel {name} ({kernel_instructions(name)}, weight in column panels, every row count)"
+            return path, _tensor_bytes(m.panels, m.scale, m.row_sum, m.bias)
         library = None
         if m._qlinear is not None:
             library = "oneDNN int8, rows quantized one by one"
         elif m._packed is not None:
             library = "PyTorch dynamic int8"
         weight_only = f"int8 weight-only kernel gemm_w8_f32 ({kernel_instructions('gemm_w8_f32')}, <= {W8_KERNEL_MAX_ROWS} rows)"
-        if m.panels is not None:
-            name = "gemm_w8a8_panels"
-            path = f"int8 kernel {name} ({kernel_instructions(name)}, weight in column panels, every row count)"
-            return path, _tensor_bytes(m.panels, m.scale, m.row_sum, m.bias)
         if m.row_sum is not None:
             name = "gemm_w8a8"
             kernel = f"int8 kernel {name} ({kernel_instructions(name)}, <= {m.kernel_max_rows} rows)"
@@ -77,7 +77,7 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
             path = "int8 weights widened to float (no VNNI)"
         # The prepacked copy the library keeps for its int8 GEMM is about as large as qweight.
         extra = m.in_features * m.out_features if library is not None else 0
-        return path, _tensor_bytes(m.qweight, m.panels, m.scale, m.row_sum, m.bias) + extra
+        return path, _tensor_bytes(m.qweight, m.scale, m.row_sum, m.bias) + extra
     if isinstance(m, PackedLinear):
         dtype = str(m.dtype).removeprefix("torch.")
         if m.packed is None:
