@@ -348,7 +348,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int, only: str = "") -> di
 
     from tandem import kernels
     from tandem.cpu import LIBRARY_ISA, MARCH_ENV, cpu_flags
-    from tandem.model.linear import kernel_max_rows, mkl_max_rows
+    from tandem.model.linear import bf16_panels_every_row_count, kernel_max_rows, mkl_max_rows
     from tandem.model.quant import W8_KERNEL_MAX_ROWS, w8a8_kernel_max_rows
 
     kernels.load()
@@ -356,7 +356,7 @@ def few_rows(rows_list: list[int], layers: int, reps: int, only: str = "") -> di
     weights = [torch.randn(o, i) * 0.02 for i, o in shapes]
     limits = {
         "float32": kernel_max_rows(torch.float32),
-        "bfloat16": kernel_max_rows(torch.bfloat16),
+        "bfloat16": None if bf16_panels_every_row_count() else kernel_max_rows(torch.bfloat16),
         "bf16 panels/rows": kernel_max_rows(torch.bfloat16),
         "int8": None if kernels.has("gemm_w8a8_panels") else w8a8_kernel_max_rows(),  # panels: every row count
         "int8 panels/rows": None,
@@ -375,8 +375,8 @@ def few_rows(rows_list: list[int], layers: int, reps: int, only: str = "") -> di
         if not dtype.startswith(only):
             continue
         for rows in rows_list:
-            if rows > FEW_ROWS and not (dtype == "int8" and panels8):
-                continue  # only the int8 panels (against oneDNN's int8 GEMM) take more rows
+            if rows > FEW_ROWS and not (dtype == "int8" and panels8) and limits[dtype] is not None:
+                continue  # only the panels that take every row count (against the library's GEMM)
             xs = {i: torch.randn(rows, i) for i, _ in LAYER_SHAPES}
 
             with torch.inference_mode():

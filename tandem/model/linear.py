@@ -10,8 +10,8 @@ the weight once, in the order it is stored, is best: on CPUs with AMX, Tandem's 
 (every row count for layers no wider out than in, where oneDNN is slow at prompt sizes too);
 on AVX-512 CPUs MKL's sgemv for one or two float32 rows (the same call transformers makes, so a
 single stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16
-float32 rows and, without AMX, 1-16 bfloat16 rows (over the weight in column panels,
-tandem/model/panels.py); on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv streams at half the memory
+float32 rows and, with AVX512-BF16 and no AMX, bfloat16 products of every row count (over the weight
+in column panels, tandem/model/panels.py, its only copy there); on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv streams at half the memory
 bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers keep two forms of the weight
 where a few-row path exists: oneDNN's and the plain, panel or tiled one, as long as two copies fit (`SECOND_COPY_MAX_MEMORY_FRACTION`); else one (the tiles on AMX).
 """
@@ -94,6 +94,16 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+def bf16_panels_every_row_count(flags: Set[str] | None = None) -> bool:
+    """Whether a bfloat16 layer runs its column panels (`gemm_bf16_panels`) at every row count and
+    holds no oneDNN copy, on a CPU with `flags` (this one's when None): with AVX512-BF16 and no AMX,
+    where both run on the same `vdpbf16ps` and the panels tie or win at every row count (AMD EPYC
+    kind, benchmarks/gemm_paths.py --few-rows 16,32,64,128,512 --only bfloat16: 0.87-0.99x oneDNN's
+    time, 0.42 TFLOP/s at 512 rows, 90% of the instruction's peak there)."""
+    f = cpu_flags() if flags is None else flags
+    return "avx512_bf16" in f and "amx_bf16" not in f
+
+
 def amx_tiles_available() -> bool:
     """Tandem's AMX tile kernels built on this CPU and the OS lets this process use the tiles."""
     return kernels.has("gemm_amx_bf16") and bool(torch.ops.tandem.amx_ready())
@@ -104,7 +114,8 @@ class PackedLinear(DirectCall, nn.Module):
     `second_copy`, also in the form a few-row path reads: AMX tiles for bfloat16, else column panels
     for bfloat16 (tandem/model/panels.py) and the plain weight for float32. Without it the layer
     holds one copy: the tiles alone on AMX (every row count runs on them), oneDNN's layout alone
-    elsewhere."""
+    elsewhere. A bfloat16 layer on a CPU with AVX512-BF16 and no AMX holds its panels alone and runs
+    every row count on them (`bf16_panels_every_row_count`), whatever `second_copy` says."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, second_copy: bool = True) -> None:
         super().__init__()
@@ -117,10 +128,14 @@ class PackedLinear(DirectCall, nn.Module):
         self.tiles = torch.ops.tandem.amx_pack(w) if w.dtype == torch.bfloat16 and amx_tiles_available() else None
         tiles_only = self.tiles is not None and (not second_copy or self.out_features <= self.in_features)
         self.tiles_max_rows = 0 if self.tiles is None else _ANY_ROWS if tiles_only else _AMX_MAX_ROWS
-        self.packed = None if tiles_only else torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
         # Else the plain weight or its panels, where a few-row path exists for this dtype.
         panels = w.dtype == torch.bfloat16 and kernels.has(PANEL_KERNEL) and can_pack(w)
-        if self.tiles is not None or not second_copy:
+        panels_only = panels and self.tiles is None and bf16_panels_every_row_count()
+        one_copy = tiles_only or panels_only
+        self.packed = None if one_copy else torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
+        if panels_only:
+            few = _ANY_ROWS
+        elif self.tiles is not None or not second_copy:
             few = 0
         elif panels or kernels.has(FEW_ROW_KERNEL[w.dtype]):
             few = kernel_max_rows(w.dtype)

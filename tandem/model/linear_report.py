@@ -80,6 +80,9 @@ def linear_path(m: nn.Module) -> tuple[str, int]:
         return path, _tensor_bytes(m.qweight, m.scale, m.row_sum, m.bias) + extra
     if isinstance(m, PackedLinear):
         dtype = str(m.dtype).removeprefix("torch.")
+        if m.packed is None and m.panels is not None:
+            name = f"{PANEL_KERNEL} ({kernel_instructions(PANEL_KERNEL)})"
+            return f"{name} {dtype}, every row count (one copy)", _tensor_bytes(m.panels, m.bias)
         if m.packed is None:
             return f"AMX tiles {dtype}, every row count (one copy)", _tensor_bytes(m.tiles, m.bias)
         has_few = m.plain is not None or m.panels is not None

@@ -97,15 +97,17 @@ def test_gemm_w8a8_matches_integer_reference(rows, shape, bias):
 
 @pytest.mark.skipif(not onednn_available(torch.bfloat16), reason="oneDNN packs no bfloat16 here")
 def test_bf16_layer_runs_its_few_row_path_to_the_limit_and_onednn_above():
-    """A bfloat16 layer without AMX tiles keeps its plain weight for the kernel's rows (16 on a CPU
-    without AMX, where oneDNN's AVX512-BF16 product is slower at every one of them) and agrees with
-    the float reference on each side of the limit."""
+    """A bfloat16 layer without AMX tiles keeps its plain weight for the kernel's rows (its panels
+    for every row count on a CPU with AVX512-BF16 and no AMX) and agrees with the float reference
+    on each side of the limit."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(40, 48, generator=g).to(torch.bfloat16)
     layer = PackedLinear(w, None)
     if layer.tiles is not None:
         pytest.skip("AMX tiles take every few-row product here")
-    if kernels.has("gemv_bf16"):
+    if layer.panels is not None and linear.bf16_panels_every_row_count():
+        assert layer.packed is None and layer.plain is None
+    elif kernels.has("gemv_bf16"):
         assert layer.plain_max_rows == linear.kernel_max_rows(torch.bfloat16)
         if "amx_bf16" not in cpu_flags():
             assert layer.plain_max_rows == 16

@@ -47,7 +47,7 @@ def test_pack_panels_rejects_what_the_layout_cannot_hold():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", range(17))
+@pytest.mark.parametrize("rows", [*range(18), 31, 33, 70])  # past 16: the chunk's panels again per 16 rows
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gemm_bf16_panels_matches_float_reference(rows, shape):
     n, k = shape
@@ -73,24 +73,23 @@ def test_gemm_bf16_panels_matches_float_reference(rows, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(shape):
     """Each output sums its inputs in one order whatever the batch: a stream's logits are the same
-    decoding alone or beside 15 others, up to the kernel's row limit."""
+    decoding alone or beside 39 others."""
     n, k = shape
     w = _weight(n, k, n + 1)
     p = pack_panels(w)
-    x = torch.randn(16, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
     together = torch.ops.tandem.gemm_bf16_panels(x, p, n, None)
-    for m in (0, 5, 15):
+    for m in (0, 5, 15, 16, 39):
         alone = torch.ops.tandem.gemm_bf16_panels(x[m : m + 1], p, n, None)
         assert torch.equal(alone[0], together[m])
     assert torch.equal(torch.ops.tandem.gemm_bf16_panels(x[3:11], p, n, None), together[3:11])
+    assert torch.equal(torch.ops.tandem.gemm_bf16_panels(x[10:37], p, n, None), together[10:37])
 
 
 @needs_kernel
 def test_gemm_bf16_panels_rejects_bad_operands():
     p = pack_panels(_weight(40, 64, 0))
     x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        torch.ops.tandem.gemm_bf16_panels(torch.randn(17, 64), p, 40, None)
     with pytest.raises(RuntimeError, match="columns"):
         torch.ops.tandem.gemm_bf16_panels(torch.randn(2, 62), p, 40, None)
     with pytest.raises(RuntimeError, match="do not fill"):
@@ -100,11 +99,15 @@ def test_gemm_bf16_panels_rejects_bad_operands():
 
 
 @needs_kernel
-def test_a_bfloat16_layer_without_tiles_runs_its_few_rows_on_the_panels():
+def test_a_bfloat16_layer_denied_the_tiles_runs_its_few_rows_on_the_panels(monkeypatch):
+    """An AMX CPU whose tiles this process may not use: the panels for few rows beside oneDNN."""
+    from tandem.model import linear
+
+    monkeypatch.setattr(linear, "amx_tiles_available", lambda: False)
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
     layer = PackedLinear(_weight(40, 48, 3), None)
-    if layer.tiles is not None:
-        pytest.skip("AMX tiles take every few-row product here")
-    assert layer.plain is None and layer.panels is not None
+    assert layer.plain is None and layer.panels is not None and layer.packed is not None
+    assert layer.plain_max_rows == linear.kernel_max_rows(torch.bfloat16) == 4
     x = torch.randn(layer.plain_max_rows, 48).to(torch.bfloat16)
     assert torch.equal(layer(x), torch.ops.tandem.gemm_bf16_panels(x, layer.panels, 40, None))
     path, nbytes = linear_path(layer)  # what the start-up log says of it
@@ -113,6 +116,30 @@ def test_a_bfloat16_layer_without_tiles_runs_its_few_rows_on_the_panels():
     # An odd number of inputs has no panel form: the plain weight and gemv_bf16 instead.
     odd = PackedLinear(_weight(40, 47, 4), None)
     assert odd.panels is None and (odd.plain is not None) == kernels.has("gemv_bf16")
+
+
+@needs_kernel
+@pytest.mark.parametrize("second_copy", [True, False])
+def test_without_amx_a_bfloat16_layer_holds_its_panels_alone_for_every_row_count(monkeypatch, second_copy):
+    """With AVX512-BF16 and no AMX (an AMD EPYC's flags) the panels take every product: no oneDNN
+    copy, whatever the memory rule says of a second one."""
+    from tandem.model import linear
+
+    monkeypatch.setattr(linear, "amx_tiles_available", lambda: False)
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "avx512_vnni"}))
+    assert not linear.bf16_panels_every_row_count({"avx512_bf16", "amx_bf16"})
+    assert not linear.bf16_panels_every_row_count({"avx512f", "avx2"})
+    w, b = _weight(40, 48, 5), torch.randn(40)
+    layer = PackedLinear(w, b, second_copy)
+    assert layer.packed is None and layer.plain is None and layer.tiles is None and layer.panels is not None
+    for rows in (1, 16, 17, 70):
+        x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        y = layer(x)
+        assert torch.equal(y, torch.ops.tandem.gemm_bf16_panels(x, layer.panels, 40, b))
+        torch.testing.assert_close(y.float(), F.linear(x.float(), w.float(), b), rtol=1e-2, atol=1e-2)
+    path, nbytes = linear_path(layer)
+    assert path == "gemm_bf16_panels (AVX512-BF16 vdpbf16ps) bfloat16, every row count (one copy)"
+    assert nbytes == layer.panels.numel() * 2 + 40 * 4
 
 
 # int8: inputs in groups of 4 a lane.

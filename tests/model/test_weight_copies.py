@@ -26,9 +26,13 @@ def test_short_memory_loads_one_copy_and_serves_the_same_tokens(llama_dir, monke
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     two = LLM(str(llama_dir), dtype=dtype, num_kv_blocks=64)
     tiled = dtype == "bfloat16" and linear.amx_tiles_available()
+    # AVX512-BF16 without AMX: the panels alone at every row count, whatever the memory.
+    panels_only = dtype == "bfloat16" and not tiled and linear.bf16_panels_every_row_count()
+    if panels_only:
+        assert all(m.packed is None and m.panels is not None for m in _layers(two))
     # Two forms where a layer has a few-row path beside oneDNN's; on AMX, layers no wider out than
     # in (o_proj, down_proj) run on their tiles alone either way.
-    assert all(m.packed is not None or (tiled and m.out_features <= m.in_features) for m in _layers(two))
+    assert all(m.packed is not None or (tiled and m.out_features <= m.in_features) or panels_only for m in _layers(two))
     want = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(linear, "available_memory", lambda: 1024)  # far less than the weights
     one = LLM(str(llama_dir), dtype=dtype, num_kv_blocks=64)
@@ -36,6 +40,8 @@ def test_short_memory_loads_one_copy_and_serves_the_same_tokens(llama_dir, monke
     assert layers and all(m.plain is None for m in layers)
     if tiled:
         assert all(m.packed is None and m.tiles is not None for m in layers)
+    elif panels_only:
+        assert all(m.packed is None and m.panels is not None for m in layers)
     else:
         assert all(m.packed is not None for m in layers)
     got = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
