@@ -370,12 +370,15 @@ def few_rows(rows_list: list[int], layers: int, reps: int, only: str = "") -> di
     print(f"{len(weights)} matrices, read bandwidth {bandwidth / 1e9:.1f} GB/s, threads {torch.get_num_threads()}, "
           f"kernels for: {kind}{' ' + str(env) if env else ''}")
     out = []
-    panels8 = kernels.has("gemm_w8a8_panels")
+    # Pairs whose kernel takes every row count, timed past FEW_ROWS against the library's GEMM.
+    every_row_count = {"int8"} if kernels.has("gemm_w8a8_panels") else set()
+    if kernels.has("gemm_bf16_panels") and bf16_panels_every_row_count():
+        every_row_count.add("bfloat16")
     for dtype, (kernel, library, nbytes) in few_row_pairs(weights).items():
         if not dtype.startswith(only):
             continue
         for rows in rows_list:
-            if rows > FEW_ROWS and not (dtype == "int8" and panels8) and limits[dtype] is not None:
+            if rows > FEW_ROWS and dtype not in every_row_count:
                 continue  # only the panels that take every row count (against the library's GEMM)
             xs = {i: torch.randn(rows, i) for i, _ in LAYER_SHAPES}
 
