@@ -10,10 +10,12 @@ the weight once, in the order it is stored, is best: on CPUs with AMX, Tandem's 
 (every row count for layers no wider out than in, where oneDNN is slow at prompt sizes too);
 on AVX-512 CPUs MKL's sgemv for one or two float32 rows (the same call transformers makes, so a
 single stream's logits stay bit-identical to it), Tandem's own kernels (tandem/kernels) for 3-16
-float32 rows and, with AVX512-BF16 and no AMX, bfloat16 products of every row count (over the weight
-in column panels, tandem/model/panels.py, its only copy there); on AVX2-only CPUs (AMD Zen 2/3) MKL's sgemv streams at half the memory
-bandwidth, so Tandem's AVX2 kernel takes 1-8 float32 rows. So layers keep two forms of the weight
-where a few-row path exists: oneDNN's and the plain, panel or tiled one, as long as two copies fit (`SECOND_COPY_MAX_MEMORY_FRACTION`); else one (the tiles on AMX).
+float32 rows and, with AVX512-BF16 and no AMX, bfloat16 products of every row count (over the
+weight in column panels, tandem/model/panels.py, its only copy there); on AVX2-only CPUs (AMD Zen
+2/3) MKL's sgemv streams at half the memory bandwidth, so Tandem's AVX2 kernel takes 1-8 float32
+rows. So layers keep two forms of the weight where a few-row path exists: oneDNN's and the plain,
+panel or tiled one, as long as two copies fit (`SECOND_COPY_MAX_MEMORY_FRACTION`); else one (the
+tiles on AMX).
 """
 
 from __future__ import annotations
