@@ -26,8 +26,9 @@ pairs over a whole model's layers, median time: the A/B behind each kernel's row
 (`tandem.model.linear.kernel_max_rows`), printed beside it (on AMX hosts the tile kernels take
 bfloat16 and int8 layers instead; the limits there serve layers without tiles), with the streaming read bandwidth of
 the machine (a 2-thread sum over 512 MiB) that the one-row figures are a fraction of. Row counts
-above 16 are timed for the int8 panels alone (`gemm_w8a8_panels` takes every product of an int8
-layer where it built: against oneDNN's int8 GEMM up to prompt sizes).
+above 16 are timed only for the panels that take every product of their layers, against the
+library's GEMM up to prompt sizes: `gemm_w8a8_panels` where it built, and `gemm_bf16_panels` on
+CPUs with AVX512-BF16 and no AMX (`tandem.model.linear.bf16_panels_every_row_count`).
 `TANDEM_CPU_MARCH=cooperlake` on an AMX host makes both sides take their non-AMX paths (Tandem's
 kernels and choices, and oneDNN and MKL capped at that kind's instructions: an AMD EPYC's
 products; the timings are the host's).
@@ -354,11 +355,15 @@ def few_rows(rows_list: list[int], layers: int, reps: int, only: str = "") -> di
     kernels.load()
     shapes = LAYER_SHAPES * layers
     weights = [torch.randn(o, i) * 0.02 for i, o in shapes]
+    # Pairs whose kernel takes every row count (no limit), timed past FEW_ROWS against the library's GEMM.
+    every_row_count = {"int8"} if kernels.has("gemm_w8a8_panels") else set()
+    if kernels.has("gemm_bf16_panels") and bf16_panels_every_row_count():
+        every_row_count.add("bfloat16")
     limits = {
         "float32": kernel_max_rows(torch.float32),
-        "bfloat16": None if bf16_panels_every_row_count() else kernel_max_rows(torch.bfloat16),
+        "bfloat16": None if "bfloat16" in every_row_count else kernel_max_rows(torch.bfloat16),
         "bf16 panels/rows": kernel_max_rows(torch.bfloat16),
-        "int8": None if kernels.has("gemm_w8a8_panels") else w8a8_kernel_max_rows(),  # panels: every row count
+        "int8": None if "int8" in every_row_count else w8a8_kernel_max_rows(),
         "int8 panels/rows": None,
         "int8 weight-only": W8_KERNEL_MAX_ROWS,
         "int4 panels/rows": None,  # the panels take every row count
@@ -370,10 +375,6 @@ def few_rows(rows_list: list[int], layers: int, reps: int, only: str = "") -> di
     print(f"{len(weights)} matrices, read bandwidth {bandwidth / 1e9:.1f} GB/s, threads {torch.get_num_threads()}, "
           f"kernels for: {kind}{' ' + str(env) if env else ''}")
     out = []
-    # Pairs whose kernel takes every row count, timed past FEW_ROWS against the library's GEMM.
-    every_row_count = {"int8"} if kernels.has("gemm_w8a8_panels") else set()
-    if kernels.has("gemm_bf16_panels") and bf16_panels_every_row_count():
-        every_row_count.add("bfloat16")
     for dtype, (kernel, library, nbytes) in few_row_pairs(weights).items():
         if not dtype.startswith(only):
             continue
