@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Time a gated MLP's gate/up product with SiLU-and-multiply in its epilogue against the product
-followed by `silu_mul`, on a whole model's gate/up weights (AMX tile kernels, bfloat16 and int8).
+followed by `silu_mul`, on a whole model's gate/up weights (AMX tile kernels, bfloat16 and int8;
+bfloat16 column panels on CPUs with AVX512-BF16).
 
 Each of `--layers` layers has its own weight (the 415M peer checkpoint's 896 -> 2 x 4864), in
 transparent huge pages as the loader places them, cycled through in order, so a pass reads the
@@ -11,6 +12,10 @@ weights from memory as a decode step does. Paths run interleaved, best of `--rep
 - bf16 oneDNN separate: oneDNN's packed GEMM then `silu_mul` (what prompt-sized rows take)
 - int8 separate / int8 fused: `Int8Linear` then `silu_mul`, and `gemm_amx_w8a8_silu_mul` on its
   interleaved tiles
+- bf16 panels separate / bf16 panels fused (where `gemm_bf16_panels_silu_mul` built, AMX or not):
+  `gemm_bf16_panels` then `silu_mul`, and the fused op on the interleaved panels
+
+Without AMX only the panel paths run.
 
     python benchmarks/gate_up_silu.py --rows 1,8,32,64,128,256,512 --threads 2 \
         --json benchmarks/results/gate_up_silu.json
@@ -29,16 +34,43 @@ import torch
 HIDDEN, INTERMEDIATE = 896, 4864
 
 
-def build(layers: int) -> dict[str, tuple[str, Callable[[torch.Tensor], object]]]:
+Paths = dict[str, tuple[str, Callable[[torch.Tensor], object]]]
+
+
+def build(layers: int, amx: bool, panels: bool) -> Paths:
     """path name -> (activation dtype, fn(x) running every layer once)."""
-    from tandem.model.gate_up import interleave_tiles
     from tandem.model.huge_pages import huge_pages_available, to_huge_pages
-    from tandem.model.quant import Int8Linear
 
     place = to_huge_pages if huge_pages_available() else (lambda t: t)
-    ops = torch.ops.tandem
     weights = [torch.randn(2 * INTERMEDIATE, HIDDEN) * 0.02 for _ in range(layers)]
     bf16 = [w.to(torch.bfloat16) for w in weights]
+    paths: Paths = build_amx(weights, bf16, place) if amx else {}
+    if panels:
+        paths.update(build_panels(bf16, place))
+    return paths
+
+
+def build_panels(bf16: list[torch.Tensor], place: Callable[[torch.Tensor], torch.Tensor]) -> Paths:
+    from tandem.model.gate_up import interleave_panels
+    from tandem.model.panels import pack_panels
+
+    ops = torch.ops.tandem
+    n = 2 * INTERMEDIATE
+    separate = [place(pack_panels(w)) for w in bf16]
+    fused = [place(interleave_panels(pack_panels(w), INTERMEDIATE)) for w in bf16]
+    return {
+        "bf16 panels separate": ("bf16", lambda x: [ops.silu_mul(ops.gemm_bf16_panels(x, p, n, None)) for p in separate]),
+        "bf16 panels fused": ("bf16", lambda x: [ops.gemm_bf16_panels_silu_mul(x, p, INTERMEDIATE) for p in fused]),
+    }
+
+
+def build_amx(
+    weights: list[torch.Tensor], bf16: list[torch.Tensor], place: Callable[[torch.Tensor], torch.Tensor]
+) -> Paths:
+    from tandem.model.gate_up import interleave_tiles
+    from tandem.model.quant import Int8Linear
+
+    ops = torch.ops.tandem
     tiles = [place(ops.amx_pack(w)) for w in bf16]
     fused_tiles = [place(interleave_tiles(ops.amx_pack(w), INTERMEDIATE)) for w in bf16]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in bf16]
@@ -78,12 +110,16 @@ def main() -> None:
     from tandem import kernels
 
     kernels.load()
-    if not (kernels.has("gemm_amx_bf16_silu_mul") and torch.ops.tandem.amx_ready()):
-        raise SystemExit("needs AMX (Tandem's tile kernels)")
+    amx = kernels.has("gemm_amx_bf16_silu_mul") and bool(torch.ops.tandem.amx_ready())
+    panels = kernels.has("gemm_bf16_panels_silu_mul")
+    if not (amx or panels):
+        raise SystemExit("needs AMX (Tandem's tile kernels) or AVX512-BF16 (its column panels)")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    paths = build(args.layers)
+    paths = build(args.layers, amx, panels)
+    pairs = [(kind, f"{kind} fused", f"{kind} separate") for kind in ("bf16", "int8", "bf16 panels")]
+    pairs = [p for p in pairs if p[1] in paths]
     results = []
     print(f"{args.layers} gate/up layers {HIDDEN} -> 2 x {INTERMEDIATE}, threads {torch.get_num_threads()}")
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -98,11 +134,12 @@ def main() -> None:
                     fn(x)
                     best[name] = min(best[name], time.perf_counter() - t0)
         row = {"rows": rows, **{f"{name} ms": t * 1e3 for name, t in best.items()}}
-        row["bf16 fused / separate"] = best["bf16 fused"] / best["bf16 separate"]
-        row["int8 fused / separate"] = best["int8 fused"] / best["int8 separate"]
+        for kind, fused, separate in pairs:
+            row[f"{kind} fused / separate"] = best[fused] / best[separate]
         results.append(row)
+        ratios = " ".join(f"{kind} {row[f'{kind} fused / separate']:.2f}" for kind, _, _ in pairs)
         print(f"rows {rows:4d}  " + "  ".join(f"{name} {t * 1e3:6.2f}" for name, t in best.items())
-              + f"  ms | fused/separate bf16 {row['bf16 fused / separate']:.2f} int8 {row['int8 fused / separate']:.2f}")
+              + f"  ms | fused/separate {ratios}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=2))

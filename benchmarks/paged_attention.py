@@ -3,7 +3,8 @@
 fused kernel vs the backend's pure-torch path (the block-table gather plus PyTorch's
 scaled_dot_product_attention that it takes when the kernels are off), and with `--dtype bfloat16`
 on an AMX CPU the tile kernel (`paged_attention_amx`) too. Prompt chunks (query longer than 16)
-take SDPA on both of the first two paths.
+take SDPA on both of the first two paths, except on CPUs with AVX-512 and no AMX, where the kernel
+takes them too (`kernel_takes_long_queries`): there these rows time the kernel against SDPA.
 
 Each case is a batch of requests with the same context length and query length (1: decode,
 1 + k: verification of k drafts), with the default model's head layout (5 query heads sharing one
@@ -35,8 +36,11 @@ CASES = [
     (64, 1, 200),
     (1, 1, 1000),
     (32, 1, 192),  # c=32 decode of the 415M peer checkpoint after 128 + 64 tokens
+    (4, 128, 128),  # a 512-token step of four fresh 128-token prompts (the peer runs' prefill)
     (1, 512, 512),  # a 1024-token prompt's two chunks under a 512-token step budget
     (1, 512, 1024),
+    (1, 512, 2048),
+    (1, 2048, 2048),  # a whole 2048-token prompt in one step
 ]
 
 

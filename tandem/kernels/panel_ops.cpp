@@ -19,7 +19,9 @@
 #include <torch/library.h>
 
 #include <memory>
+#include <optional>
 
+#include "exp_approx.h"
 #include "kernel_util.h"
 
 namespace {
@@ -114,11 +116,17 @@ void panel_rows(int m, const uint32_t* x, int64_t J, const uint8_t* w, int64_t p
 // rows(m0, m, c0, c1, acc, ld) writes rows m0 .. m0 + m - 1 (m <= kMaxRows) of panels [c0, c1) to
 // acc (row i at acc + i * ld, panel c at (c - c0) * 16); each panel's sums for row m then go to
 // store(m, n0, mask, sums) (columns n0 .. n0 + 15, `mask` the ones below N). More than kMaxRows
-// rows take the chunk's panels again per kMaxRows, from L2.
-template <typename Out, typename Rows, typename Store>
+// rows take the chunk's panels again per kMaxRows, from L2. Threads take whole units of kUnit
+// panels (P a multiple of it), so a unit's panels share a chunk and sit side by side in `acc`;
+// kFlush runs them with denormals flushed (for an epilogue's exp).
+template <typename Out, int64_t kUnit = 1, bool kFlush = false, typename Rows, typename Store>
 void panel_product(int64_t M, int64_t P, int64_t N, Rows&& rows, Store&& store) {
   constexpr int64_t kChunkPanels = 8;
-  at::parallel_for(0, P, 2, [&](int64_t q0, int64_t q1) {
+  static_assert(kChunkPanels % kUnit == 0, "a chunk holds whole units");
+  at::parallel_for(0, P / kUnit, std::max<int64_t>(1, 2 / kUnit), [&](int64_t u0, int64_t u1) {
+    std::optional<tandem_kernels::FlushDenormals> flush;
+    if constexpr (kFlush) flush.emplace();
+    const int64_t q0 = u0 * kUnit, q1 = u1 * kUnit;
     alignas(64) Out acc[kMaxRows * kChunkPanels * kPanel];
     for (int64_t c0 = q0; c0 < q1; c0 += kChunkPanels) {
       const int64_t c1 = std::min(q1, c0 + kChunkPanels), ld = (c1 - c0) * kPanel;
@@ -205,6 +213,42 @@ at::Tensor gemm_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64
     if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n0));
     store16(of, ob, m * N + n0, mask, v);
   });
+  return out;
+}
+
+// silu(x . gate^T) * (x . up^T) [M, I] in one pass, for a gate/up weight whose 2I rows were
+// interleaved 16 at a time before packing (gate 0-15, up 0-15, gate 16-31, ...:
+// tandem/model/gate_up.py), so that panel 2p holds gate columns 16p .. 16p + 15 and panel 2p + 1 the
+// same up columns: the epilogue writes the activation instead of the [M, 2I] product, with the
+// roundings of gemm_bf16_panels then silu_mul (a bfloat16 x: gate and up to bfloat16, silu to
+// bfloat16, the product to bfloat16), so the same bits.
+at::Tensor gemm_bf16_panels_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate) {
+  const char* op = "tandem gemm_bf16_panels_silu_mul";
+  TORCH_CHECK(intermediate > 0 && intermediate % kPanel == 0, op,
+              ": intermediate must be a positive multiple of 16 (whole panels of gate and up)");
+  const int64_t N = 2 * intermediate;
+  check_panels(op, x, panels, N, 2, at::kBFloat16, 2, x.size(0));  // any number of rows
+  const int64_t M = x.size(0), J = panels.size(1);
+  at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  at::Tensor out = at::empty({M, intermediate}, x.options());
+  if (M == 0) return out;
+  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
+  const auto* wp = reinterpret_cast<const uint8_t*>(panels.data_ptr());
+  panel_product<float, 2, true>(
+      M, panels.size(0), N,
+      [&](int64_t m0, int64_t m, int64_t c0, int64_t c1, float* acc, int64_t ld) {
+        panel_rows<Bf16Pairs>(static_cast<int>(m), xp + m0 * J, J, wp, c0, c1, acc, ld);
+      },
+      [&](int64_t m, int64_t n0, __mmask16, const float* sums) {
+        if (n0 % (2 * kPanel)) return;  // an up panel: its gate panel's call took it
+        __m512 gate = _mm512_loadu_ps(sums), up = _mm512_loadu_ps(sums + kPanel);
+        if (ob) gate = as_bf16(gate), up = as_bf16(up);
+        __m512 s = tandem_kernels::silu16(gate);
+        if (ob) s = as_bf16(s);
+        store16(of, ob, m * intermediate + n0 / 2, 0xFFFF, _mm512_mul_ps(s, up));
+      });
   return out;
 }
 #endif  // __AVX512BF16__
@@ -443,6 +487,7 @@ at::Tensor gemm_int4_panels(const at::Tensor& x, const at::Tensor& panels, int64
 TORCH_LIBRARY_FRAGMENT(tandem, m) {
 #if defined(__AVX512BF16__)
   m.def("gemm_bf16_panels(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("gemm_bf16_panels_silu_mul(Tensor x, Tensor panels, int intermediate) -> Tensor");
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("gemm_w8a8_panels(Tensor x, Tensor panels, int n, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
@@ -455,6 +500,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 TORCH_LIBRARY_IMPL(tandem, CPU, m) {
 #if defined(__AVX512BF16__)
   m.impl("gemm_bf16_panels", &gemm_bf16_panels);
+  m.impl("gemm_bf16_panels_silu_mul", &gemm_bf16_panels_silu_mul);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.impl("gemm_w8a8_panels", &gemm_w8a8_panels);

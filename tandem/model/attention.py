@@ -15,7 +15,8 @@ are there (tandem/kernels), go to one `paged_attention` call per layer instead, 
 write and the attention straight through the block tables: no gathered copy of the context, no
 mask, no padding, and a dozen fewer torch operators per layer, which is most of a small-batch
 step's attention cost on a CPU. In a step that also carries prompt chunks, only the chunks take
-the grouped SDPA path.
+the grouped SDPA path; on a CPU with AVX-512 and no AMX (`kernel_takes_long_queries`) the kernel
+takes the chunks too, and a step over an unquantized cache makes one attention call per layer.
 
 A quantized KV cache (`kv_cache_dtype` int8 or fp8, tandem/model/kv_quant.py): new K/V are
 quantized as they are written; the torch path dequantizes gathered rows to the model dtype, and
@@ -33,6 +34,7 @@ scores (as transformers' eager attention does) for those layers, and no layer ta
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,13 +43,24 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
+from tandem.cpu import cpu_flags
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.kv_quant import KVCacheFormat
 
-# Longest query (tokens per request in a step) the portable fused kernel takes; longer ones (prompt
-# chunks) go to SDPA, whose blocked kernels win once queries are long. (The AMX kernel over a
+# Longest query (tokens per request in a step) the portable fused kernel takes where SDPA's blocked
+# kernels are the better ones for prompt chunks (`kernel_takes_long_queries`). (The AMX kernel over a
 # bfloat16 cache takes every query: a chunk's query tiles share one tiled layout of its context.)
 FUSED_MAX_QUERY = 16
+
+
+def kernel_takes_long_queries(flags: Set[str] | None = None) -> bool:
+    """Whether the portable fused kernel also takes prompt chunks (queries of any length) on a CPU
+    with `flags` (this one's when None): with AVX-512 and no AMX, where PyTorch's CPU SDPA runs a
+    prompt's attention 1.07-3.2x slower than the kernel, bfloat16 and float32 alike (AMD EPYC kind,
+    14 query heads on 2 KV heads of 64: 4 prompts of 32-128 tokens 2.2-3.2x, one of 512 1.8-2.1x,
+    512 over 2048 1.3-1.5x, one of 2048 1.07-1.16x; benchmarks/paged_attention.py)."""
+    f = cpu_flags() if flags is None else flags
+    return "avx512f" in f and "amx_bf16" not in f
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +111,7 @@ class TorchAttentionBackend:
         sliding_window: int | None = None,
         use_kernel: bool | None = None,
         kv_format: KVCacheFormat | None = None,
+        long_queries: bool | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -120,6 +134,10 @@ class TorchAttentionBackend:
             and kernels.has("paged_attention_amx")
             and bool(torch.ops.tandem.amx_ready())
         )
+        # The kernel over an unquantized cache also takes prompt chunks: by the CPU rule when None.
+        if long_queries is None:
+            long_queries = kernel_takes_long_queries()
+        self.max_fused_query = None if long_queries and self.kv_format is None else FUSED_MAX_QUERY
         # Windows of layers declared with `layer()` that differ from the default.
         self.other_windows: set[int | None] = set()
 
@@ -141,7 +159,8 @@ class TorchAttentionBackend:
             batch.attn_metadata.tiles = True
             return
         if self.fused and batch.input_ids.device.type == "cpu":
-            short = batch.query_lens <= FUSED_MAX_QUERY
+            limit = self.max_fused_query
+            short = np.ones(batch.num_requests, dtype=bool) if limit is None else batch.query_lens <= limit
             if tree is not None:
                 short &= ~tree
             if short.all():

@@ -1,4 +1,5 @@
-"""SiLU-and-multiply inside the gate/up product's epilogue (AMX tile kernels).
+"""SiLU-and-multiply inside the gate/up product's epilogue (AMX tile kernels; the bfloat16 column
+panels on CPUs with AVX512-BF16 and no AMX).
 
 A gated MLP's fused gate/up layer computes [gate | up] = x . W^T ([M, 2I]) and then
 silu(gate) * up ([M, I]): the product writes 2I columns a row and a second pass (a second call)
@@ -39,6 +40,16 @@ def interleave_tiles(tiles: torch.Tensor, intermediate: int) -> torch.Tensor:
     column_tiles = tiles.permute(0, 2, 1, 3, 4).reshape(2 * panels, blocks, rows, width)
     stacked = torch.stack((column_tiles[:half], column_tiles[half:]), dim=1)  # [half, 2, blocks, rows, width]
     return stacked.permute(0, 2, 1, 3, 4).contiguous()
+
+
+def interleave_panels(panels: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """`pack_panels(w)` of a [2I, K] gate/up weight (tandem/model/panels.py: [P, K/2, 16, 2], panel
+    p holding columns 16p .. 16p + 15) -> the panels of its rows interleaved 16 at a time: gate
+    panel i, then up panel i, for each i."""
+    half = intermediate // TILE_COLUMNS
+    if panels.dim() != 4 or panels.shape[0] != 2 * half or panels.shape[2] != TILE_COLUMNS:
+        raise ValueError(f"panels of shape {tuple(panels.shape)} do not hold a gate/up weight of intermediate {intermediate}")
+    return torch.stack((panels[:half], panels[half:]), dim=1).reshape(panels.shape).contiguous()
 
 
 def interleaved_columns(intermediate: int) -> torch.Tensor:

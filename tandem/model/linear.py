@@ -33,7 +33,7 @@ from tandem import kernels
 from tandem.config import SECOND_COPY_MAX_MEMORY_FRACTION
 from tandem.cpu import cpu_flags
 from tandem.model.direct_call import DirectCall
-from tandem.model.gate_up import can_interleave, deinterleave, interleave_tiles
+from tandem.model.gate_up import can_interleave, deinterleave, interleave_panels, interleave_tiles
 from tandem.model.panels import can_pack, pack_panels
 
 M = TypeVar("M", bound=nn.Module)
@@ -46,6 +46,8 @@ FEW_ROW_KERNEL = {torch.float32: "gemv_f32", torch.bfloat16: "gemv_bf16"}
 # The bfloat16 few-row kernel over a PackedLinear's weight in column panels (plain_product's
 # stacked experts, held as stored, keep gemv_bf16).
 PANEL_KERNEL = "gemm_bf16_panels"
+# Its form for a gated MLP's gate/up layer, ending in SiLU-and-multiply (tandem/model/gate_up.py).
+PANEL_SILU_KERNEL = "gemm_bf16_panels_silu_mul"
 
 
 def kernel_max_rows(dtype: torch.dtype, flags: Set[str] | None = None) -> int:
@@ -147,25 +149,33 @@ class PackedLinear(DirectCall, nn.Module):
         self.plain = w if few and self.panels is None else None
         self.plain_max_rows = few  # rows the plain weight or the panels take
         self.bias = None if bias is None else bias.detach().contiguous()
-        self.interleaved = 0  # the intermediate width once fuse_silu laid the tiles out for it
+        self.interleaved = 0  # the intermediate width once fuse_silu laid the tiles or panels out for it
 
     def fuse_silu(self, intermediate: int) -> bool:
-        """As a gated MLP's gate/up layer, lay the tiles out for `silu_mul` (tandem/model/gate_up.py);
-        False where there are no tiles, a bias, or halves that do not split into whole tiles."""
+        """As a gated MLP's gate/up layer, lay the tiles, or the panels where they take every row
+        count, out for `silu_mul` (tandem/model/gate_up.py); False where there are neither, a bias,
+        or halves that do not split into whole tiles."""
         if self.interleaved:
             return self.interleaved == intermediate
-        if self.tiles is None or self.bias is not None or not can_interleave(intermediate, self.out_features):
+        if self.bias is not None or not can_interleave(intermediate, self.out_features):
             return False
-        self.tiles = interleave_tiles(self.tiles, intermediate)
+        if self.tiles is not None:
+            self.tiles = interleave_tiles(self.tiles, intermediate)
+        elif self.panels is not None and self.packed is None and kernels.has(PANEL_SILU_KERNEL):
+            self.panels = interleave_panels(self.panels, intermediate)
+        else:
+            return False
         self.interleaved = intermediate
         return True
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up layer's product of 2-D x (after `fuse_silu`): in the tile
-        product's epilogue on its rows, else after the product."""
+        or panel product's epilogue on its rows, else after the product."""
         tiles = self.tiles
         if tiles is not None and x.shape[0] <= self.tiles_max_rows and x.dtype == torch.bfloat16:
             return torch.ops.tandem.gemm_amx_bf16_silu_mul(x, tiles, self.interleaved)
+        if self.panels is not None and self.packed is None:  # the panels take every row count
+            return torch.ops.tandem.gemm_bf16_panels_silu_mul(x, self.panels, self.interleaved)
         return torch.ops.tandem.silu_mul(self.forward(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +188,8 @@ class PackedLinear(DirectCall, nn.Module):
             y = torch.ops.tandem.gemm_amx_bf16(x, tiles, self.out_features, self.bias)
             return deinterleave(y, self.interleaved) if self.interleaved else y
         if rows <= self.plain_max_rows and self.panels is not None:
-            return torch.ops.tandem.gemm_bf16_panels(x, self.panels, self.out_features, self.bias)
+            y = torch.ops.tandem.gemm_bf16_panels(x, self.panels, self.out_features, self.bias)
+            return deinterleave(y, self.interleaved) if self.interleaved else y
         plain = self.plain  # None when plain_max_rows is 0
         if plain is not None and rows <= self.plain_max_rows:
             if plain.dtype == torch.float32:

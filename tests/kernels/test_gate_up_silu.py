@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.model.fused_ops import fuse_into_product
 from tandem.model.gate_up import deinterleave, interleave_tiles, interleaved_columns
-from tandem.model.layers import GatedMLP
-from tandem.model.linear import PackedLinear, amx_tiles_available, pack_linears
+from tandem.model.linear import PackedLinear, amx_tiles_available
 from tandem.model.quant import Int8Linear
 
 pytestmark = pytest.mark.skipif(not amx_tiles_available(), reason="needs AMX (and the OS granting it)")
@@ -111,19 +109,10 @@ def test_layers_that_cannot_fuse_say_so_and_stay_as_they_were():
 
 
 def test_a_gated_mlp_runs_the_activation_in_its_product():
-    torch.manual_seed(7)
-    mlp = GatedMLP(HIDDEN, INTERMEDIATE).to(torch.bfloat16)
-    twin = GatedMLP(HIDDEN, INTERMEDIATE).to(torch.bfloat16)
-    twin.load_state_dict(mlp.state_dict())
-    for m in (mlp, twin):
-        pack_linears(m, second_copy=True)
-        m.fused = True
-    assert fuse_into_product(mlp) and mlp.gate_up_silu is not None
-    assert twin.gate_up_silu is None
+    from gated_mlp_checks import assert_mlp_runs_activation_in_product
+
     x = _inputs(9, torch.Generator().manual_seed(8), torch.bfloat16)
-    assert torch.equal(mlp(x), twin(x))
-    mlp.fused = twin.fused = False  # the PyTorch operators again: the layer's plain answer
-    assert torch.equal(mlp(x), twin(x))
+    assert_mlp_runs_activation_in_product(HIDDEN, INTERMEDIATE, x, second_copy=True)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from tandem import kernels
-from tandem.model.attention import FUSED_MAX_QUERY, LayerAttention, TorchAttentionBackend, _Paged
+from tandem.model.attention import (
+    FUSED_MAX_QUERY,
+    LayerAttention,
+    TorchAttentionBackend,
+    _Paged,
+    kernel_takes_long_queries,
+)
 from tandem.model.forward_batch import ForwardBatch
 from tandem.model.kv_quant import KVCacheFormat
 
@@ -283,30 +289,16 @@ def test_amx_kernel_is_not_taken_where_it_does_not_apply() -> None:
 def test_long_queries_keep_the_sdpa_path() -> None:
     rng = np.random.default_rng(3)
     batch = make_batch([FUSED_MAX_QUERY + 1, 40], [30, 40], 32, rng)
-    TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM).prepare(batch)
+    TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, long_queries=False).prepare(batch)
     assert isinstance(batch.attn_metadata, list)
     assert not any(isinstance(g, _Paged) for g in batch.attn_metadata)
 
 
-@needs_kernel
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_sends_short_queries_to_the_kernel(window, dtype) -> None:
-    """Decodes and verifications sharing a step with prompt chunks take the kernel, the chunks SDPA;
-    together they match the per-request reference, and every new K/V is in its slot."""
-    rng = np.random.default_rng(5)
-    torch.manual_seed(5)
-    q_lens = [1, 40, 5, 1, FUSED_MAX_QUERY + 1, 3, 24]
-    seq_lens = [9, 40, 30, 22, 50, 7, 60]
-    num_blocks = 96
-    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window)
-    backend.prepare(batch)
-    paged = [g for g in batch.attn_metadata if isinstance(g, _Paged)]
-    assert len(paged) == 1 and paged[0].rows.tolist() == [0, 41, 42, 43, 44, 45, 46, 64, 65, 66]
+def assert_writes_and_matches_reference(backend, batch, num_blocks: int, dtype: torch.dtype, window) -> None:
+    """The backend (prepared for `batch`) writes every new K/V to its slot and matches the
+    per-request reference over what the cache then holds."""
     cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
-    t = batch.num_tokens
-    qkv = torch.randn(t, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+    qkv = torch.randn(batch.num_tokens, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
     q, k, v = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
     out = backend.forward(q, k, v, cache, batch)
     k_cache, v_cache = cache[0].view(-1, KV_HEADS, HEAD_DIM), cache[1].view(-1, KV_HEADS, HEAD_DIM)
@@ -314,6 +306,46 @@ def test_mixed_batch_sends_short_queries_to_the_kernel(window, dtype) -> None:
     expected = reference(q.float(), k_cache.float(), v_cache.float(), batch, HEAD_DIM**-0.5, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("long_queries", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_sends_short_queries_to_the_kernel(window, dtype, long_queries) -> None:
+    """Decodes and verifications sharing a step with prompt chunks take the kernel, the chunks SDPA
+    (with long queries on, the kernel too: one call per layer); together they match the per-request
+    reference, and every new K/V is in its slot."""
+    rng = np.random.default_rng(5)
+    torch.manual_seed(5)
+    # Decodes, verifications, a fresh 40-token prompt, chunks over cached context.
+    q_lens = [1, 40, 5, 1, FUSED_MAX_QUERY + 1, 3, 24]
+    seq_lens = [9, 40, 30, 22, 50, 7, 60]
+    num_blocks = 96
+    batch = make_batch(q_lens, seq_lens, num_blocks, rng)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, sliding_window=window, long_queries=long_queries)
+    backend.prepare(batch)
+    if long_queries:
+        assert isinstance(batch.attn_metadata, _Paged) and batch.attn_metadata.rows is None
+    else:
+        paged = [g for g in batch.attn_metadata if isinstance(g, _Paged)]
+        assert len(paged) == 1 and paged[0].rows.tolist() == [0, 41, 42, 43, 44, 45, 46, 64, 65, 66]
+    assert_writes_and_matches_reference(backend, batch, num_blocks, dtype, window)
+
+
+@needs_kernel
+def test_quantized_cache_keeps_prompt_chunks_on_sdpa() -> None:
+    """The quantized kernel was not measured on long queries: a chunk stays on the grouped path."""
+    batch = make_batch([1, FUSED_MAX_QUERY + 1], [9, 30], 32, np.random.default_rng(7))
+    fmt = KVCacheFormat("int8", torch.float32)
+    TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, kv_format=fmt, long_queries=True).prepare(batch)
+    assert isinstance(batch.attn_metadata, list) and len(batch.attn_metadata) == 2
+
+
+def test_long_query_rule_follows_cpu_features() -> None:
+    assert kernel_takes_long_queries({"avx512f", "avx512_bf16", "avx512_vnni"})  # AMD EPYC kind
+    assert not kernel_takes_long_queries({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert not kernel_takes_long_queries({"avx2", "fma"})
 
 
 @needs_kernel

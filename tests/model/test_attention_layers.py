@@ -101,18 +101,23 @@ def test_a_softcap_turns_the_kernel_off() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("long_queries", [False, True])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_kernel_takes_layer_windows_and_scales(mixed) -> None:
-    """Layers without a soft-cap keep the kernel, which takes each layer's window and scale."""
+def test_kernel_takes_layer_windows_and_scales(mixed, long_queries) -> None:
+    """Layers without a soft-cap keep the kernel, which takes each layer's window and scale (with
+    long queries on, a prompt's too)."""
     rng = np.random.default_rng(4)
     torch.manual_seed(4)
     q_lens, seq_lens = ([1, 40, 5, 1, 3], [9, 40, 30, 22, 7]) if mixed else ([1, 5, 1, 3], [9, 30, 22, 7])
     batch = make_batch(q_lens, seq_lens, 64, rng)
-    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM)
+    backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, long_queries=long_queries)
     specs = [backend.layer(LAYERS["window-scale"]), backend.layer(LAYERS["full-scale"])]
     backend.prepare(batch)
     meta = batch.attn_metadata
-    assert any(isinstance(g, _Paged) for g in meta) if mixed else isinstance(meta, _Paged)
+    if mixed and not long_queries:
+        assert any(isinstance(g, _Paged) for g in meta)
+    else:
+        assert isinstance(meta, _Paged)
     cache = torch.randn(2, 64, BLOCK, KV_HEADS, HEAD_DIM)
     t = batch.num_tokens
     q, k, v = torch.randn(t, HEADS, HEAD_DIM), torch.randn(t, KV_HEADS, HEAD_DIM), torch.randn(t, KV_HEADS, HEAD_DIM)
