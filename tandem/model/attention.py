@@ -141,6 +141,17 @@ class TorchAttentionBackend:
         # Windows of layers declared with `layer()` that differ from the default.
         self.other_windows: set[int | None] = set()
 
+    def describe(self) -> str:
+        """Which path each query takes, for the start-up log (after every layer was declared)."""
+        if self.tiles:
+            return "paged_attention_amx (AMX tiles), every query"
+        if not self.fused:
+            return "PyTorch SDPA over the gathered context"
+        name = "paged_attention" if self.kv_format is None else "paged_attention_quantized"
+        if self.max_fused_query is None:
+            return f"{name} kernel, every query (AVX-512 without AMX: prompt chunks too)"
+        return f"{name} kernel for queries up to {self.max_fused_query} tokens, SDPA for prompt chunks"
+
     def layer(self, spec: LayerAttention) -> LayerAttention:
         """Declare a layer's variation before the first pass; the layer passes it to `forward`."""
         if spec.sliding_window != self.sliding_window:

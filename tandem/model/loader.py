@@ -213,6 +213,9 @@ def _finish(
         "per-token ops (norms, activation, rotary): %s",
         f"compiled kernels ({', '.join(fused)})" if fused else "PyTorch operators",
     )
+    describe = getattr(getattr(module, "backend", None), "describe", None)
+    if describe is not None:
+        logger.info("attention: %s", describe())
     bind_submodules(module)
 
 

@@ -349,6 +349,20 @@ def test_long_query_rule_follows_cpu_features() -> None:
 
 
 @needs_kernel
+def test_start_up_log_names_each_querys_path() -> None:
+    describe = [
+        TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, long_queries=True).describe(),
+        TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, long_queries=False).describe(),
+        TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, use_kernel=False).describe(),
+    ]
+    assert describe == [
+        "paged_attention kernel, every query (AVX-512 without AMX: prompt chunks too)",
+        f"paged_attention kernel for queries up to {FUSED_MAX_QUERY} tokens, SDPA for prompt chunks",
+        "PyTorch SDPA over the gathered context",
+    ]
+
+
+@needs_kernel
 def test_fused_kernel_rejects_inconsistent_layout() -> None:
     rng = np.random.default_rng(4)
     batch = make_batch([2], [6], 8, rng)
