@@ -14,6 +14,8 @@ weights from memory as a decode step does. Paths run interleaved, best of `--rep
   interleaved tiles
 - bf16 panels separate / bf16 panels fused (where `gemm_bf16_panels_silu_mul` built, AMX or not):
   `gemm_bf16_panels` then `silu_mul`, and the fused op on the interleaved panels
+- int8 panels separate / int8 panels fused (without AMX, where `gemm_w8a8_panels_silu_mul` built):
+  `Int8Linear` on its panels then `silu_mul`, and the layer's `silu_mul` after `fuse_silu`
 
 Without AMX only the panel paths run.
 
@@ -46,22 +48,37 @@ def build(layers: int, amx: bool, panels: bool) -> Paths:
     bf16 = [w.to(torch.bfloat16) for w in weights]
     paths: Paths = build_amx(weights, bf16, place) if amx else {}
     if panels:
-        paths.update(build_panels(bf16, place))
+        paths.update(build_panels(weights, bf16, place))
     return paths
 
 
-def build_panels(bf16: list[torch.Tensor], place: Callable[[torch.Tensor], torch.Tensor]) -> Paths:
+def build_panels(
+    weights: list[torch.Tensor], bf16: list[torch.Tensor], place: Callable[[torch.Tensor], torch.Tensor]
+) -> Paths:
+    from tandem import kernels
     from tandem.model.gate_up import interleave_panels
     from tandem.model.panels import pack_panels
+    from tandem.model.quant import Int8Linear
 
     ops = torch.ops.tandem
     n = 2 * INTERMEDIATE
     separate = [place(pack_panels(w)) for w in bf16]
     fused = [place(interleave_panels(pack_panels(w), INTERMEDIATE)) for w in bf16]
-    return {
+    paths: Paths = {
         "bf16 panels separate": ("bf16", lambda x: [ops.silu_mul(ops.gemm_bf16_panels(x, p, n, None)) for p in separate]),
         "bf16 panels fused": ("bf16", lambda x: [ops.gemm_bf16_panels_silu_mul(x, p, INTERMEDIATE) for p in fused]),
     }
+    if kernels.has("gemm_w8a8_panels_silu_mul"):
+        int8 = [Int8Linear(w, None) for w in weights]
+        int8_fused = [Int8Linear(w, None) for w in weights]
+        if not all(q.panels is not None and q.fuse_silu(INTERMEDIATE) for q in int8_fused):
+            raise SystemExit("int8 layers did not take the fused panel layout")
+        for q in int8 + int8_fused:
+            q.panels = place(q.panels)
+            q.bind_tensors()
+        paths["int8 panels separate"] = ("bf16", lambda x: [ops.silu_mul(q(x)) for q in int8])
+        paths["int8 panels fused"] = ("bf16", lambda x: [q.silu_mul(x) for q in int8_fused])
+    return paths
 
 
 def build_amx(
@@ -118,7 +135,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     paths = build(args.layers, amx, panels)
-    pairs = [(kind, f"{kind} fused", f"{kind} separate") for kind in ("bf16", "int8", "bf16 panels")]
+    pairs = [(kind, f"{kind} fused", f"{kind} separate") for kind in ("bf16", "int8", "bf16 panels", "int8 panels")]
     pairs = [p for p in pairs if p[1] in paths]
     results = []
     print(f"{args.layers} gate/up layers {HIDDEN} -> 2 x {INTERMEDIATE}, threads {torch.get_num_threads()}")

@@ -183,6 +183,9 @@ inline __m256i to_bf16(__m512 v) {
 #endif
 }
 
+// 16 bfloat16 values (to_bf16's result) back in float32.
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
 // Stores 16 float32 values (the lanes in `mask`) as float32 or bfloat16.
 inline void store16(float* of, uint16_t* ob, int64_t i, __mmask16 mask, __m512 v) {
   if (of)
@@ -254,40 +257,99 @@ at::Tensor gemm_bf16_panels_silu_mul(const at::Tensor& x, const at::Tensor& pane
 #endif  // __AVX512BF16__
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Dynamic int8 activations (one symmetric scale per row, as gemm_w8a8 quantizes them) times the
-// int8 weight in panels [P, K/4, 16, 4] with one scale and one sum per output column (`w_sum`
-// takes the activations' +128 offset back out), plus bias; the result [M, N] in x's dtype.
+// What an int8 panel product reads besides the weight: x's rows quantized (one symmetric scale per
+// row, as gemm_w8a8 quantizes them; offset by 128) and the per-column weight scales, sums and bias.
+struct W8A8PanelInputs {
+  at::Tensor rows, row_scales, bias_holder;
+  const float* row_scale = nullptr;
+  const float* bias = nullptr;
+  const float* w_scale = nullptr;
+  const int32_t* w_sum = nullptr;
+  const uint32_t* lanes() const { return reinterpret_cast<const uint32_t*>(rows.data_ptr()); }
+  // Row m's 16 columns from n0 (the lanes in `mask`) in float32, before rounding to x's dtype:
+  // the sums less 128 x w_sum, times the row's scale, times the columns' scales, plus bias.
+  __m512 columns(int64_t m, int64_t n0, __mmask16 mask, const int32_t* sums) const {
+    const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, w_sum + n0), 7);  // 128 * w_sum
+    const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sums), offset);
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(row_scale[m]));
+    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, w_scale + n0));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0));
+    return v;
+  }
+};
+
+// Checks an int8 panel product's inputs (N output columns) and quantizes x's rows.
+W8A8PanelInputs prepare_w8a8_panels(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                                    const at::Tensor& w_scale, const at::Tensor& w_sum,
+                                    const std::optional<at::Tensor>& bias) {
+  check_panels(op, x, panels, N, 4, at::kChar, 4, x.size(0));  // any number of rows
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == N, op,
+              ": w_scale must be contiguous float32, one per output column");
+  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == N, op,
+              ": w_sum must be contiguous int32, one per output column");
+  const int64_t M = x.size(0), K = x.size(1);
+  W8A8PanelInputs in;
+  in.rows = at::empty({M, K}, x.options().dtype(at::kByte));
+  in.row_scales = at::empty({M}, x.options().dtype(at::kFloat));
+  in.row_scale = in.row_scales.data_ptr<float>();
+  if (M > 0) quantize_rows_u8_16(x.contiguous(), in.rows.data_ptr<uint8_t>(), K, in.row_scales.data_ptr<float>());
+  in.bias = bias_ptr(bias, N, in.bias_holder);
+  in.w_scale = w_scale.data_ptr<float>();
+  in.w_sum = w_sum.data_ptr<int32_t>();
+  return in;
+}
+
+// Dynamic int8 activations times the int8 weight in panels [P, K/4, 16, 4] with one scale and one
+// sum per output column (`w_sum` takes the activations' +128 offset back out), plus bias; the
+// result [M, N] in x's dtype.
 at::Tensor gemm_w8a8_panels(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& w_scale,
                             const at::Tensor& w_sum, const std::optional<at::Tensor>& bias) {
-  check_panels("tandem gemm_w8a8_panels", x, panels, N, 4, at::kChar, 4, x.size(0));  // any number of rows
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == N,
-              "tandem gemm_w8a8_panels: w_scale must be contiguous float32, one per output column");
-  TORCH_CHECK(w_sum.scalar_type() == at::kInt && w_sum.is_contiguous() && w_sum.numel() == N,
-              "tandem gemm_w8a8_panels: w_sum must be contiguous int32, one per output column");
-  const int64_t M = x.size(0), K = x.size(1);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({M, N}, x.options()), b;
+  const W8A8PanelInputs in = prepare_w8a8_panels("tandem gemm_w8a8_panels", x, panels, N, w_scale, w_sum, bias);
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  at::Tensor xu = at::empty({M, K}, x.options().dtype(at::kByte));
-  at::Tensor xs = at::empty({M}, x.options().dtype(at::kFloat));
-  uint8_t* up = xu.data_ptr<uint8_t>();
-  float* x_scale = xs.data_ptr<float>();
-  quantize_rows_u8_16(xc, up, K, x_scale);
-  const float* bp = bias_ptr(bias, N, b);
-  const float* sp = w_scale.data_ptr<float>();
-  const int32_t* sump = w_sum.data_ptr<int32_t>();
   float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
   auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
-  lane_product<U8S8Quads>(reinterpret_cast<const uint32_t*>(up), M, panels.size(1),
-                           reinterpret_cast<const uint8_t*>(panels.data_ptr()), panels.size(0), N,
-                           [&](int64_t m, int64_t n0, __mmask16 mask, const int32_t* sums) {
-    const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, sump + n0), 7);  // 128 * w_sum
-    const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sums), offset);
-    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x_scale[m]));
-    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, sp + n0));
-    if (bp) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n0));
-    store16(of, ob, m * N + n0, mask, v);
-  });
+  lane_product<U8S8Quads>(in.lanes(), M, panels.size(1), reinterpret_cast<const uint8_t*>(panels.data_ptr()),
+                           panels.size(0), N, [&](int64_t m, int64_t n0, __mmask16 mask, const int32_t* sums) {
+                             store16(of, ob, m * N + n0, mask, in.columns(m, n0, mask, sums));
+                           });
+  return out;
+}
+
+// gemm_w8a8_panels over a gate/up weight whose panels were interleaved as for
+// gemm_bf16_panels_silu_mul (w_scale, w_sum and bias in that interleaved column order):
+// silu(gate) * up [M, I] in x's dtype, with the roundings of gemm_w8a8_panels then silu_mul.
+at::Tensor gemm_w8a8_panels_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate,
+                                     const at::Tensor& w_scale, const at::Tensor& w_sum,
+                                     const std::optional<at::Tensor>& bias) {
+  const char* op = "tandem gemm_w8a8_panels_silu_mul";
+  TORCH_CHECK(intermediate > 0 && intermediate % kPanel == 0, op,
+              ": intermediate must be a positive multiple of 16 (whole panels of gate and up)");
+  const int64_t N = 2 * intermediate, M = x.size(0), J = panels.size(1);
+  const W8A8PanelInputs in = prepare_w8a8_panels(op, x, panels, N, w_scale, w_sum, bias);
+  at::Tensor out = at::empty({M, intermediate}, x.options());
+  if (M == 0) return out;
+  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
+  const uint32_t* xp = in.lanes();
+  const auto* wp = reinterpret_cast<const uint8_t*>(panels.data_ptr());
+  // A panel's 16 columns as gemm_w8a8_panels stores them, back in float32.
+  auto stored = [&](int64_t m, int64_t n0, const int32_t* sums) {
+    const __m512 v = in.columns(m, n0, 0xFFFF, sums);
+    return ob ? widen_bf16(to_bf16(v)) : v;
+  };
+  panel_product<int32_t, 2, true>(
+      M, panels.size(0), N,
+      [&](int64_t m0, int64_t m, int64_t c0, int64_t c1, int32_t* acc, int64_t ld) {
+        panel_rows<U8S8Quads>(static_cast<int>(m), xp + m0 * J, J, wp, c0, c1, acc, ld);
+      },
+      [&](int64_t m, int64_t n0, __mmask16, const int32_t* sums) {
+        if (n0 % (2 * kPanel)) return;  // an up panel: its gate panel's call took it
+        __m512 s = tandem_kernels::silu16(stored(m, n0, sums));
+        if (ob) s = widen_bf16(to_bf16(s));
+        store16(of, ob, m * intermediate + n0 / 2, 0xFFFF, _mm512_mul_ps(s, stored(m, n0 + kPanel, sums + kPanel)));
+      });
   return out;
 }
 #endif  // __AVX512VNNI__ && __AVX512BW__
@@ -491,6 +553,7 @@ TORCH_LIBRARY_FRAGMENT(tandem, m) {
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("gemm_w8a8_panels(Tensor x, Tensor panels, int n, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
+  m.def("gemm_w8a8_panels_silu_mul(Tensor x, Tensor panels, int intermediate, Tensor w_scale, Tensor w_sum, Tensor? bias) -> Tensor");
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("gemm_int4_panels(Tensor x, Tensor panels, int n, Tensor scales, Tensor? zs, int group_size, Tensor? bias) -> Tensor");
@@ -504,6 +567,7 @@ TORCH_LIBRARY_IMPL(tandem, CPU, m) {
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.impl("gemm_w8a8_panels", &gemm_w8a8_panels);
+  m.impl("gemm_w8a8_panels_silu_mul", &gemm_w8a8_panels_silu_mul);
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.impl("gemm_int4_panels", &gemm_int4_panels);

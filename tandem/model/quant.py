@@ -43,7 +43,13 @@ from tandem import kernels
 from tandem.config import QUANTIZATION_METHODS
 from tandem.cpu import cpu_flags
 from tandem.model.direct_call import BoundTensors, DirectCall
-from tandem.model.gate_up import can_interleave, deinterleave, interleave_tiles, interleaved_columns
+from tandem.model.gate_up import (
+    can_interleave,
+    deinterleave,
+    interleave_panels,
+    interleave_tiles,
+    interleaved_columns,
+)
 from tandem.model.linear import M, amx_tiles_available, replace_linears
 from tandem.model.panels import can_pack, pack_panels, unpack_panels
 
@@ -66,6 +72,9 @@ _KERNEL_ROWS = 16
 # time of the product then silu_mul at 8-64 rows; from 128 rows 1.04-1.22x (the product is bound
 # by compute there and the epilogue's arithmetic adds to it).
 _FUSED_SILU_MAX_ROWS = 64
+# The column panels' form (CPUs with AVX512-VNNI and no AMX) takes every row count: measured in
+# docs/benchmarks-kernels.md.
+PANEL_SILU_KERNEL = "gemm_w8a8_panels_silu_mul"
 
 
 def dynamic_int8_available() -> bool:
@@ -174,22 +183,29 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
         self.kernel_max_rows = w8a8_kernel_max_rows() if int8_kernel and not panels else 0
         # Without VNNI: the weight-only kernel for few rows.
         self.weight_only_kernel = want and not cpu_has_vnni() and kernels.has("gemm_w8_f32")
-        # Once fuse_silu laid the tiles out for a gated MLP: the intermediate width, and the tiles'
+        # Once fuse_silu laid the tiles or panels out for a gated MLP: the intermediate width, and the
         # per-column scale, sum and bias in their interleaved order.
         self.interleaved = 0
         self._tile_columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.bind_tensors()
 
     def fuse_silu(self, intermediate: int) -> bool:
-        """As a gated MLP's gate/up layer, lay the tiles out for `silu_mul` (tandem/model/gate_up.py);
-        False where there are no tiles or the halves do not split into whole tiles."""
+        """As a gated MLP's gate/up layer, lay the tiles or the column panels out for `silu_mul`
+        (tandem/model/gate_up.py); False where there are neither or the halves do not split into
+        whole tiles."""
         if self.interleaved:
             return self.interleaved == intermediate
-        if self.tiles is None or self.row_sum is None or not can_interleave(intermediate, self.out_features):
+        if self.row_sum is None or not can_interleave(intermediate, self.out_features):
             return False
-        _, scale, bias, _ = self._tensors
+        _, scale, bias, panels = self._tensors
         order = interleaved_columns(intermediate)
-        self.tiles = interleave_tiles(self.tiles, intermediate)
+        if self.tiles is not None:
+            self.tiles = interleave_tiles(self.tiles, intermediate)
+        elif panels is not None and kernels.has(PANEL_SILU_KERNEL):
+            self.panels = interleave_panels(panels, intermediate)
+            self.bind_tensors()
+        else:
+            return False
         self._tile_columns = (
             scale[order].contiguous(),
             self.row_sum[order].contiguous(),
@@ -201,10 +217,14 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up layer's product of 2-D x (after `fuse_silu`): in the tile
         product's epilogue up to _FUSED_SILU_MAX_ROWS rows, else after the product."""
-        tiles, columns = self.tiles, self._tile_columns
-        if tiles is None or columns is None or x.shape[0] > _FUSED_SILU_MAX_ROWS or x.dtype not in _KERNEL_DTYPES:
+        tiles, columns, panels = self.tiles, self._tile_columns, self._tensors[3]
+        if columns is None or x.dtype not in _KERNEL_DTYPES:
             return torch.ops.tandem.silu_mul(self.forward(x))
         scale, row_sum, bias = columns
+        if panels is not None:  # every row count
+            return torch.ops.tandem.gemm_w8a8_panels_silu_mul(x, panels, self.interleaved, scale, row_sum, bias)
+        if tiles is None or x.shape[0] > _FUSED_SILU_MAX_ROWS:
+            return torch.ops.tandem.silu_mul(self.forward(x))
         return torch.ops.tandem.gemm_amx_w8a8_silu_mul(x, tiles, self.interleaved, scale, row_sum, bias)
 
     def _prepack(self) -> object:
@@ -221,7 +241,9 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
             return self.qweight
         if self.panels is None:
             raise RuntimeError("Int8Linear holds neither its weight nor its panels")
-        return unpack_panels(self.panels, self.out_features)
+        w = unpack_panels(self.panels, self.out_features)
+        # Panels laid out for silu_mul hold the rows interleaved: gate then up again.
+        return deinterleave(w.t(), self.interleaved).t().contiguous() if self.interleaved else w
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.int8_weight().to(dtype) * self.scale.to(dtype)[:, None]
@@ -239,6 +261,10 @@ class Int8Linear(BoundTensors, DirectCall, nn.Module):
             return torch.ops.tandem.gemm_amx_w8a8(x, self.tiles, self.out_features, scale, self.row_sum, bias)
         if panels is not None:  # every row count; other activation dtypes through float32
             x2 = x if x.dtype in _KERNEL_DTYPES else x.float()
+            if self._tile_columns is not None:  # laid out for silu_mul: interleaved columns
+                panel_scale, panel_sum, panel_bias = self._tile_columns
+                y = torch.ops.tandem.gemm_w8a8_panels(x2, panels, self.out_features, panel_scale, panel_sum, panel_bias)
+                return deinterleave(y, self.interleaved).to(x.dtype)
             y = torch.ops.tandem.gemm_w8a8_panels(x2, panels, self.out_features, scale, self.row_sum, bias)
             return y.to(x.dtype)
         if self.row_sum is not None and 0 < x.shape[0] <= self.kernel_max_rows and x.dtype in _KERNEL_DTYPES:
