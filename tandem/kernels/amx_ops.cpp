@@ -243,6 +243,11 @@ void check_bf16_input(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be 2-D bfloat16");
 }
 
+// 16 float32 lanes rounded to bfloat16 (nearest even) and back: the value a bfloat16 tensor holds.
+inline __m512 as_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
 // A gate/up product's intermediate width, checked against the weight's rows (2 * intermediate).
 void check_gate_up(const char* op, int64_t intermediate) {
   TORCH_CHECK(intermediate > 0 && intermediate % kTileRows == 0, op,

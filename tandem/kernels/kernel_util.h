@@ -149,13 +149,6 @@ inline __m512i round_bf16_lanes(__m512 v) {
   return _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
 }
 
-#if defined(__AVX512BF16__)
-// 16 float32 lanes rounded to bfloat16 (nearest even) and back: the value a bfloat16 tensor holds.
-inline __m512 as_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-#endif
-
 // 16 x 16 32-bit transpose in registers: rows r[0..15] become columns.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16], u[16];

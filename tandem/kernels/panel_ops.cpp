@@ -193,6 +193,41 @@ inline void store16(float* of, uint16_t* ob, int64_t i, __mmask16 mask, __m512 v
   else
     _mm256_mask_storeu_epi16(ob + i, mask, to_bf16(v));
 }
+
+// A gate/up product's intermediate width: whole panels of gate and of up.
+void check_gate_up_panels(const char* op, int64_t intermediate) {
+  TORCH_CHECK(intermediate > 0 && intermediate % kPanel == 0, op,
+              ": intermediate must be a positive multiple of 16 (whole panels of gate and up)");
+}
+
+// silu(gate) * up [M, I] in x's dtype from T's product of the activation lanes `xp` with gate/up
+// panels interleaved one gate panel, then its up panel (threads take whole pairs, so the epilogue
+// finds both in its chunk). value(m, n0, sums) is row m's 16 columns from n0 as the plain product
+// computes them before rounding; each half is rounded to x's dtype as that product stores it, and
+// silu to it as silu_mul does, so the bits are those of the two passes.
+template <typename T, typename Value>
+at::Tensor silu_mul_product(const at::Tensor& x, const uint32_t* xp, const at::Tensor& panels, int64_t intermediate,
+                            Value&& value) {
+  const int64_t M = x.size(0), J = panels.size(1);
+  at::Tensor out = at::empty({M, intermediate}, x.options());
+  if (M == 0) return out;
+  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
+  auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* wp = reinterpret_cast<const uint8_t*>(panels.data_ptr());
+  auto stored = [&](__m512 v) { return ob ? widen_bf16(to_bf16(v)) : v; };
+  panel_product<typename T::Out, 2, true>(
+      M, panels.size(0), 2 * intermediate,
+      [&](int64_t m0, int64_t m, int64_t c0, int64_t c1, typename T::Out* acc, int64_t ld) {
+        panel_rows<T>(static_cast<int>(m), xp + m0 * J, J, wp, c0, c1, acc, ld);
+      },
+      [&](int64_t m, int64_t n0, __mmask16, const typename T::Out* sums) {
+        if (n0 % (2 * kPanel)) return;  // an up panel: its gate panel's call took it
+        const __m512 s = stored(tandem_kernels::silu16(stored(value(m, n0, sums))));
+        store16(of, ob, m * intermediate + n0 / 2, 0xFFFF,
+                _mm512_mul_ps(s, stored(value(m, n0 + kPanel, sums + kPanel))));
+      });
+  return out;
+}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -227,32 +262,11 @@ at::Tensor gemm_bf16_panels(const at::Tensor& x, const at::Tensor& panels, int64
 // bfloat16, the product to bfloat16), so the same bits.
 at::Tensor gemm_bf16_panels_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t intermediate) {
   const char* op = "tandem gemm_bf16_panels_silu_mul";
-  TORCH_CHECK(intermediate > 0 && intermediate % kPanel == 0, op,
-              ": intermediate must be a positive multiple of 16 (whole panels of gate and up)");
-  const int64_t N = 2 * intermediate;
-  check_panels(op, x, panels, N, 2, at::kBFloat16, 2, x.size(0));  // any number of rows
-  const int64_t M = x.size(0), J = panels.size(1);
-  at::Tensor xb = x.to(at::kBFloat16).contiguous();
-  at::Tensor out = at::empty({M, intermediate}, x.options());
-  if (M == 0) return out;
-  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
-  auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
-  const auto* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
-  const auto* wp = reinterpret_cast<const uint8_t*>(panels.data_ptr());
-  panel_product<float, 2, true>(
-      M, panels.size(0), N,
-      [&](int64_t m0, int64_t m, int64_t c0, int64_t c1, float* acc, int64_t ld) {
-        panel_rows<Bf16Pairs>(static_cast<int>(m), xp + m0 * J, J, wp, c0, c1, acc, ld);
-      },
-      [&](int64_t m, int64_t n0, __mmask16, const float* sums) {
-        if (n0 % (2 * kPanel)) return;  // an up panel: its gate panel's call took it
-        __m512 gate = _mm512_loadu_ps(sums), up = _mm512_loadu_ps(sums + kPanel);
-        if (ob) gate = as_bf16(gate), up = as_bf16(up);
-        __m512 s = tandem_kernels::silu16(gate);
-        if (ob) s = as_bf16(s);
-        store16(of, ob, m * intermediate + n0 / 2, 0xFFFF, _mm512_mul_ps(s, up));
-      });
-  return out;
+  check_gate_up_panels(op, intermediate);
+  check_panels(op, x, panels, 2 * intermediate, 2, at::kBFloat16, 2, x.size(0));  // any number of rows
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+  return silu_mul_product<Bf16Pairs>(x, reinterpret_cast<const uint32_t*>(xb.data_ptr()), panels, intermediate,
+                                     [](int64_t, int64_t, const float* sums) { return _mm512_loadu_ps(sums); });
 }
 #endif  // __AVX512BF16__
 
@@ -324,33 +338,11 @@ at::Tensor gemm_w8a8_panels_silu_mul(const at::Tensor& x, const at::Tensor& pane
                                      const at::Tensor& w_scale, const at::Tensor& w_sum,
                                      const std::optional<at::Tensor>& bias) {
   const char* op = "tandem gemm_w8a8_panels_silu_mul";
-  TORCH_CHECK(intermediate > 0 && intermediate % kPanel == 0, op,
-              ": intermediate must be a positive multiple of 16 (whole panels of gate and up)");
-  const int64_t N = 2 * intermediate, M = x.size(0), J = panels.size(1);
-  const W8A8PanelInputs in = prepare_w8a8_panels(op, x, panels, N, w_scale, w_sum, bias);
-  at::Tensor out = at::empty({M, intermediate}, x.options());
-  if (M == 0) return out;
-  float* of = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : nullptr;
-  auto* ob = of ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
-  const uint32_t* xp = in.lanes();
-  const auto* wp = reinterpret_cast<const uint8_t*>(panels.data_ptr());
-  // A panel's 16 columns as gemm_w8a8_panels stores them, back in float32.
-  auto stored = [&](int64_t m, int64_t n0, const int32_t* sums) {
-    const __m512 v = in.columns(m, n0, 0xFFFF, sums);
-    return ob ? widen_bf16(to_bf16(v)) : v;
-  };
-  panel_product<int32_t, 2, true>(
-      M, panels.size(0), N,
-      [&](int64_t m0, int64_t m, int64_t c0, int64_t c1, int32_t* acc, int64_t ld) {
-        panel_rows<U8S8Quads>(static_cast<int>(m), xp + m0 * J, J, wp, c0, c1, acc, ld);
-      },
-      [&](int64_t m, int64_t n0, __mmask16, const int32_t* sums) {
-        if (n0 % (2 * kPanel)) return;  // an up panel: its gate panel's call took it
-        __m512 s = tandem_kernels::silu16(stored(m, n0, sums));
-        if (ob) s = widen_bf16(to_bf16(s));
-        store16(of, ob, m * intermediate + n0 / 2, 0xFFFF, _mm512_mul_ps(s, stored(m, n0 + kPanel, sums + kPanel)));
-      });
-  return out;
+  check_gate_up_panels(op, intermediate);
+  const W8A8PanelInputs in = prepare_w8a8_panels(op, x, panels, 2 * intermediate, w_scale, w_sum, bias);
+  return silu_mul_product<U8S8Quads>(
+      x, in.lanes(), panels, intermediate,
+      [&](int64_t m, int64_t n0, const int32_t* sums) { return in.columns(m, n0, 0xFFFF, sums); });
 }
 #endif  // __AVX512VNNI__ && __AVX512BW__
 

@@ -72,8 +72,8 @@ _KERNEL_ROWS = 16
 # time of the product then silu_mul at 8-64 rows; from 128 rows 1.04-1.22x (the product is bound
 # by compute there and the epilogue's arithmetic adds to it).
 _FUSED_SILU_MAX_ROWS = 64
-# The column panels' form (CPUs with AVX512-VNNI and no AMX) takes every row count: measured in
-# docs/benchmarks-kernels.md.
+# The column panels' form (CPUs with AVX512-VNNI and no AMX) takes every row count: unlike the
+# tiles' epilogue, theirs is never slower than the two passes (docs/benchmarks-kernels.md).
 PANEL_SILU_KERNEL = "gemm_w8a8_panels_silu_mul"
 
 

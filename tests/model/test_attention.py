@@ -335,7 +335,7 @@ def test_mixed_batch_sends_short_queries_to_the_kernel(window, dtype, long_queri
 
 @needs_kernel
 def test_quantized_cache_keeps_prompt_chunks_on_sdpa() -> None:
-    """The quantized kernel was not measured on long queries: a chunk stays on the grouped path."""
+    """long_queries applies to an unquantized cache only: with int8 rows a chunk stays on the grouped path."""
     batch = make_batch([1, FUSED_MAX_QUERY + 1], [9, 30], 32, np.random.default_rng(7))
     fmt = KVCacheFormat("int8", torch.float32)
     TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, kv_format=fmt, long_queries=True).prepare(batch)
